@@ -1,0 +1,157 @@
+"""Handoff latency and checkpoint() cost on one simulated GPU. A benchmark, not a test.
+
+Handoff: from the moment a holder's process leaves its burst (just before it sends its
+release) to the moment the next process returns from ``gpu()`` holding the lease, over
+real processes and the node's real socket, in exclusive mode so every grant is a
+handoff. Both instants are read from CLOCK_MONOTONIC, which all processes share.
+
+checkpoint(): the per-call cost with nobody waiting, beside an empty method call
+measured in the same run (the ratio holds when the machine's speed drifts).
+
+    python benchmarks/handoff.py [--sessions 2 16 64] [--grants 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gpushare
+from gpushare.demo import wait_for_socket
+
+
+def client(sock: str, go: str, out: str, bursts: int) -> None:
+    s = gpushare.attach("64MiB", socket=sock, name=f"bench-{os.getpid()}")
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    rows = []
+    for _ in range(bursts):
+        with s.gpu():
+            t_grant = time.monotonic()
+            t_release = time.monotonic()
+        rows.append((t_grant, t_release))
+
+        time.sleep(0.0005)  # a little CPU work between bursts
+    s.close()
+    Path(out).write_text(json.dumps(rows))
+
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_handoff(n: int, total: int, tmp: Path) -> dict[str, float]:
+    sock, admin, go = str(tmp / "w.sock"), str(tmp / "a.sock"), str(tmp / f"go{n}")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "node", "--socket", sock, "--admin-socket", admin,
+         "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive", "--tq", "600",
+         "--log-level", "warning"])
+    try:
+        wait_for_socket(admin, node)
+        bursts = max(20, total // n)
+        outs = [str(tmp / f"c{n}-{i}.json") for i in range(n)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--client", sock, go, o, str(bursts)])
+                 for o in outs]
+        from gpushare.admin import AdminClient
+
+        with AdminClient(admin) as c:
+            while len(c.status()["gpus"][0]["sessions"]) < n:
+                time.sleep(0.02)
+        Path(go).touch()
+        for pr in procs:
+            if pr.wait(timeout=600) != 0:
+                raise SystemExit(f"a benchmark client failed with {pr.returncode}")
+    finally:
+        node.terminate()
+        node.wait(timeout=10)
+    grants, releases = [], []
+    for o in outs:
+        for g, r in json.loads(Path(o).read_text()):
+            grants.append(g)
+            releases.append(r)
+    grants.sort()
+    releases.sort()
+    # Each grant after the first follows the latest release before it.
+    hand = []
+    j = 0
+    for g in grants[1:]:
+        while j + 1 < len(releases) and releases[j + 1] <= g:
+            j += 1
+        if releases[j] <= g:
+            hand.append(g - releases[j])
+    us = [h * 1e6 for h in hand]
+    return {"sessions": n, "handoffs": len(us), "p50_us": percentile(us, 0.5),
+            "p99_us": percentile(us, 0.99), "max_us": max(us), "mean_us": statistics.mean(us)}
+
+
+class _Empty:
+    def method(self) -> None:
+        pass
+
+
+def run_checkpoint(tmp: Path, calls: int = 1_000_000) -> dict[str, float]:
+    sock, admin = str(tmp / "cw.sock"), str(tmp / "ca.sock")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "node", "--socket", sock, "--admin-socket", admin,
+         "--sim-gpus", "1", "--sim-memory", "80GiB", "--log-level", "warning"])
+    try:
+        wait_for_socket(admin, node)
+        s = gpushare.attach("1GiB", socket=sock)
+        e = _Empty()
+        best_cp, best_empty = float("inf"), float("inf")
+        with s.gpu():
+            for _ in range(5):  # interleaved, best of five: the noise floor
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    s.checkpoint()
+                best_cp = min(best_cp, (time.perf_counter() - t0) / calls)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    e.method()
+                best_empty = min(best_empty, (time.perf_counter() - t0) / calls)
+        s.close()
+    finally:
+        node.terminate()
+        node.wait(timeout=10)
+    return {"checkpoint_ns": best_cp * 1e9, "empty_method_ns": best_empty * 1e9,
+            "ratio": best_cp / best_empty}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[2, 16, 64])
+    ap.add_argument("--grants", type=int, default=2000, help="handoffs per run (about)")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gs-bench-") as d:
+        tmp = Path(d)
+        rows = [run_handoff(n, a.grants, tmp) for n in a.sessions]
+        cp = run_checkpoint(tmp)
+    print(f"handoff on one simulated GPU, {os.cpu_count()} CPUs, real processes and sockets")
+    print(f"{'sessions':>8} {'handoffs':>8} {'p50 us':>8} {'p99 us':>8} {'max us':>9}")
+    for r in rows:
+        print(f"{r['sessions']:>8} {r['handoffs']:>8} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f}"
+              f" {r['max_us']:>9.0f}")
+    print(f"checkpoint() with nobody waiting: {cp['checkpoint_ns']:.0f} ns per call"
+          f" (an empty method call: {cp['empty_method_ns']:.0f} ns; ratio {cp['ratio']:.1f})")
+    result = {"handoff": rows, "checkpoint": cp, "cpus": os.cpu_count()}
+    print(json.dumps(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

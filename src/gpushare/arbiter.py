@@ -1,0 +1,468 @@
+"""The arbiter: who holds each GPU, who waits, when a quantum ends, who swaps what.
+
+Pure logic with no I/O: every input is a method call, every decision comes back as a
+list of actions (messages for workloads, events for the log), and time is read from an
+injected :class:`~gpushare.clock.Clock`. The daemon, the tests and the simulators drive
+this same code. The rules are those of DESIGN.md "Arbitration rules".
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from gpushare.clock import Clock
+from gpushare.planner import MemoryView, plan_grant
+
+Mode = Literal["auto", "exclusive"]
+Policy = Literal["equal", "weighted"]
+Escalation = Literal["log", "kill"]
+MODES: tuple[Mode, ...] = ("auto", "exclusive")
+POLICIES: tuple[Policy, ...] = ("equal", "weighted")
+ESCALATIONS: tuple[Escalation, ...] = ("log", "kill")
+
+
+class ArbiterError(ValueError):
+    """An input that is not valid in the session's current state."""
+
+
+class State(StrEnum):
+    IDLE = "idle"
+    WAITING = "waiting"
+    HOLDING = "holding"
+    YIELDING = "yielding"
+
+
+@dataclass
+class GpuSettings:
+    tq_s: float = 30.0
+    mode: Mode = "auto"
+    policy: Policy = "equal"
+    grace_s: float = 5.0
+    escalation: Escalation = "log"
+
+
+@dataclass
+class SessionState:
+    id: int
+    name: str
+    limit: int
+    weight: float
+    state: State = State.IDLE
+    resident: int = 0
+    swapped: int = 0
+    pending_out: int = 0
+    lease: int = 0
+    lease_start: float = 0.0
+    quantum_end: float = 0.0
+    revoke_deadline: float = 0.0
+    escalated: bool = False
+    wait_start: float = 0.0
+    last_served: float = -math.inf
+    # totals
+    lease_s: float = 0.0
+    wait_s: float = 0.0
+    wait_max_s: float = 0.0
+    grants: int = 0
+    bursts: int = 0
+    revokes: int = 0
+    escalations: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_out_s: float = 0.0
+    swap_in_s: float = 0.0
+
+    @property
+    def holding(self) -> bool:
+        return self.state in (State.HOLDING, State.YIELDING)
+
+
+@dataclass(frozen=True)
+class GrantAction:
+    session: int
+    lease: int
+    swap_in: int
+    quantum_s: float
+    shared: bool
+
+
+@dataclass(frozen=True)
+class RevokeAction:
+    session: int
+    lease: int
+    swap_out: int
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class SwapOutAction:
+    session: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class EscalateAction:
+    session: int
+    escalation: Escalation
+    reason: str
+
+
+@dataclass(frozen=True)
+class EventAction:
+    record: dict[str, Any] = field(hash=False)
+
+
+Action = GrantAction | RevokeAction | SwapOutAction | EscalateAction | EventAction
+
+
+class Arbiter:
+    """Decisions for one GPU of ``capacity`` usable bytes."""
+
+    def __init__(
+        self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError("GPU capacity must be positive")
+        self.gpu = gpu
+        self.capacity = capacity
+        self.clock = clock
+        self.settings = settings or GpuSettings()
+        self.sessions: dict[int, SessionState] = {}
+        self.queue: deque[int] = deque()
+        self.holders: list[int] = []
+        self._lease_seq = 0
+        self._out: list[Action] = []
+
+    # --- inputs ---------------------------------------------------------------------
+
+    def attach(self, sid: int, name: str, limit: int, weight: float = 1.0) -> list[Action]:
+        if sid in self.sessions:
+            raise ArbiterError(f"session {sid} is already attached")
+        if limit <= 0:
+            raise ArbiterError("memory limit must be positive")
+        if limit > self.capacity:
+            raise ArbiterError(
+                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
+                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+            )
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ArbiterError("weight must be a positive number")
+        self.sessions[sid] = SessionState(id=sid, name=name, limit=limit, weight=weight)
+        self._event("attach", sid, name=name, limit_bytes=limit, weight=weight)
+        return self._advance()
+
+    def detach(self, sid: int, reason: str = "closed") -> list[Action]:
+        s = self._get(sid)
+        now = self.clock.monotonic()
+        if s.holding:
+            s.lease_s += now - s.lease_start
+            self.holders.remove(sid)
+        elif s.state is State.WAITING:
+            self._end_wait(s, now)
+            self.queue.remove(sid)
+        del self.sessions[sid]
+        self._event("detach", sid, reason=reason, freed_bytes=s.resident)
+        return self._advance()
+
+    def acquire(self, sid: int) -> list[Action]:
+        s = self._get(sid)
+        if s.state is not State.IDLE:
+            raise ArbiterError(f"session {sid} already has a burst open ({s.state})")
+        s.bursts += 1
+        self._enqueue(s)
+        return self._advance()
+
+    def release(
+        self,
+        sid: int,
+        resident: int,
+        swapped: int,
+        again: bool = False,
+        swapped_out: int = 0,
+        seconds: float = 0.0,
+    ) -> list[Action]:
+        s = self._get(sid)
+        now = self.clock.monotonic()
+        if s.state is State.WAITING and not again:
+            # The burst ended before it was granted (the workload gave up waiting).
+            self.queue.remove(sid)
+            self._end_wait(s, now)
+            s.state = State.IDLE
+            self._set_memory(s, resident, swapped)
+            return self._advance()
+        if not s.holding:
+            raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
+        revoked = s.state is State.YIELDING
+        held = now - s.lease_start
+        s.lease_s += held
+        self.holders.remove(sid)
+        if swapped_out:
+            self._count_swap(s, "out", swapped_out, seconds)
+        # The release answers the revoke's ask, whatever was done: what is still missing
+        # is planned anew, so a short answer cannot leave the queue waiting on bytes.
+        s.pending_out = 0
+        self._set_memory(s, resident, swapped)
+        reason = "revoked" if revoked else ("yield" if again else "burst_end")
+        self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
+        s.lease = 0
+        s.escalated = False
+        if again:
+            self._enqueue(s)
+        else:
+            s.state = State.IDLE
+        return self._advance()
+
+    def swap_done(
+        self,
+        sid: int,
+        direction: Literal["in", "out"],
+        nbytes: int,
+        seconds: float,
+        resident: int,
+        swapped: int,
+        error: str = "",
+    ) -> list[Action]:
+        s = self._get(sid)
+        if error:
+            if direction == "out":
+                s.pending_out = 0  # the planner will look for another way
+            self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
+        else:
+            self._count_swap(s, direction, nbytes, seconds)
+            if direction == "in" and s.state is State.HOLDING:
+                # The quantum is GPU time: it starts once the memory is back.
+                s.quantum_end = max(s.quantum_end, self.clock.monotonic() + self.quantum(s))
+        self._set_memory(s, resident, swapped)
+        return self._advance()
+
+    def report(self, sid: int, resident: int, swapped: int) -> list[Action]:
+        s = self._get(sid)
+        self._set_memory(s, resident, swapped)
+        if resident > s.limit:
+            s.escalations += 1
+            self._event(
+                "escalate",
+                sid,
+                reason="over_memory_limit",
+                resident_bytes=resident,
+                limit_bytes=s.limit,
+                action=self.settings.escalation,
+            )
+            self._out.append(EscalateAction(sid, self.settings.escalation, "over_memory_limit"))
+        return self._advance()
+
+    def configure(
+        self, tq_s: float | None = None, mode: Mode | None = None, policy: Policy | None = None
+    ) -> list[Action]:
+        """Change TQ, mode or policy; quanta already running keep their length."""
+        changes: dict[str, Any] = {}
+        if tq_s is not None:
+            if not (tq_s > 0 and math.isfinite(tq_s)):
+                raise ArbiterError("TQ must be a positive number of seconds")
+            self.settings.tq_s = float(tq_s)
+            changes["tq_s"] = float(tq_s)
+        if mode is not None:
+            if mode not in MODES:
+                raise ArbiterError(f"mode must be one of {', '.join(MODES)}")
+            self.settings.mode = mode
+            changes["mode"] = mode
+        if policy is not None:
+            if policy not in POLICIES:
+                raise ArbiterError(f"policy must be one of {', '.join(POLICIES)}")
+            self.settings.policy = policy
+            changes["policy"] = policy
+        if changes:
+            self._event("config", None, **changes)
+        return self._advance()
+
+    def tick(self) -> list[Action]:
+        """Let time pass: quanta end, grace periods run out."""
+        return self._advance()
+
+    # --- queries --------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = []
+        for sid in self.holders:
+            s = self.sessions[sid]
+            if s.state is State.HOLDING:
+                times.append(s.quantum_end)
+            elif not s.escalated:
+                times.append(s.revoke_deadline)
+        return min(times, default=None)
+
+    def quantum(self, s: SessionState) -> float:
+        tq = self.settings.tq_s
+        if self.settings.policy == "weighted":
+            top = max(x.weight for x in self.sessions.values())
+            return tq * s.weight / top
+        return tq
+
+    def lease_seconds(self, s: SessionState) -> float:
+        live = self.clock.monotonic() - s.lease_start if s.holding else 0.0
+        return s.lease_s + live
+
+    def wait_seconds(self, s: SessionState) -> float:
+        live = self.clock.monotonic() - s.wait_start if s.state is State.WAITING else 0.0
+        return s.wait_s + live
+
+    def used_bytes(self) -> int:
+        """Bytes the GPU must be able to hold now (holders at their limits)."""
+        return sum(v.limit if v.holding else v.resident for v in self.sessions.values())
+
+    # --- the rules ------------------------------------------------------------------
+
+    def _advance(self) -> list[Action]:
+        now = self.clock.monotonic()
+        self._grant_what_fits()
+        for sid in list(self.holders):
+            s = self.sessions[sid]
+            if s.state is State.HOLDING and s.quantum_end <= now:
+                if self.queue:
+                    self._revoke(s, now)
+                else:  # nobody waits: a new quantum, no needless switch
+                    s.quantum_end = now + self.quantum(s)
+            elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
+                s.escalated = True
+                s.escalations += 1
+                esc = self.settings.escalation
+                self._event(
+                    "escalate",
+                    sid,
+                    reason="no_yield_within_grace",
+                    grace_s=self.settings.grace_s,
+                    action=esc,
+                )
+                self._out.append(EscalateAction(sid, esc, "no_yield_within_grace"))
+        out, self._out = self._out, []
+        return out
+
+    def _may_join_holders(self) -> bool:
+        if not self.holders:
+            return True
+        if self.settings.mode == "exclusive":
+            return False
+        wanting = [*self.holders, *self.queue]
+        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+
+    def _grant_what_fits(self) -> None:
+        while self.queue and self._may_join_holders():
+            head = self.sessions[self.queue[0]]
+            plan = plan_grant(self.capacity, self._views(), head.id)
+            if not plan.fits:
+                for sid, n in plan.swap_outs:
+                    v = self.sessions[sid]
+                    v.pending_out += n
+                    self._out.append(SwapOutAction(sid, n))
+                return
+            self._grant(head)
+
+    def _grant(self, s: SessionState) -> None:
+        now = self.clock.monotonic()
+        self.queue.popleft()
+        waited = self._end_wait(s, now)
+        shared = bool(self.holders)
+        self._lease_seq += 1
+        s.lease = self._lease_seq
+        s.state = State.HOLDING
+        s.grants += 1
+        s.lease_start = now
+        q = self.quantum(s)
+        s.quantum_end = now + q
+        s.last_served = now
+        self.holders.append(s.id)
+        self._event(
+            "grant",
+            s.id,
+            lease=s.lease,
+            wait_seconds=waited,
+            swap_in_bytes=s.swapped,
+            quantum_s=q,
+            shared=shared,
+        )
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared))
+
+    def _revoke(self, s: SessionState, now: float) -> None:
+        s.state = State.YIELDING
+        s.revoke_deadline = now + self.settings.grace_s
+        s.revokes += 1
+        # Plan the next grant as if this holder had already yielded, so that its swap-out
+        # and everyone else's start now, in parallel with its wind-down.
+        swap_out = 0
+        head = self.queue[0]
+        views = [
+            MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
+            if v.id == s.id
+            else self._view(v)
+            for v in self.sessions.values()
+        ]
+        plan = plan_grant(self.capacity, views, head)
+        if self.settings.mode == "exclusive" or len(self.holders) == 1:
+            for sid, n in plan.swap_outs:
+                v = self.sessions[sid]
+                v.pending_out += n
+                if sid == s.id:
+                    swap_out = n
+                else:
+                    self._out.append(SwapOutAction(sid, n))
+        self._event("revoke", s.id, lease=s.lease, reason="quantum", swap_out_bytes=swap_out)
+        self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _enqueue(self, s: SessionState) -> None:
+        s.state = State.WAITING
+        s.wait_start = self.clock.monotonic()
+        self.queue.append(s.id)
+
+    def _end_wait(self, s: SessionState, now: float) -> float:
+        waited = now - s.wait_start
+        s.wait_s += waited
+        s.wait_max_s = max(s.wait_max_s, waited)
+        return waited
+
+    def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:
+        if direction == "out":
+            s.pending_out = max(0, s.pending_out - nbytes)
+            s.swap_outs += 1
+            s.swap_out_bytes += nbytes
+            s.swap_out_s += seconds
+        else:
+            s.swap_ins += 1
+            s.swap_in_bytes += nbytes
+            s.swap_in_s += seconds
+        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds)
+
+    @staticmethod
+    def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
+        if resident < 0 or swapped < 0:
+            raise ArbiterError("memory figures must not be negative")
+        s.resident = resident
+        s.swapped = swapped
+        if s.pending_out > resident:
+            s.pending_out = resident
+
+    def _view(self, s: SessionState) -> MemoryView:
+        return MemoryView(s.id, s.limit, s.resident, s.holding, s.last_served, s.pending_out)
+
+    def _views(self) -> list[MemoryView]:
+        return [self._view(s) for s in self.sessions.values()]
+
+    def _get(self, sid: int) -> SessionState:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise ArbiterError(f"no session {sid} on GPU {self.gpu}") from None
+
+    def _event(self, kind: str, sid: int | None, **fields: Any) -> None:
+        rec: dict[str, Any] = {"ts": self.clock.wall(), "gpu": self.gpu, "event": kind}
+        if sid is not None:
+            rec["session"] = sid
+        rec.update(fields)
+        self._out.append(EventAction(rec))

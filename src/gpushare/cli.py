@@ -1,0 +1,232 @@
+"""The ``gpushare`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from gpushare import __version__
+from gpushare.errors import GpushareError
+from gpushare.units import parse_duration, parse_size
+
+log = logging.getLogger("gpushare")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="gpushare",
+        description="Share one GPU safely and fairly: exclusive time quanta, swap to host "
+        "memory, fraction-weighted shares, per-session figures.",
+    )
+    ap.add_argument("--version", action="version", version=f"gpushare {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    n = sub.add_parser(
+        "node",
+        help="run the node daemon (one per machine)",
+        description="Run the node daemon: one arbiter per GPU, a workload socket "
+        "and a root-only admin socket. Flags override the config file.",
+    )
+    n.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config file; may not exist yet (ctl --persist creates it)",
+    )
+    n.add_argument(
+        "--socket", metavar="PATH", help="workload socket (default /run/gpushare/gpushare.sock)"
+    )
+    n.add_argument(
+        "--admin-socket",
+        metavar="PATH",
+        help="admin socket, mode 0600 (default /run/gpushare/admin.sock)",
+    )
+    n.add_argument("--tq", type=_seconds, metavar="SECONDS", help="time quantum (default 30)")
+    n.add_argument("--mode", choices=["auto", "exclusive"], help="default auto")
+    n.add_argument("--policy", choices=["equal", "weighted"], help="default equal")
+    n.add_argument(
+        "--grace",
+        type=_seconds,
+        metavar="SECONDS",
+        help="how long a revoked holder has to yield (default 5)",
+    )
+    n.add_argument(
+        "--escalation",
+        choices=["log", "kill"],
+        help="what happens to a holder that does not yield in time (default log)",
+    )
+    n.add_argument(
+        "--idle-release",
+        type=_seconds,
+        metavar="SECONDS",
+        help="an implicit burst ends after this long without GPU work (default 0.5)",
+    )
+    n.add_argument(
+        "--reserve",
+        type=_size,
+        metavar="SIZE",
+        help="GPU memory kept free of sessions, per GPU (default 0)",
+    )
+    n.add_argument("--sim-gpus", type=int, metavar="N", help="run N simulated GPUs")
+    n.add_argument(
+        "--sim-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory of each simulated GPU (default 80GiB)",
+    )
+    n.add_argument(
+        "--sim-bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
+    )
+    n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
+    n.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    c = sub.add_parser(
+        "ctl",
+        help="administer a running node",
+        description="Administer a running node over its admin socket.",
+    )
+    c.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the node's admin socket (default $GPUSHARE_ADMIN_SOCKET or /run/gpushare/admin.sock)",
+    )
+    cs = c.add_subparsers(dest="ctl_cmd", required=True, metavar="ACTION")
+    st = cs.add_parser("status", help="GPUs, holders, queues and sessions")
+    st.add_argument("--json", action="store_true", help="one JSON object (see DESIGN.md)")
+    tq = cs.add_parser("tq", help="set the time quantum, live")
+    tq.add_argument("seconds", type=_seconds, metavar="SECONDS")
+    tq.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
+    tq.add_argument(
+        "--persist",
+        action="store_true",
+        help="also write the node's config file, so a restart keeps it",
+    )
+    ev = cs.add_parser("events", help="the event stream as JSON lines")
+    ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
+    ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
+
+    d = sub.add_parser(
+        "demo",
+        help="a node on a simulated GPU, three workloads, a report",
+        description="Start a node on a simulated 80 GiB GPU and three 30 GiB "
+        "workloads (two batch jobs, one interactive), show progress, then a "
+        "table per workload.",
+    )
+    d.add_argument("--seconds", type=_seconds, default=20.0, help="how long (default 20)")
+    d.add_argument("--tq", type=_seconds, default=2.0, help="time quantum (default 2)")
+    d.add_argument("--workdir", metavar="DIR", help="keep sockets, logs and events here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "node":
+            return _node(args)
+        if args.cmd == "ctl":
+            return _ctl(args)
+        if args.cmd == "demo":
+            from gpushare.demo import run_demo
+
+            return run_demo(args.seconds, args.tq, args.workdir)
+    except GpushareError as e:
+        print(f"gpushare {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from gpushare import ctl
+
+    if args.ctl_cmd == "status":
+        return ctl.status(args.socket, args.json)
+    if args.ctl_cmd == "tq":
+        return ctl.set_tq(args.socket, args.seconds, args.gpu, args.persist)
+    return ctl.events(args.socket, args.follow, args.since, args.session)
+
+
+def _node(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from gpushare.config import ConfigError, load
+    from gpushare.gpus import find_gpus, simulated_gpus
+    from gpushare.node import Node
+    from gpushare.units import format_size
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        print(f"gpushare node: error: {e}", file=sys.stderr)
+        return 2
+    flags = {
+        "socket": args.socket,
+        "admin_socket": args.admin_socket,
+        "tq": args.tq,
+        "mode": args.mode,
+        "policy": args.policy,
+        "grace": args.grace,
+        "escalation": args.escalation,
+        "idle_release": args.idle_release,
+        "reserve": args.reserve,
+        "sim_gpus": args.sim_gpus,
+        "sim_memory": args.sim_memory,
+        "sim_bandwidth": args.sim_bandwidth,
+        "event_log": args.event_log,
+    }
+    cfg = msgspec.structs.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    sim_memory = parse_size(cfg.sim_memory)
+    if cfg.sim_gpus < 0 or (cfg.sim_gpus and sim_memory <= 0):
+        print(
+            "gpushare node: error: --sim-gpus needs N >= 1 and a positive --sim-memory",
+            file=sys.stderr,
+        )
+        return 2
+    if cfg.sim_gpus:
+        gpus = simulated_gpus(cfg.sim_gpus, sim_memory)
+    else:
+        gpus, why = find_gpus()
+        if not gpus:
+            log.warning(
+                "%s: running 1 SIMULATED GPU of %s instead (choose with --sim-gpus N "
+                "--sim-memory SIZE)",
+                why,
+                format_size(sim_memory),
+            )
+            gpus = simulated_gpus(1, sim_memory)
+    try:
+        node = Node(cfg, gpus, config_path=args.config or "")
+        asyncio.run(node.run())
+    except (OSError, ValueError) as e:
+        print(f"gpushare node: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,102 @@
+"""The node's configuration file (TOML): read at start, written by ``ctl ... --persist``.
+
+Precedence, lowest first: built-in defaults, the file's top-level keys, command-line
+flags; a ``[gpu.N]`` table in the file overrides TQ, mode or policy for GPU N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gpushare.arbiter import Escalation, Mode, Policy
+
+
+class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    tq: float | None = None
+    mode: Mode | None = None
+    policy: Policy | None = None
+
+
+class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tq: float = 30.0
+    mode: Mode = "auto"
+    policy: Policy = "equal"
+    grace: float = 5.0
+    escalation: Escalation = "log"
+    idle_release: float = 0.5
+    reserve: str | int = 0
+    socket: str = "/run/gpushare/gpushare.sock"
+    admin_socket: str = "/run/gpushare/admin.sock"
+    event_log: str = ""
+    metrics_port: int = 0
+    sim_gpus: int = 0
+    sim_memory: str | int = "80GiB"
+    sim_bandwidth: float = 55e9
+    sim_scale: int = 1024
+    gpu: dict[str, GpuOverride] = {}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load(path: str | os.PathLike[str] | None) -> NodeConfig:
+    """The file's configuration; a path that does not exist yet gives the defaults."""
+    if not path or not Path(path).exists():
+        return NodeConfig()
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+        return msgspec.convert(raw, NodeConfig)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> None:
+    """Write ``values`` (``tq``, ``mode``, ``policy``) into the file, atomically.
+
+    For one GPU they go to its ``[gpu.N]`` table; for all, to the top level, and the
+    same keys are dropped from every ``[gpu.N]`` table so that they apply everywhere.
+    Other keys are kept (comments are not: the file is rewritten).
+    """
+    import tomli_w  # daemon-only dependency
+
+    p = Path(path)
+    raw: dict[str, Any] = tomllib.loads(p.read_text()) if p.exists() else {}
+    tables: dict[str, Any] = raw.setdefault("gpu", {})
+    if gpu is None:
+        raw.update(values)
+        for t in tables.values():
+            for k in values:
+                t.pop(k, None)
+    else:
+        tables.setdefault(str(gpu), {}).update(values)
+    raw["gpu"] = {k: v for k, v in tables.items() if v}
+    if not raw["gpu"]:
+        del raw["gpu"]
+    try:  # never write a file the node could not read back
+        msgspec.convert(raw, NodeConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"not persisted: {e}") from None
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            tomli_w.dump(raw, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,510 @@
+"""The node daemon: moves messages and state in and out of one arbiter per GPU.
+
+It decides nothing itself. Workload connections arrive on one Unix socket, administration
+on a second one (mode 0600, peer uid checked); every input goes to the GPU's arbiter and
+every action that comes back is sent, logged or applied here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushare import protocol as p
+from gpushare.arbiter import (
+    MODES,
+    POLICIES,
+    Action,
+    Arbiter,
+    ArbiterError,
+    EscalateAction,
+    EventAction,
+    GpuSettings,
+    GrantAction,
+    RevokeAction,
+    SwapOutAction,
+)
+from gpushare.clock import Clock, SystemClock
+from gpushare.config import NodeConfig, persist
+from gpushare.events import EventBus
+from gpushare.gpus import GpuInfo
+from gpushare.units import format_size, parse_size
+
+log = logging.getLogger("gpushare.node")
+HELLO_DEADLINE_S = 10.0
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass
+class Conn:
+    writer: asyncio.StreamWriter
+    pid: int
+    uid: int
+    session: int = 0
+    gpu: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def send(self, msg: p.Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(p.encode(msg))
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, from the kernel."""
+    pid, uid, gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return pid, uid, gid
+
+
+async def read_frame(reader: asyncio.StreamReader) -> p.Message:
+    header = await reader.readexactly(p.HEADER_SIZE)
+    body = await reader.readexactly(p.frame_length(header))
+    return p.decode(body)
+
+
+class Node:
+    def __init__(
+        self,
+        config: NodeConfig,
+        gpus: list[GpuInfo],
+        config_path: str = "",
+        clock: Clock | None = None,
+    ) -> None:
+        if not gpus:
+            raise ValueError("a node needs at least one GPU")
+        self.config = config
+        self.config_path = config_path
+        self.gpus = gpus
+        self.clock = clock or SystemClock()
+        self.events = EventBus(config.event_log)
+        reserve = parse_size(config.reserve)
+        self.arbiters: list[Arbiter] = []
+        for g in gpus:
+            o = config.gpu.get(str(g.index))
+            settings = GpuSettings(
+                tq_s=o.tq if o and o.tq is not None else config.tq,
+                mode=o.mode if o and o.mode else config.mode,
+                policy=o.policy if o and o.policy else config.policy,
+                grace_s=config.grace,
+                escalation=config.escalation,
+            )
+            if g.memory_bytes - reserve <= 0:
+                raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
+            self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
+        self.conns: dict[int, Conn] = {}
+        self._next_session = 1
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._servers: list[asyncio.Server] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.started = time.time()
+
+    # --- life -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._servers.append(await _serve_unix(self._workload_conn, self.config.socket, mode=0o666))
+        self._servers.append(
+            await _serve_unix(self._admin_conn, self.config.admin_socket, mode=0o600)
+        )
+        for g, a in zip(self.gpus, self.arbiters, strict=True):
+            s = a.settings
+            log.info(
+                "GPU %d: %s%s, %s usable, TQ %g s, mode %s, policy %s",
+                g.index,
+                g.name,
+                " [simulated]" if g.simulated else "",
+                format_size(a.capacity),
+                s.tq_s,
+                s.mode,
+                s.policy,
+            )
+        log.info("workloads: %s  admin: %s", self.config.socket, self.config.admin_socket)
+
+    async def run(self) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+        await self.stop()
+
+    async def stop(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        for c in list(self.conns.values()):
+            c.writer.close()
+        for t in self._timers.values():
+            t.cancel()
+        for path in (self.config.socket, self.config.admin_socket):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self.events.close()
+
+    # --- actions --------------------------------------------------------------------
+
+    def _apply(self, arb: Arbiter, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, EventAction):
+                self.events.publish(a.record)
+                continue
+            c = self.conns.get(a.session)
+            if isinstance(a, GrantAction):
+                if c:
+                    c.send(
+                        p.Grant(
+                            lease=a.lease, swap_in=a.swap_in, quantum_s=a.quantum_s, shared=a.shared
+                        )
+                    )
+            elif isinstance(a, RevokeAction):
+                if c:
+                    c.send(p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s))
+            elif isinstance(a, SwapOutAction):
+                if c:
+                    c.send(p.SwapOut(bytes=a.bytes))
+            elif isinstance(a, EscalateAction):
+                self._escalate(a, c)
+        self._schedule(arb)
+
+    def _escalate(self, a: EscalateAction, c: Conn | None) -> None:
+        who = f"session {a.session}" + (f" (pid {c.pid})" if c else "")
+        log.warning("escalation %s for %s: %s", a.escalation, who, a.reason)
+        if a.escalation == "kill" and c and c.pid > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.pid, signal.SIGKILL)
+
+    def _schedule(self, arb: Arbiter) -> None:
+        old = self._timers.pop(arb.gpu, None)
+        if old:
+            old.cancel()
+        when = arb.next_deadline()
+        if when is not None:
+            loop = asyncio.get_running_loop()
+            # The arbiter's clock and the loop's are both time.monotonic().
+            self._timers[arb.gpu] = loop.call_at(when, self._on_timer, arb)
+
+    def _on_timer(self, arb: Arbiter) -> None:
+        self._timers.pop(arb.gpu, None)
+        self._apply(arb, arb.tick())
+
+    # --- workloads ------------------------------------------------------------------
+
+    async def _workload_conn(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
+        conn = Conn(writer, pid, uid)
+        arb: Arbiter | None = None
+        try:
+            try:
+                hello = await asyncio.wait_for(read_frame(reader), HELLO_DEADLINE_S)
+            except TimeoutError:
+                conn.send(p.Error(code="timeout", message="no hello within 10 s"))
+                return
+            if not isinstance(hello, p.Hello):
+                raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+            arb = self._attach(conn, hello)
+            if arb is None:
+                return
+            while True:
+                msg = await read_frame(reader)
+                try:
+                    self._apply(arb, self._workload_msg(arb, conn.session, msg))
+                except ArbiterError as e:
+                    conn.send(p.Error(code="state", message=str(e)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except p.ProtocolError as e:
+            log.warning("pid %d: %s; closing its connection", pid, e)
+            conn.send(p.Error(code="protocol", message=str(e)))
+        finally:
+            if arb is not None and conn.session in self.conns:
+                del self.conns[conn.session]
+                self._apply(arb, arb.detach(conn.session, reason="disconnected"))
+            writer.close()
+
+    def _attach(self, conn: Conn, h: p.Hello) -> Arbiter | None:
+        if h.version != p.PROTOCOL_VERSION:
+            conn.send(
+                p.Error(
+                    code="version",
+                    message=(
+                        f"client speaks protocol {h.version}, this node {p.PROTOCOL_VERSION}:"
+                        " use the same gpushare version in workloads and node"
+                    ),
+                )
+            )
+            return None
+        gpu = 0 if h.gpu is None else h.gpu
+        if not 0 <= gpu < len(self.arbiters):
+            conn.send(
+                p.Error(
+                    code="gpu",
+                    message=(
+                        f"no GPU {gpu} on this node (it has {len(self.arbiters)}): choose gpu=0.."
+                        f"{len(self.arbiters) - 1}"
+                    ),
+                )
+            )
+            return None
+        arb = self.arbiters[gpu]
+        g = self.gpus[gpu]
+        if h.memory_limit is not None:
+            limit = h.memory_limit
+        elif h.portion is not None and 0 < h.portion <= 1:
+            limit = int(arb.capacity * h.portion)
+        else:
+            limit = arb.capacity
+        weight = h.weight if h.weight is not None else 1.0
+        sid = self._next_session
+        try:
+            actions = arb.attach(sid, h.name or f"pid-{conn.pid}", limit, weight)
+        except ArbiterError as e:
+            conn.send(p.Error(code="attach", message=str(e)))
+            return None
+        self._next_session += 1
+        conn.session, conn.gpu = sid, gpu
+        conn.info = {
+            "name": h.name,
+            "pod": h.pod,
+            "namespace": h.namespace,
+            "container": h.container,
+            "backend": h.backend,
+        }
+        self.conns[sid] = conn
+        conn.send(
+            p.Welcome(
+                session=sid,
+                name=h.name or f"pid-{conn.pid}",
+                gpu=gpu,
+                gpu_name=g.name,
+                simulated=g.simulated,
+                memory_limit=limit,
+                weight=weight,
+                idle_release_s=self.config.idle_release,
+                sim_scale=self.config.sim_scale,
+                sim_bandwidth=self.config.sim_bandwidth,
+            )
+        )
+        self._apply(arb, actions)
+        return arb
+
+    @staticmethod
+    def _workload_msg(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:
+        if isinstance(msg, p.Acquire):
+            return arb.acquire(sid)
+        if isinstance(msg, p.Release):
+            return arb.release(
+                sid, msg.resident, msg.swapped, msg.again, msg.swapped_out, msg.seconds
+            )
+        if isinstance(msg, p.SwapDone):
+            return arb.swap_done(
+                sid, msg.direction, msg.bytes, msg.seconds, msg.resident, msg.swapped, msg.error
+            )
+        if isinstance(msg, p.Report):
+            return arb.report(sid, msg.resident, msg.swapped)
+        raise p.ProtocolError(
+            f"{type(msg).__name__} is not a workload message (administration uses the admin socket)"
+        )
+
+    # --- administration -------------------------------------------------------------
+
+    async def _admin_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
+        conn = Conn(writer, pid, uid)
+        try:
+            if uid not in (0, os.geteuid()):
+                conn.send(
+                    p.Error(
+                        code="denied",
+                        message=(
+                            f"uid {uid} may not administer this node:"
+                            f" run as root or uid {os.geteuid()}"
+                        ),
+                    )
+                )
+                return
+            while True:
+                msg = await asyncio.wait_for(read_frame(reader), 3600)
+                if isinstance(msg, p.StatusRequest):
+                    conn.send(p.StatusReply(status=self.status()))
+                elif isinstance(msg, p.SetConfig):
+                    conn.send(self._set_config(msg))
+                elif isinstance(msg, p.EventsRequest):
+                    await self._serve_events(conn, msg)
+                    return
+                else:
+                    raise p.ProtocolError(f"{type(msg).__name__} is not an admin request")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        except p.ProtocolError as e:
+            log.warning("admin pid %d: %s; closing its connection", pid, e)
+            conn.send(p.Error(code="protocol", message=str(e)))
+        finally:
+            writer.close()
+
+    def _set_config(self, m: p.SetConfig) -> p.Message:
+        if m.gpu is not None and not 0 <= m.gpu < len(self.arbiters):
+            return p.Error(code="gpu", message=f"no GPU {m.gpu} on this node")
+        if m.mode is not None and m.mode not in MODES:
+            return p.Error(code="value", message=f"mode must be one of {', '.join(MODES)}")
+        if m.policy is not None and m.policy not in POLICIES:
+            return p.Error(code="value", message=f"policy must be one of {', '.join(POLICIES)}")
+        targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
+        try:
+            for arb in targets:
+                self._apply(arb, arb.configure(m.tq_s, m.mode, m.policy))
+        except ArbiterError as e:
+            return p.Error(code="value", message=str(e))
+        for arb in targets:
+            s = arb.settings
+            log.info(
+                "GPU %d: TQ %g s, mode %s, policy %s (from next quantum)",
+                arb.gpu,
+                s.tq_s,
+                s.mode,
+                s.policy,
+            )
+        persisted = ""
+        if m.persist:
+            if not self.config_path:
+                return p.Error(
+                    code="persist",
+                    message=("changed live but not persisted: the node runs without --config FILE"),
+                )
+            values: dict[str, Any] = {}
+            if m.tq_s is not None:
+                values["tq"] = m.tq_s
+            if m.mode is not None:
+                values["mode"] = m.mode
+            if m.policy is not None:
+                values["policy"] = m.policy
+            try:
+                persist(self.config_path, m.gpu, **values)
+            except (OSError, ValueError) as e:
+                return p.Error(code="persist", message=f"changed live, not persisted: {e}")
+            persisted = self.config_path
+            log.info("persisted %s to %s", values, persisted)
+        return p.ConfigReply(gpus=[self._gpu_settings(a) for a in targets], persisted_to=persisted)
+
+    @staticmethod
+    def _gpu_settings(a: Arbiter) -> dict[str, Any]:
+        return {
+            "index": a.gpu,
+            "tq_s": a.settings.tq_s,
+            "mode": a.settings.mode,
+            "policy": a.settings.policy,
+        }
+
+    async def _serve_events(self, conn: Conn, m: p.EventsRequest) -> None:
+        since = time.time() - m.since_s if m.since_s is not None else None
+        q = self.events.follow() if m.follow else None
+        try:
+            for rec in self.events.select(since, m.session):
+                conn.send(p.EventMsg(event=rec))
+            conn.send(p.EventsEnd())
+            await conn.writer.drain()
+            if q is None:
+                return
+            while (live := await q.get()) is not None:
+                if m.session is None or live.get("session") == m.session:
+                    conn.send(p.EventMsg(event=live))
+                    await conn.writer.drain()
+        finally:
+            if q is not None:
+                self.events.followers.discard(q)
+
+    # --- status ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        gpus = []
+        for g, a in zip(self.gpus, self.arbiters, strict=True):
+            sessions = []
+            for s in a.sessions.values():
+                c = self.conns.get(s.id)
+                info = c.info if c else {}
+                sessions.append(
+                    {
+                        "id": s.id,
+                        "name": s.name,
+                        "pid": c.pid if c else 0,
+                        "uid": c.uid if c else 0,
+                        "pod": info.get("pod", ""),
+                        "namespace": info.get("namespace", ""),
+                        "container": info.get("container", ""),
+                        "state": str(s.state),
+                        "weight": s.weight,
+                        "memory_limit_bytes": s.limit,
+                        "resident_bytes": s.resident,
+                        "swapped_bytes": s.swapped,
+                        "lease_seconds_total": a.lease_seconds(s),
+                        "wait_seconds_total": a.wait_seconds(s),
+                        "wait_seconds_max": s.wait_max_s,
+                        "grants_total": s.grants,
+                        "bursts_total": s.bursts,
+                        "revokes_total": s.revokes,
+                        "escalations_total": s.escalations,
+                        "swap_out_total": s.swap_outs,
+                        "swap_in_total": s.swap_ins,
+                        "swap_out_bytes_total": s.swap_out_bytes,
+                        "swap_in_bytes_total": s.swap_in_bytes,
+                        "swap_out_seconds_total": s.swap_out_s,
+                        "swap_in_seconds_total": s.swap_in_s,
+                    }
+                )
+            gpus.append(
+                {
+                    "index": g.index,
+                    "name": g.name,
+                    "uuid": g.uuid,
+                    "simulated": g.simulated,
+                    "memory_bytes": g.memory_bytes,
+                    "usable_bytes": a.capacity,
+                    "used_bytes": a.used_bytes(),
+                    "tq_s": a.settings.tq_s,
+                    "mode": a.settings.mode,
+                    "policy": a.settings.policy,
+                    "holders": list(a.holders),
+                    "queue": list(a.queue),
+                    "sessions": sessions,
+                }
+            )
+        return {
+            "node": {"pid": os.getpid(), "started": self.started, "config": self.config_path},
+            "gpus": gpus,
+        }
+
+
+async def _serve_unix(cb: Any, path: str, mode: int) -> asyncio.Server:
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create {d}: {e.strerror}; choose another socket path") from None
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale, from a node that died
+        else:
+            raise OSError(f"another gpushare node is serving {path}")
+        finally:
+            probe.close()
+    old = os.umask(0o777 & ~mode)  # born with the right mode: no window where it is wider
+    try:
+        srv = await asyncio.start_unix_server(cb, path=path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    return srv

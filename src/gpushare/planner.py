@@ -1,0 +1,71 @@
+"""Memory planning: who swaps out how much so that the next holder fits.
+
+Pure functions over a snapshot of the sessions on one GPU. The accounting rule that
+keeps a GPU from ever being over capacity, swaps in flight included:
+
+* a holder (or a session just granted, whose swap-in is in flight) counts at its memory
+  limit, since it may grow to it while it holds the GPU;
+* every other session counts at its resident bytes, and bytes it is still swapping out
+  count until it reports the swap done.
+
+So a grant is made only when the grantee's limit plus everyone else's count fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What the planner needs to know of one session."""
+
+    id: int
+    limit: int
+    resident: int
+    holding: bool
+    last_served: float
+    pending_out: int = 0  # bytes asked to swap out, not yet reported done
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: bool  # the candidate can be granted now
+    swap_outs: list[tuple[int, int]] = field(default_factory=list)  # (session, bytes) to ask now
+    shortfall: int = 0  # bytes still missing after every possible swap-out
+
+
+def used_bytes(s: MemoryView) -> int:
+    return s.limit if s.holding else s.resident
+
+
+def used_total(sessions: Sequence[MemoryView]) -> int:
+    return sum(used_bytes(s) for s in sessions)
+
+
+def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) -> Plan:
+    """Can ``candidate`` be granted now; if not, which swap-outs would make room?
+
+    Victims are non-holders other than the candidate, least recently served first, and
+    each is asked only for what is still missing after swap-outs already under way.
+    """
+    cand = next(s for s in sessions if s.id == candidate)
+    others = [s for s in sessions if s.id != candidate]
+    need = used_total(others) + cand.limit - capacity
+    if need <= 0:
+        return Plan(fits=True)
+    need -= sum(s.pending_out for s in others)
+    asks: list[tuple[int, int]] = []
+    for v in sorted(others, key=lambda s: (s.last_served, s.id)):
+        if need <= 0:
+            break
+        if v.holding:
+            continue
+        avail = v.resident - v.pending_out
+        if avail <= 0:
+            continue
+        take = min(avail, need)
+        asks.append((v.id, take))
+        need -= take
+    return Plan(fits=False, swap_outs=asks, shortfall=max(need, 0))

@@ -1,0 +1,226 @@
+"""The wire protocol between workloads, administrators and the node daemon.
+
+Every message is one frame: a 4-byte big-endian length, then a msgpack body holding a
+tagged msgspec struct. This module is the only place that knows the codec, so swapping
+it means touching one file. Frames larger than :data:`MAX_FRAME` are refused before
+they are read, so a hostile peer cannot make the daemon allocate without bound.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 20  # 1 MiB: status of hundreds of sessions fits, garbage does not
+_HEADER = struct.Struct(">I")
+HEADER_SIZE = _HEADER.size
+
+
+class ProtocolError(Exception):
+    """A frame or message that breaks the protocol; the connection that sent it is closed."""
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+# --- workload -> daemon -------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    """First message on every connection: who this is and what it needs."""
+
+    version: int
+    name: str = ""
+    memory_limit: int | None = None
+    weight: float | None = None
+    portion: float | None = None  # KAI's GPU_PORTION, when no memory limit was given
+    gpu: int | None = None
+    backend: str = "sim"
+    pod: str = ""
+    namespace: str = ""
+    container: str = ""
+
+
+class Acquire(_Msg, tag="acquire"):
+    """A burst begins: the workload wants the GPU."""
+
+
+class Release(_Msg, tag="release"):
+    """The burst ended (``again`` False) or the workload yielded after a revoke and wants
+    the GPU again (``again`` True). Carries what it swapped out on the way."""
+
+    resident: int
+    swapped: int
+    again: bool = False
+    swapped_out: int = 0
+    seconds: float = 0.0
+
+
+class SwapDone(_Msg, tag="swap_done"):
+    """A swap finished (or failed: ``error`` set, the session kept what it had)."""
+
+    direction: Literal["in", "out"]
+    bytes: int
+    seconds: float
+    resident: int
+    swapped: int
+    error: str = ""
+
+
+class Report(_Msg, tag="report"):
+    """The workload's GPU memory changed (allocation, free)."""
+
+    resident: int
+    swapped: int
+
+
+# --- daemon -> workload -------------------------------------------------------------
+
+
+class Welcome(_Msg, tag="welcome"):
+    session: int
+    name: str
+    gpu: int
+    gpu_name: str
+    simulated: bool
+    memory_limit: int
+    weight: float
+    idle_release_s: float
+    sim_scale: int = 1024
+    sim_bandwidth: float = 55e9
+
+
+class Grant(_Msg, tag="grant"):
+    """The lease: GPU work may be issued. ``swap_in`` bytes must come back first."""
+
+    lease: int
+    swap_in: int
+    quantum_s: float
+    shared: bool = False
+
+
+class Revoke(_Msg, tag="revoke"):
+    """The quantum ended and someone waits: stop at the next safe point, swap out
+    ``swap_out`` bytes and answer with :class:`Release`."""
+
+    lease: int
+    swap_out: int
+    grace_s: float
+
+
+class SwapOut(_Msg, tag="swap_out"):
+    """Make room: move this many bytes of an idle or waiting session to host memory."""
+
+    bytes: int
+
+
+class Error(_Msg, tag="error"):
+    code: str
+    message: str
+
+
+# --- administration (admin socket only) ---------------------------------------------
+
+
+class StatusRequest(_Msg, tag="status"):
+    pass
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    status: dict[str, Any]
+
+
+class SetConfig(_Msg, tag="set_config"):
+    gpu: int | None = None
+    tq_s: float | None = None
+    mode: str | None = None
+    policy: str | None = None
+    persist: bool = False
+
+
+class ConfigReply(_Msg, tag="config_reply"):
+    gpus: list[dict[str, Any]]
+    persisted_to: str = ""
+
+
+class EventsRequest(_Msg, tag="events"):
+    follow: bool = False
+    since_s: float | None = None
+    session: int | None = None
+
+
+class EventMsg(_Msg, tag="event"):
+    event: dict[str, Any]
+
+
+class EventsEnd(_Msg, tag="events_end"):
+    """End of the backlog; with ``follow`` live events come after it."""
+
+
+Message = (
+    Hello
+    | Acquire
+    | Release
+    | SwapDone
+    | Report
+    | Welcome
+    | Grant
+    | Revoke
+    | SwapOut
+    | Error
+    | StatusRequest
+    | StatusReply
+    | SetConfig
+    | ConfigReply
+    | EventsRequest
+    | EventMsg
+    | EventsEnd
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """One whole frame, header included."""
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """Body length from a frame header; refuses oversized frames before reading them."""
+    (n,) = _HEADER.unpack(header)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    return int(n)
+
+
+def decode(body: bytes | memoryview) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as e:  # ValidationError is a subclass
+        raise ProtocolError(f"malformed message: {e}") from None
+
+
+class FrameBuffer:
+    """Incremental frame splitter for blocking sockets (the client's reader thread)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buf += data
+        out: list[Message] = []
+        while len(self._buf) >= HEADER_SIZE:
+            n = frame_length(bytes(self._buf[:HEADER_SIZE]))
+            if len(self._buf) < HEADER_SIZE + n:
+                break
+            out.append(decode(bytes(self._buf[HEADER_SIZE : HEADER_SIZE + n])))
+            del self._buf[: HEADER_SIZE + n]
+        return out

@@ -1,0 +1,51 @@
+"""The swap-backend interface: how a session's GPU memory leaves the GPU and comes back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    bytes: int  # device bytes moved (as the GPU counts them)
+    seconds: float
+
+
+class SwapBackend(ABC):
+    """One session's GPU memory. Implementations: ``sim`` (here) and ``torch``.
+
+    Swap calls come from one thread at a time (the session serializes them); a failed
+    swap raises :class:`~gpushare.errors.SwapError` and leaves memory as it was.
+    """
+
+    name: str
+    simulated: bool
+
+    def __init__(self) -> None:
+        self.on_change: Callable[[], None] = lambda: None  # memory figures changed
+        self.check_access: Callable[[], None] = lambda: None  # raises outside a lease
+
+    @property
+    @abstractmethod
+    def resident_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def swapped_bytes(self) -> int: ...
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for GPU work already queued (before swapping out under it)."""
+
+    @abstractmethod
+    def swap_out(self, nbytes: int) -> SwapResult:
+        """Move at least ``nbytes`` (or all there is) to host memory and free them."""
+
+    @abstractmethod
+    def swap_in(self) -> SwapResult:
+        """Bring every swapped byte back and verify it."""
+
+    def close(self) -> None:  # noqa: B027  optional for backends with nothing to free
+        """Free host buffers."""

@@ -1,0 +1,66 @@
+"""Units as users write them: sizes (``80GiB``, ``512MiB``, bytes) and durations (``5m``)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``80GiB``, ``512MiB``, ``1.5GB`` or plain bytes into bytes.
+
+    >>> parse_size("1GiB")
+    1073741824
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read size {text!r}: write it like 80GiB, 512MiB, 1.5GB or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: float) -> str:
+    """Format bytes for people, binary units: ``format_size(3 * 2**30) == '3.0 GiB'``."""
+    v = float(n)
+    if abs(v) < 1024:
+        return f"{v:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        v /= 1024
+        if abs(v) < 1024 or unit == "TiB":
+            break
+    return f"{v:.1f} {unit}"
+
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``5m``, ``2h``, ``1d``, ``250ms``."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise ValueError(f"cannot read duration {text!r}: write it like 30s, 5m, 2h or 1d")
+    return float(m.group(1)) * _SECONDS[m.group(2) or "s"]
