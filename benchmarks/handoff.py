@@ -4,6 +4,9 @@ Handoff: from the moment a holder's process leaves its burst (just before it sen
 release) to the moment the next process returns from ``gpu()`` holding the lease, over
 real processes and the node's real socket, in exclusive mode so every grant is a
 handoff. Both instants are read from CLOCK_MONOTONIC, which all processes share.
+Each configuration names how many sessions are attached and how many of them cycle
+back to back (the rest stay attached and idle): 64/64 measures the daemon and the
+machine's scheduler waking 64 processes in turn, 64/2 the daemon's cost of 64 sessions.
 
 checkpoint(): the per-call cost with nobody waiting, beside an empty method call
 measured in the same run (the ratio holds when the machine's speed drifts).
@@ -32,16 +35,19 @@ def client(sock: str, go: str, out: str, bursts: int) -> None:
     while not os.path.exists(go):
         time.sleep(0.005)
     rows = []
+    if bursts == 0:  # an idle, attached session
+        while not os.path.exists(go + ".stop"):
+            time.sleep(0.05)
     for _ in range(bursts):
+        t_ask = time.monotonic()
         with s.gpu():
             t_grant = time.monotonic()
             t_release = time.monotonic()
-        rows.append((t_grant, t_release))
+        rows.append((t_ask, t_grant, t_release))
 
         time.sleep(0.0005)  # a little CPU work between bursts
     s.close()
     Path(out).write_text(json.dumps(rows))
-
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -49,24 +55,57 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_handoff(n: int, total: int, tmp: Path) -> dict[str, float]:
-    sock, admin, go = str(tmp / "w.sock"), str(tmp / "a.sock"), str(tmp / f"go{n}")
+def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
+    sock, admin, go = str(tmp / "w.sock"), str(tmp / "a.sock"), str(tmp / f"go{n}-{active}")
     node = subprocess.Popen(
-        [sys.executable, "-m", "gpushare", "node", "--socket", sock, "--admin-socket", admin,
-         "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive", "--tq", "600",
-         "--log-level", "warning"])
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "node",
+            "--socket",
+            sock,
+            "--admin-socket",
+            admin,
+            "--sim-gpus",
+            "1",
+            "--sim-memory",
+            "80GiB",
+            "--mode",
+            "exclusive",
+            "--tq",
+            "600",
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         wait_for_socket(admin, node)
-        bursts = max(20, total // n)
-        outs = [str(tmp / f"c{n}-{i}.json") for i in range(n)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--client", sock, go, o, str(bursts)])
-                 for o in outs]
+        bursts = max(20, total // active)
+        outs = [str(tmp / f"c{n}-{active}-{i}.json") for i in range(n)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    sock,
+                    go,
+                    o,
+                    str(bursts if i < active else 0),
+                ]
+            )
+            for i, o in enumerate(outs)
+        ]
         from gpushare.admin import AdminClient
 
         with AdminClient(admin) as c:
             while len(c.status()["gpus"][0]["sessions"]) < n:
                 time.sleep(0.02)
         Path(go).touch()
+        for pr in procs[:active]:
+            pr.wait(timeout=600)
+        Path(go + ".stop").touch()
         for pr in procs:
             if pr.wait(timeout=600) != 0:
                 raise SystemExit(f"a benchmark client failed with {pr.returncode}")
@@ -74,23 +113,31 @@ def run_handoff(n: int, total: int, tmp: Path) -> dict[str, float]:
         node.terminate()
         node.wait(timeout=10)
     grants, releases = [], []
-    for o in outs:
-        for g, r in json.loads(Path(o).read_text()):
-            grants.append(g)
+    for o in outs[:active]:
+        for ask, g, r in json.loads(Path(o).read_text()):
+            grants.append((g, ask))
             releases.append(r)
     grants.sort()
     releases.sort()
-    # Each grant after the first follows the latest release before it.
+    # A handoff: a grant to a session that was already waiting when the holder before it
+    # released (the latest release before the grant).
     hand = []
     j = 0
-    for g in grants[1:]:
+    for g, ask in grants[1:]:
         while j + 1 < len(releases) and releases[j + 1] <= g:
             j += 1
-        if releases[j] <= g:
+        if ask < releases[j] <= g:
             hand.append(g - releases[j])
     us = [h * 1e6 for h in hand]
-    return {"sessions": n, "handoffs": len(us), "p50_us": percentile(us, 0.5),
-            "p99_us": percentile(us, 0.99), "max_us": max(us), "mean_us": statistics.mean(us)}
+    return {
+        "sessions": n,
+        "active": active,
+        "handoffs": len(us),
+        "p50_us": percentile(us, 0.5),
+        "p99_us": percentile(us, 0.99),
+        "max_us": max(us),
+        "mean_us": statistics.mean(us),
+    }
 
 
 class _Empty:
@@ -101,8 +148,23 @@ class _Empty:
 def run_checkpoint(tmp: Path, calls: int = 1_000_000) -> dict[str, float]:
     sock, admin = str(tmp / "cw.sock"), str(tmp / "ca.sock")
     node = subprocess.Popen(
-        [sys.executable, "-m", "gpushare", "node", "--socket", sock, "--admin-socket", admin,
-         "--sim-gpus", "1", "--sim-memory", "80GiB", "--log-level", "warning"])
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "node",
+            "--socket",
+            sock,
+            "--admin-socket",
+            admin,
+            "--sim-gpus",
+            "1",
+            "--sim-memory",
+            "80GiB",
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         wait_for_socket(admin, node)
         s = gpushare.attach("1GiB", socket=sock)
@@ -122,8 +184,11 @@ def run_checkpoint(tmp: Path, calls: int = 1_000_000) -> dict[str, float]:
     finally:
         node.terminate()
         node.wait(timeout=10)
-    return {"checkpoint_ns": best_cp * 1e9, "empty_method_ns": best_empty * 1e9,
-            "ratio": best_cp / best_empty}
+    return {
+        "checkpoint_ns": best_cp * 1e9,
+        "empty_method_ns": best_empty * 1e9,
+        "ratio": best_cp / best_empty,
+    }
 
 
 def main() -> int:
@@ -131,21 +196,34 @@ def main() -> int:
         client(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, nargs="+", default=[2, 16, 64])
+    ap.add_argument(
+        "--runs",
+        nargs="+",
+        default=["2/2", "16/16", "64/64", "64/2"],
+        metavar="SESSIONS/ACTIVE",
+        help="attached/cycling sessions per run",
+    )
     ap.add_argument("--grants", type=int, default=2000, help="handoffs per run (about)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gs-bench-") as d:
         tmp = Path(d)
-        rows = [run_handoff(n, a.grants, tmp) for n in a.sessions]
+        runs = [tuple(int(x) for x in r.split("/")) for r in a.runs]
+        rows = [run_handoff(n, act, a.grants, tmp) for n, act in runs]
         cp = run_checkpoint(tmp)
     print(f"handoff on one simulated GPU, {os.cpu_count()} CPUs, real processes and sockets")
-    print(f"{'sessions':>8} {'handoffs':>8} {'p50 us':>8} {'p99 us':>8} {'max us':>9}")
+    print(
+        f"{'sessions':>8} {'cycling':>8} {'handoffs':>8} {'p50 us':>8} {'p99 us':>8} {'max us':>9}"
+    )
     for r in rows:
-        print(f"{r['sessions']:>8} {r['handoffs']:>8} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f}"
-              f" {r['max_us']:>9.0f}")
-    print(f"checkpoint() with nobody waiting: {cp['checkpoint_ns']:.0f} ns per call"
-          f" (an empty method call: {cp['empty_method_ns']:.0f} ns; ratio {cp['ratio']:.1f})")
+        print(
+            f"{r['sessions']:>8} {r['active']:>8} {r['handoffs']:>8} {r['p50_us']:>8.0f}"
+            f" {r['p99_us']:>8.0f} {r['max_us']:>9.0f}"
+        )
+    print(
+        f"checkpoint() with nobody waiting: {cp['checkpoint_ns']:.0f} ns per call"
+        f" (an empty method call: {cp['empty_method_ns']:.0f} ns; ratio {cp['ratio']:.1f})"
+    )
     result = {"handoff": rows, "checkpoint": cp, "cpus": os.cpu_count()}
     print(json.dumps(result))
     if a.json:

@@ -170,3 +170,31 @@ def test_daemon_gone_is_a_clear_error(node):
     with pytest.raises(DaemonUnavailableError, match="went away"), s.gpu():
         pass
     s.close()
+
+
+def test_interrupted_wait_withdraws_from_the_queue(node):
+    import signal
+
+    holder = gpushare.attach("1GiB", socket=node.socket, name="holder")
+    waiter = gpushare.attach("1GiB", socket=node.socket, name="waiter")
+
+    def interrupt(*_):
+        raise TimeoutError("gave up waiting")
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with holder.gpu():
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(TimeoutError), waiter.gpu():
+                pass
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            assert state_of(node, waiter.id) == "idle"
+        # the lease is not handed to the session that gave up
+        time.sleep(0.2)
+        assert node.status()["gpus"][0]["holders"] == []
+        with waiter.gpu():  # and it can still ask again
+            assert waiter.holding
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        holder.close()
+        waiter.close()

@@ -314,7 +314,8 @@ class Arbiter:
 
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits)."""
-        return sum(v.limit if v.holding else v.resident for v in self.sessions.values())
+        held = (State.HOLDING, State.YIELDING)
+        return sum(v.limit if v.state in held else v.resident for v in self.sessions.values())
 
     # --- the rules ------------------------------------------------------------------
 
@@ -354,6 +355,11 @@ class Arbiter:
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
+            # Fast path (the common case, on every handoff): it fits as things are.
+            head_used = head.limit if head.holding else head.resident
+            if self.used_bytes() - head_used + head.limit <= self.capacity:
+                self._grant(head)
+                continue
             plan = plan_grant(self.capacity, self._views(), head.id)
             if not plan.fits:
                 for sid, n in plan.swap_outs:

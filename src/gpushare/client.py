@@ -243,9 +243,24 @@ class Session:
             self._grant = None
             self._send(p.Acquire())
             self._await_grant(t0)
+        except BaseException:
+            self._cancel_wait()
+            raise
         finally:
             self._acquiring = False
             self._cond.notify_all()
+
+    def _cancel_wait(self) -> None:
+        # Interrupted while waiting (Ctrl-C, an error): withdraw from the queue, or give
+        # back a grant that crossed the withdrawal; a grant arriving later is ignored.
+        self._grant = None
+        if not self._gone and not self._holding:
+            with contextlib.suppress(GpushareError, OSError):
+                self._send(
+                    p.Release(
+                        resident=self.backend.resident_bytes, swapped=self.backend.swapped_bytes
+                    )
+                )
 
     def _await_grant(self, t0: float) -> None:
         while self._grant is None:
@@ -288,10 +303,13 @@ class Session:
                 self.backend.synchronize()
                 t0 = time.monotonic()
                 self._grant = None
-                self._release_locked(again=True)
                 self._acquiring = True
+                self._release_locked(again=True)
                 try:
                     self._await_grant(t0)
+                except BaseException:
+                    self._cancel_wait()
+                    raise
                 finally:
                     self._acquiring = False
                     self._cond.notify_all()
@@ -397,8 +415,9 @@ class Session:
     def _handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.Grant):
             with self._cond:
-                self._lease = msg.lease
-                self._grant = msg
+                if self._acquiring:  # else it crossed a withdrawal, already released
+                    self._lease = msg.lease
+                    self._grant = msg
                 self._cond.notify_all()
         elif isinstance(msg, p.Revoke):
             if msg.lease == self._lease:

@@ -18,7 +18,7 @@ from gpushare.errors import DaemonUnavailableError, GpushareError
 from gpushare.report import figures, read_events
 from gpushare.units import format_size
 
-GPU_MEMORY = "80GiB"
+GPU_MEMORY = "80 GiB"
 WORKLOADS = [  # name, kind, memory
     ("train-a", "batch", "30GiB"),
     ("train-b", "batch", "30GiB"),
