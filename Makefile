@@ -7,13 +7,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: need Python >= 3.11 on PATH (or PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# Real servers the tests use, from Debian's packages: Prometheus (the exporter's
+# scraper) and tmux (the terminal `top` runs in). Installed when absent and root.
+SYSTEM_TOOLS := prometheus tmux
+system-deps:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing$$missing (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "make: missing$$missing (needs root and apt-get): the tests that use them will be skipped"; fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/gpushare demo
@@ -25,7 +37,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) system-deps
 	$(BIN)/pytest -q
 
 test: lint typecheck unit

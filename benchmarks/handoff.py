@@ -55,9 +55,8 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
-    sock, admin, go = str(tmp / "w.sock"), str(tmp / "a.sock"), str(tmp / f"go{n}-{active}")
-    node = subprocess.Popen(
+def start_node(sock: str, admin: str, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -71,14 +70,18 @@ def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
             "1",
             "--sim-memory",
             "80GiB",
-            "--mode",
-            "exclusive",
-            "--tq",
-            "600",
             "--log-level",
             "warning",
+            "--metrics-port",
+            "0",
+            *extra,
         ]
     )
+
+
+def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
+    sock, admin, go = str(tmp / "w.sock"), str(tmp / "a.sock"), str(tmp / f"go{n}-{active}")
+    node = start_node(sock, admin, "--mode", "exclusive", "--tq", "600")
     try:
         wait_for_socket(admin, node)
         bursts = max(20, total // active)
@@ -147,24 +150,7 @@ class _Empty:
 
 def run_checkpoint(tmp: Path, calls: int = 1_000_000) -> dict[str, float]:
     sock, admin = str(tmp / "cw.sock"), str(tmp / "ca.sock")
-    node = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpushare",
-            "node",
-            "--socket",
-            sock,
-            "--admin-socket",
-            admin,
-            "--sim-gpus",
-            "1",
-            "--sim-memory",
-            "80GiB",
-            "--log-level",
-            "warning",
-        ]
-    )
+    node = start_node(sock, admin)
     try:
         wait_for_socket(admin, node)
         s = gpushare.attach("1GiB", socket=sock)

@@ -27,6 +27,8 @@ class NodeProcess:
         self.events = tmp / "events.jsonl"
         self.log = tmp / "node.log"
         self.args = list(args)
+        # The exporter is on by default: tests that want it pass --metrics-port.
+        self.metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, *extra: str) -> NodeProcess:

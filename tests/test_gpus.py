@@ -45,12 +45,12 @@ def test_no_driver_is_a_reason_not_a_crash(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([], "Driver Not Loaded"))
-    gpus, why = find_gpus()
-    assert gpus == [] and "Driver Not Loaded" in why
+    gpus, why, nvml = find_gpus()
+    assert gpus == [] and "Driver Not Loaded" in why and nvml is None
 
 
 def test_missing_bindings_name_the_fix():
-    gpus, why = find_gpus("gpushare_no_such_module")
+    gpus, why, _ = find_gpus("gpushare_no_such_module")
     assert gpus == [] and "pip install" in why
 
 

@@ -8,6 +8,7 @@ this same code. The rules are those of DESIGN.md "Arbitration rules".
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ Escalation = Literal["log", "kill"]
 MODES: tuple[Mode, ...] = ("auto", "exclusive")
 POLICIES: tuple[Policy, ...] = ("equal", "weighted")
 ESCALATIONS: tuple[Escalation, ...] = ("log", "kill")
+# Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
+WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class ArbiterError(ValueError):
@@ -61,10 +64,11 @@ class SessionState:
     revoke_deadline: float = 0.0
     escalated: bool = False
     wait_start: float = 0.0
+    attached: float = 0.0  # monotonic
     last_served: float = -math.inf
     # totals
     lease_s: float = 0.0
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # completed waits
     wait_max_s: float = 0.0
     grants: int = 0
     bursts: int = 0
@@ -76,6 +80,8 @@ class SessionState:
     swap_in_bytes: int = 0
     swap_out_s: float = 0.0
     swap_in_s: float = 0.0
+    wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=128))
 
     @property
     def holding(self) -> bool:
@@ -152,7 +158,9 @@ class Arbiter:
             )
         if not (weight > 0 and math.isfinite(weight)):
             raise ArbiterError("weight must be a positive number")
-        self.sessions[sid] = SessionState(id=sid, name=name, limit=limit, weight=weight)
+        self.sessions[sid] = SessionState(
+            id=sid, name=name, limit=limit, weight=weight, attached=self.clock.monotonic()
+        )
         self._event("attach", sid, name=name, limit_bytes=limit, weight=weight)
         return self._advance()
 
@@ -431,6 +439,8 @@ class Arbiter:
         waited = now - s.wait_start
         s.wait_s += waited
         s.wait_max_s = max(s.wait_max_s, waited)
+        s.wait_counts[bisect.bisect_left(WAIT_BUCKETS, waited)] += 1
+        s.recent_waits.append(waited)
         return waited
 
     def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:

@@ -100,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
     )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="Prometheus exporter port (default 9423; 0: off)",
+    )
+    n.add_argument(
+        "--metrics-address",
+        metavar="ADDR",
+        help="address the exporter listens on (default 0.0.0.0)",
+    )
     n.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     c = sub.add_parser(
@@ -128,6 +139,32 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
     ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
 
+    t = sub.add_parser(
+        "top",
+        help="live view of GPUs and sessions (q quits)",
+        description="A live view over the admin socket, refreshed twice a "
+        "second. SHARE is each session's share of GPU time over the last "
+        "minute (since it attached, when younger); q quits.",
+    )
+    t.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    t.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
+    t.add_argument("--interval", type=_seconds, default=0.5, help="seconds between frames")
+
+    tl = sub.add_parser(
+        "timeline",
+        help="draw who held each GPU when, as a PNG",
+        description="A Gantt chart of leases and swaps from the event log: "
+        "a file written with --event-log, or the node's own events.",
+    )
+    tl.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    tl.add_argument(
+        "--events",
+        metavar="FILE",
+        help="a JSON-lines event log (default: ask the node over its admin socket)",
+    )
+    tl.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    tl.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h")
+
     d = sub.add_parser(
         "demo",
         help="a node on a simulated GPU, three workloads, a report",
@@ -148,6 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _node(args)
         if args.cmd == "ctl":
             return _ctl(args)
+        if args.cmd == "top":
+            from gpushare.top import run_top
+
+            return run_top(args.socket, args.once, args.interval)
+        if args.cmd == "timeline":
+            return _timeline(args)
         if args.cmd == "demo":
             from gpushare.demo import run_demo
 
@@ -158,6 +201,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    import time
+
+    from gpushare.admin import AdminClient
+    from gpushare.report import read_events
+    from gpushare.timeline import plot
+
+    if args.events:
+        try:
+            events = read_events(args.events)
+        except OSError as e:
+            raise GpushareError(f"cannot read {args.events}: {e.strerror}") from None
+        if args.since:
+            events = [e for e in events if e["ts"] >= time.time() - args.since]
+    else:
+        with AdminClient(args.socket) as c:
+            events = [e for e in c.events(since_s=args.since) if e is not None]
+    if not events:
+        raise GpushareError("no events to draw (is the node busy? try a longer --since)")
+    w, h = plot(events, args.output)
+    print(f"wrote {args.output} ({w}x{h} px, {len(events)} events)")
+    return 0
 
 
 def _ctl(args: argparse.Namespace) -> int:
@@ -202,6 +269,8 @@ def _node(args: argparse.Namespace) -> int:
         "sim_memory": args.sim_memory,
         "sim_bandwidth": args.sim_bandwidth,
         "event_log": args.event_log,
+        "metrics_port": args.metrics_port,
+        "metrics_address": args.metrics_address,
     }
     cfg = msgspec.structs.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     sim_memory = parse_size(cfg.sim_memory)
@@ -211,10 +280,11 @@ def _node(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    nvml = None
     if cfg.sim_gpus:
         gpus = simulated_gpus(cfg.sim_gpus, sim_memory)
     else:
-        gpus, why = find_gpus()
+        gpus, why, nvml = find_gpus()
         if not gpus:
             log.warning(
                 "%s: running 1 SIMULATED GPU of %s instead (choose with --sim-gpus N "
@@ -224,7 +294,7 @@ def _node(args: argparse.Namespace) -> int:
             )
             gpus = simulated_gpus(1, sim_memory)
     try:
-        node = Node(cfg, gpus, config_path=args.config or "")
+        node = Node(cfg, gpus, config_path=args.config or "", nvml=nvml)
         asyncio.run(node.run())
     except (OSError, ValueError) as e:
         print(f"gpushare node: error: {e}", file=sys.stderr)

@@ -35,7 +35,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/gpushare/gpushare.sock"
     admin_socket: str = "/run/gpushare/admin.sock"
     event_log: str = ""
-    metrics_port: int = 0
+    metrics_port: int = 9423  # 0: no exporter
+    metrics_address: str = "0.0.0.0"
     sim_gpus: int = 0
     sim_memory: str | int = "80GiB"
     sim_bandwidth: float = 55e9

@@ -74,6 +74,8 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
                 str(tq),
                 "--event-log",
                 str(evlog),
+                "--metrics-port",
+                "0",
             ],
             stderr=node_log,
         )
@@ -123,8 +125,17 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
             node.wait(timeout=10)
         except subprocess.TimeoutExpired:
             node.kill()
-    _table(results, read_events(evlog), peak)
+    events = read_events(evlog)
+    _table(results, events, peak)
     print(f"\nevents: {evlog}   node log: {wd / 'node.log'}")
+    try:
+        from gpushare.timeline import plot
+    except ImportError:
+        print("timeline: not drawn (pip install 'gpushare[plot]' for matplotlib)")
+    else:
+        png = wd / "timeline.png"
+        plot(events, png, title="gpushare demo on a SIMULATED GPU: who held it when")
+        print(f"timeline: {png}")
     return 0 if all(r["failures"] == 0 for r in results.values()) else 1
 
 

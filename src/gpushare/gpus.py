@@ -53,14 +53,14 @@ def nvml_gpus(nvml: Any) -> list[GpuInfo]:
     return gpus
 
 
-def find_gpus(nvml_module: str = "pynvml") -> tuple[list[GpuInfo], str]:
-    """Real GPUs through NVML, or ``([], why_not)``."""
+def find_gpus(nvml_module: str = "pynvml") -> tuple[list[GpuInfo], str, Any]:
+    """Real GPUs through NVML and the NVML module, or ``([], why_not, None)``."""
     try:
         nvml = importlib.import_module(nvml_module)
     except ImportError:
-        return [], "NVML bindings are not installed (pip install 'gpushare[nvml]')"
+        return [], "NVML bindings are not installed (pip install 'gpushare[nvml]')", None
     try:
         gpus = nvml_gpus(nvml)
     except Exception as e:  # NVMLError and friends: no driver, no device
-        return [], f"NVML found no GPU ({e})"
-    return gpus, "" if gpus else "NVML found no GPU"
+        return [], f"NVML found no GPU ({e})", None
+    return gpus, "" if gpus else "NVML found no GPU", nvml if gpus else None

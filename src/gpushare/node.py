@@ -37,6 +37,7 @@ from gpushare.config import NodeConfig, persist
 from gpushare.events import EventBus
 from gpushare.gpus import GpuInfo
 from gpushare.units import format_size, parse_size
+from gpushare.utilization import Attribution, NvmlUtilization
 
 log = logging.getLogger("gpushare.node")
 HELLO_DEADLINE_S = 10.0
@@ -78,6 +79,7 @@ class Node:
         gpus: list[GpuInfo],
         config_path: str = "",
         clock: Clock | None = None,
+        nvml: Any = None,
     ) -> None:
         if not gpus:
             raise ValueError("a node needs at least one GPU")
@@ -106,6 +108,12 @@ class Node:
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.started = time.time()
+        self.utilization = [Attribution() for _ in gpus]
+        self._nvml_util = {
+            g.index: NvmlUtilization(nvml, g.index) for g in gpus if nvml and not g.simulated
+        }
+        self._stop_metrics: Any = None
+        self.metrics_port = 0
 
     # --- life -----------------------------------------------------------------------
 
@@ -127,6 +135,60 @@ class Node:
                 s.policy,
             )
         log.info("workloads: %s  admin: %s", self.config.socket, self.config.admin_socket)
+        self._spawn(self._sample_utilization())
+        if self.config.metrics_port:
+            try:
+                from gpushare import metrics
+            except ImportError:
+                raise OSError(
+                    "the metrics exporter needs prometheus-client: pip install"
+                    " 'gpushare[node]', or pass --metrics-port 0"
+                ) from None
+
+            loop = asyncio.get_running_loop()
+
+            def snapshot() -> dict[str, Any]:
+                # Made in the event loop, so one scrape sees one consistent state.
+                async def take() -> dict[str, Any]:
+                    return self.status()
+
+                return asyncio.run_coroutine_threadsafe(take(), loop).result(timeout=5)
+
+            self._stop_metrics = metrics.serve(
+                metrics.registry_for(snapshot),
+                self.config.metrics_port,
+                self.config.metrics_address,
+            )
+            self.metrics_port = self.config.metrics_port
+            log.info(
+                "metrics: http://%s:%d/metrics", self.config.metrics_address, self.metrics_port
+            )
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _sample_utilization(self, period: float = 1.0) -> None:
+        """Once a period: the GPU's utilization, credited to the lease holders."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            dt, last = now - last, now
+            for g, arb, att in zip(self.gpus, self.arbiters, self.utilization, strict=True):
+                sampler = self._nvml_util.get(g.index)
+                try:
+                    if sampler is None:  # the simulated GPU's model: busy while leased
+                        ratio, procs = (1.0 if arb.holders else 0.0), None
+                    else:
+                        ratio = sampler.device()
+                        procs = sampler.processes() if len(arb.holders) > 1 else None
+                except Exception as e:  # a flaky driver must not stop the node
+                    log.warning("GPU %d: utilization sample failed: %s", g.index, e)
+                    continue
+                pids = {sid: c.pid for sid, c in self.conns.items()}
+                att.credit(ratio, dt, list(arb.holders), procs, pids)
 
     async def run(self) -> None:
         await self.start()
@@ -145,6 +207,10 @@ class Node:
             c.writer.close()
         for t in self._timers.values():
             t.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._stop_metrics:
+            self._stop_metrics()
         for path in (self.config.socket, self.config.admin_socket):
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -229,6 +295,7 @@ class Node:
         finally:
             if arb is not None and conn.session in self.conns:
                 del self.conns[conn.session]
+                self.utilization[arb.gpu].forget(conn.session)
                 self._apply(arb, arb.detach(conn.session, reason="disconnected"))
             writer.close()
 
@@ -428,7 +495,7 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         gpus = []
-        for g, a in zip(self.gpus, self.arbiters, strict=True):
+        for g, a, att in zip(self.gpus, self.arbiters, self.utilization, strict=True):
             sessions = []
             for s in a.sessions.values():
                 c = self.conns.get(s.id)
@@ -460,6 +527,11 @@ class Node:
                         "swap_in_bytes_total": s.swap_in_bytes,
                         "swap_out_seconds_total": s.swap_out_s,
                         "swap_in_seconds_total": s.swap_in_s,
+                        "attached_seconds": a.clock.monotonic() - s.attached,
+                        "wait_seconds_completed_total": s.wait_s,
+                        "wait_seconds_buckets": list(s.wait_counts),
+                        "wait_seconds_p95": _p95(s.recent_waits),
+                        "utilization_seconds_total": att.by_session.get(s.id, 0.0),
                     }
                 )
             gpus.append(
@@ -471,6 +543,8 @@ class Node:
                     "memory_bytes": g.memory_bytes,
                     "usable_bytes": a.capacity,
                     "used_bytes": a.used_bytes(),
+                    "utilization_ratio": att.last_ratio,
+                    "shared_utilization_seconds_total": att.shared,
                     "tq_s": a.settings.tq_s,
                     "mode": a.settings.mode,
                     "policy": a.settings.policy,
@@ -483,6 +557,11 @@ class Node:
             "node": {"pid": os.getpid(), "started": self.started, "config": self.config_path},
             "gpus": gpus,
         }
+
+
+def _p95(xs: Any) -> float:
+    v = sorted(xs)
+    return v[min(len(v) - 1, int(0.95 * len(v)))] if v else 0.0
 
 
 async def _serve_unix(cb: Any, path: str, mode: int) -> asyncio.Server:

@@ -1,0 +1,79 @@
+"""GPU utilization, attributed to sessions through the lease.
+
+NVML's device utilization is sampled once a second. In an exclusive period the whole
+sample is credited to the one holder: the lease says who used the GPU. In a shared
+period, NVML's per-process samples are used where the driver gives them (credited to the
+session of each pid), and whatever is left is counted as *shared*, not guessed.
+
+A simulated GPU's utilization follows a stated model: 1.0 while any session holds a
+lease, 0.0 otherwise (a simulated workload computes during its lease).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Attribution:
+    """Utilization-seconds per session and shared, for one GPU (pure, no I/O)."""
+
+    by_session: dict[int, float] = field(default_factory=dict)
+    shared: float = 0.0
+    last_ratio: float = 0.0
+
+    def credit(
+        self,
+        ratio: float,
+        seconds: float,
+        holders: Sequence[int],
+        per_process: Mapping[int, float] | None = None,
+        pid_of: Mapping[int, int] | None = None,
+    ) -> None:
+        """One sample: device ``ratio`` (0-1) over ``seconds``, the lease holders then,
+        and optionally per-process ratios (pid -> 0-1) with the holders' pids."""
+        ratio = min(max(ratio, 0.0), 1.0)
+        self.last_ratio = ratio
+        if not holders or seconds <= 0:
+            return
+        if len(holders) == 1:
+            sid = holders[0]
+            self.by_session[sid] = self.by_session.get(sid, 0.0) + ratio * seconds
+            return
+        left = ratio
+        if per_process and pid_of:
+            for sid in holders:
+                r = min(per_process.get(pid_of.get(sid, -1), 0.0), left)
+                if r > 0:
+                    self.by_session[sid] = self.by_session.get(sid, 0.0) + r * seconds
+                    left -= r
+        self.shared += max(left, 0.0) * seconds
+
+    def forget(self, sid: int) -> None:
+        self.by_session.pop(sid, None)
+
+
+class NvmlUtilization:
+    """Device and per-process utilization through a module with pynvml's API."""
+
+    def __init__(self, nvml: Any, index: int) -> None:
+        self.nvml = nvml
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self._last_ts = 0
+
+    def device(self) -> float:
+        return float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu) / 100.0
+
+    def processes(self) -> dict[int, float]:
+        """pid -> SM utilization (0-1) since the last call; empty where unsupported."""
+        try:
+            samples = self.nvml.nvmlDeviceGetProcessUtilization(self.handle, self._last_ts)
+        except Exception:  # NVMLError_NotSupported / NotFound: no samples this period
+            return {}
+        out: dict[int, float] = {}
+        for smp in samples:
+            self._last_ts = max(self._last_ts, int(smp.timeStamp))
+            out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil) / 100.0)
+        return out
