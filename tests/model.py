@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gpushare.arbiter import (
     Action,
     Arbiter,
+    EscalateAction,
     EventAction,
     GpuSettings,
     GrantAction,
@@ -36,6 +37,7 @@ class Client:
     burst_s: float = 1.0
     think_s: float = 1.0
     yield_delay: float = 0.01
+    stuck: bool = False  # never answers a revoke (the escalation must deal with it)
     on_gpu: int = 0  # bytes physically on the GPU now (swap-outs in flight count)
     in_host: int = 0
     holding: bool = False
@@ -81,7 +83,15 @@ class Model:
                 self._on_grant(self.clients[a.session], a)
             elif isinstance(a, RevokeAction):
                 c = self.clients[a.session]
-                self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
+                if not c.stuck:
+                    self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
+            elif isinstance(a, EscalateAction):
+                if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
+                    self.clients[a.session].holding = False
+                elif a.escalation == "kill":
+                    self.at(
+                        0.0, lambda sid=a.session: self.kill(sid) if sid in self.clients else None
+                    )
             elif isinstance(a, SwapOutAction):
                 c = self.clients[a.session]
                 assert not c.holding, "the planner asked a holder to swap out"

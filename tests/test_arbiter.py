@@ -279,13 +279,18 @@ sessions_st = st.lists(
     policy=st.sampled_from(["equal", "weighted"]),
     tq=st.floats(0.2, 5.0),
     kills=st.lists(st.tuples(st.floats(0, 60), st.integers(0, 7)), max_size=3),
+    stuck=st.sets(st.integers(1, 8), max_size=2),
+    escalation=st.sampled_from(["freeze", "kill"]),
 )
-def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills):
-    """Never two exclusive holders, never over capacity, no starvation."""
+def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills, stuck, escalation):
+    """Never two exclusive holders, never over capacity, no starvation, even with
+    holders that never yield (the escalation deals with them)."""
     cap = 64 * GiB
-    m = Model(cap, GpuSettings(tq_s=tq, mode=mode, policy=policy, grace_s=1.0))
+    m = Model(
+        cap, GpuSettings(tq_s=tq, mode=mode, policy=policy, grace_s=1.0, escalation=escalation)
+    )
     for i, (lim, kind, burst, think, w, yd) in enumerate(sessions, start=1):
-        m.add(Client(i, lim * GiB, w, kind, burst, think, yd), start=0.01 * i)
+        m.add(Client(i, lim * GiB, w, kind, burst, think, yd, stuck=i in stuck), start=0.01 * i)
     t = 0.0
     for when, idx in sorted(kills):
         m.run(when - t)
@@ -299,10 +304,92 @@ def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills)
     assert m.max_on_gpu <= cap
     # No starvation: any wait is bounded by everyone else's quantum plus switch time.
     n = len(sessions)
-    switch = 64 * GiB / 55e9 * 2 + 0.3
+    switch = 64 * GiB / 55e9 * 2 + 0.3 + 1.0  # swaps, a yield, a grace period
     bound = n * (tq + switch + 0.1) + 1.0
     for c in m.clients.values():
+        if c.stuck:  # frozen by design; the others must not starve behind it
+            continue
         waited = [*c.waits]
         if c.wants and not c.holding:
             waited.append(m.clock.monotonic() - c.want_since)
         assert max(waited, default=0) <= bound, (c.sid, max(waited), bound)
+
+
+def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
+    a = arb(clock, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
+    a.attach(1, "stuck", GiB)
+    a.attach(2, "next", GiB)
+    a.acquire(1)
+    a.report(1, GiB, 0)
+    a.acquire(2)
+    clock.advance(1)
+    a.tick()  # revoke
+    clock.advance(1)
+    out = a.tick()  # grace over: freeze
+    assert actions_of(out, EscalateAction) == [EscalateAction(1, "freeze", "no_yield_within_grace")]
+    (g,) = actions_of(out, GrantAction)
+    assert g.session == 2 and not g.thaw
+    assert a.sessions[1].frozen and list(a.queue) == [1]
+    out = a.release(2, 0, 0)
+    (g,) = actions_of(out, GrantAction)
+    assert g.session == 1 and g.thaw and not a.sessions[1].frozen
+
+
+def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
+    a = arb(clock, capacity=10 * GiB, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
+    a.attach(1, "stuck", 6 * GiB)
+    a.attach(2, "big", 6 * GiB)
+    a.acquire(1)
+    a.report(1, 6 * GiB, 0)
+    a.acquire(2)
+    clock.advance(1)
+    a.tick()
+    clock.advance(1)
+    out = a.tick()
+    # 2 does not fit beside the frozen 6 GiB, which cannot swap and would not yield if
+    # thawed: the escalation goes on to kill, once
+    assert actions_of(out, SwapOutAction) == []
+    assert actions_of(out, EscalateAction)[-1] == EscalateAction(1, "kill", "frozen_memory_needed")
+    assert actions_of(a.tick(), EscalateAction) == []
+    out = a.detach(1, "killed")
+    assert [g.session for g in actions_of(out, GrantAction)] == [2]
+
+
+def test_resumed_session_keeps_memory_and_lease(clock):
+    a = arb(clock, tq_s=5, mode="exclusive")
+    out = a.attach(1, "survivor", 10 * GiB, resident=6 * GiB, swapped=4 * GiB, holding=True)
+    (g,) = actions_of(out, GrantAction)
+    assert g.session == 1 and a.holders == [1]
+    assert events_of(out, "attach")[0]["resumed"] is True
+    assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)
+
+
+def test_failed_swap_out_picks_another_victim_or_waits(clock):
+    a = arb(clock, capacity=20 * GiB, tq_s=1, mode="exclusive")
+    for i in (1, 2, 3):
+        a.attach(i, f"s{i}", 10 * GiB)
+    for i in (1, 2):
+        a.acquire(i)
+        a.report(i, 10 * GiB, 0)
+        clock.advance(1)
+        a.release(i, 10 * GiB, 0)
+    out = a.acquire(3)
+    assert actions_of(out, SwapOutAction) == [SwapOutAction(1, 10 * GiB)]
+    out = a.swap_done(1, "out", 0, 0.0, 10 * GiB, 0, error="host memory exhausted")
+    assert events_of(out, "swap_out")[0]["error"] == "host memory exhausted"
+    assert actions_of(out, SwapOutAction) == [SwapOutAction(2, 10 * GiB)]  # another way
+    out = a.swap_done(2, "out", 0, 0.0, 10 * GiB, 0, error="copy failed")
+    assert actions_of(out, SwapOutAction) == []  # nobody left to ask: wait
+    assert a.next_deadline() == pytest.approx(clock.monotonic() + 1.0)
+    clock.advance(1.0)
+    assert actions_of(a.tick(), SwapOutAction)  # then ask again
+
+
+def test_over_limit_seen_by_the_gpu_escalates_once(clock):
+    a = arb(clock, escalation="kill")
+    a.attach(1, "greedy", GiB)
+    out = a.over_limit(1, 2 * GiB)
+    assert actions_of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
+    assert actions_of(a.over_limit(1, 3 * GiB), EscalateAction) == []
+    a.over_limit(1, GiB // 2)
+    assert actions_of(a.over_limit(1, 2 * GiB), EscalateAction)

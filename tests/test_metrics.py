@@ -152,9 +152,8 @@ def test_live_node_serves_metrics_over_http(node_factory):
     assert fams["gpushare_lease_seconds"].type == "counter"
     assert fams["gpushare_wait_seconds"].type == "histogram"
     assert fams["gpushare_resident_bytes"].type == "gauge"
-    pods = {s.labels["pod"] for s in fams["gpushare_lease_seconds"].samples}
-    assert pods == {"trainer-0", "trainer-1"}
-    assert all(s.labels["namespace"] == "ml" for s in fams["gpushare_lease_seconds"].samples)
+    # These processes claim pods but the kernel puts them in none: no pod labels
+    assert {s.labels["pod"] for s in fams["gpushare_lease_seconds"].samples} == {""}
     assert sum(s.value for s in fams["gpushare_lease_seconds"].samples) > 0.5
     swapped = [
         s.value

@@ -237,7 +237,7 @@ def _frame(body: bytes) -> bytes:
         (p.encode(p.Hello(version=99)), b"version"),
         (p.encode(p.Hello(version=1, gpu=7)), b"gpu"),
         (p.encode(p.Hello(version=1, memory_limit=10**15)), b"attach"),
-        (p.encode(p.Hello(version=1)) + p.encode(p.StatusRequest()), b"protocol"),
+        (p.encode(p.Hello(version=1)) + p.encode(p.StatusRequest()), b"denied"),
     ],
 )
 def test_garbage_gets_an_error_and_harms_no_one(node_factory, data, code):

@@ -4,6 +4,7 @@ dashboard's PromQL parses and names only metrics the exporter emits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -98,16 +99,18 @@ def _query(port: int, q: str) -> dict:
 @needs_prometheus
 def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeypatch):
     mport, pport = free_port(), free_port()
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--metrics-port",
-        str(mport),
-        "--metrics-address",
-        "127.0.0.1",
+    # This process, as the kernel would show it inside a pod (a /proc root of our own)
+    proc = tmp_path / "proc"
+    (proc / str(os.getpid())).mkdir(parents=True)
+    uid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f"
+    slice_ = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    (proc / str(os.getpid()) / "cgroup").write_text(
+        f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}.scope\n"
     )
+    monkeypatch.setenv("POD_UID", uid)
+    args = ["--sim-gpus", "1", "--sim-memory", "16GiB", "--metrics-port", str(mport)]
+    args += ["--metrics-address", "127.0.0.1", "--proc-root", str(proc)]
+    node = node_factory(*args)
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"

@@ -20,10 +20,11 @@ from gpushare.planner import MemoryView, plan_grant
 
 Mode = Literal["auto", "exclusive"]
 Policy = Literal["equal", "weighted"]
-Escalation = Literal["log", "kill"]
+Escalation = Literal["log", "freeze", "kill"]
 MODES: tuple[Mode, ...] = ("auto", "exclusive")
 POLICIES: tuple[Policy, ...] = ("equal", "weighted")
-ESCALATIONS: tuple[Escalation, ...] = ("log", "kill")
+ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
+SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
 WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -65,6 +66,9 @@ class SessionState:
     escalated: bool = False
     wait_start: float = 0.0
     attached: float = 0.0  # monotonic
+    frozen: bool = False  # stopped by the freeze escalation until its next grant
+    swap_failed_until: float = 0.0
+    over_limit: bool = False
     last_served: float = -math.inf
     # totals
     lease_s: float = 0.0
@@ -95,6 +99,7 @@ class GrantAction:
     swap_in: int
     quantum_s: float
     shared: bool
+    thaw: bool = False  # the process was frozen: continue it before telling it
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,18 @@ class Arbiter:
 
     # --- inputs ---------------------------------------------------------------------
 
-    def attach(self, sid: int, name: str, limit: int, weight: float = 1.0) -> list[Action]:
+    def attach(
+        self,
+        sid: int,
+        name: str,
+        limit: int,
+        weight: float = 1.0,
+        resident: int = 0,
+        swapped: int = 0,
+        holding: bool = False,
+    ) -> list[Action]:
+        """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
+        outlived a node restart (it keeps its memory and, mid-burst, its lease)."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if limit <= 0:
@@ -158,10 +174,28 @@ class Arbiter:
             )
         if not (weight > 0 and math.isfinite(weight)):
             raise ArbiterError("weight must be a positive number")
-        self.sessions[sid] = SessionState(
+        s = SessionState(
             id=sid, name=name, limit=limit, weight=weight, attached=self.clock.monotonic()
         )
-        self._event("attach", sid, name=name, limit_bytes=limit, weight=weight)
+        self._set_memory(s, resident, swapped)
+        self.sessions[sid] = s
+        resumed = bool(resident or swapped or holding)
+        self._event(
+            "attach",
+            sid,
+            name=name,
+            limit_bytes=limit,
+            weight=weight,
+            resumed=resumed,
+            resident_bytes=resident,
+            swapped_bytes=swapped,
+        )
+        if holding:  # it was working when the node went away: it holds a lease again
+            s.bursts += 1
+            self._enqueue(s)
+            self.queue.remove(sid)
+            self.queue.appendleft(sid)
+            self._grant(s)
         return self._advance()
 
     def detach(self, sid: int, reason: str = "closed") -> list[Action]:
@@ -239,6 +273,7 @@ class Arbiter:
         if error:
             if direction == "out":
                 s.pending_out = 0  # the planner will look for another way
+                s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         else:
             self._count_swap(s, direction, nbytes, seconds)
@@ -264,8 +299,32 @@ class Arbiter:
             self._out.append(EscalateAction(sid, self.settings.escalation, "over_memory_limit"))
         return self._advance()
 
+    def over_limit(self, sid: int, used: int) -> list[Action]:
+        """The GPU itself (NVML) says the session uses ``used`` bytes."""
+        s = self._get(sid)
+        if used > s.limit and not s.over_limit:
+            s.over_limit = True
+            s.escalations += 1
+            esc = self.settings.escalation
+            self._event(
+                "escalate",
+                sid,
+                reason="over_memory_limit",
+                used_bytes=used,
+                limit_bytes=s.limit,
+                action=esc,
+            )
+            self._out.append(EscalateAction(sid, esc, "over_memory_limit"))
+        elif used <= s.limit:
+            s.over_limit = False
+        return self._advance()
+
     def configure(
-        self, tq_s: float | None = None, mode: Mode | None = None, policy: Policy | None = None
+        self,
+        tq_s: float | None = None,
+        mode: Mode | None = None,
+        policy: Policy | None = None,
+        escalation: Escalation | None = None,
     ) -> list[Action]:
         """Change TQ, mode or policy; quanta already running keep their length."""
         changes: dict[str, Any] = {}
@@ -284,6 +343,11 @@ class Arbiter:
                 raise ArbiterError(f"policy must be one of {', '.join(POLICIES)}")
             self.settings.policy = policy
             changes["policy"] = policy
+        if escalation is not None:
+            if escalation not in ESCALATIONS:
+                raise ArbiterError(f"escalation must be one of {', '.join(ESCALATIONS)}")
+            self.settings.escalation = escalation
+            changes["escalation"] = escalation
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -303,6 +367,11 @@ class Arbiter:
                 times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
+        if self.queue:  # a plan waiting on a failed swap: look again when it may retry
+            now = self.clock.monotonic()
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
         return min(times, default=None)
 
     def quantum(self, s: SessionState) -> float:
@@ -349,6 +418,9 @@ class Arbiter:
                     action=esc,
                 )
                 self._out.append(EscalateAction(sid, esc, "no_yield_within_grace"))
+                if esc == "freeze":
+                    self._freeze(s, now)
+                    self._grant_what_fits()
         out, self._out = self._out, []
         return out
 
@@ -374,8 +446,38 @@ class Arbiter:
                     v = self.sessions[sid]
                     v.pending_out += n
                     self._out.append(SwapOutAction(sid, n))
+                if plan.shortfall and not plan.swap_outs and not self.holders:
+                    # A frozen session's memory (a stopped process cannot swap) blocks the
+                    # head, and thawing it would not help (it ignores revokes): the
+                    # escalation goes one step further, or the queue waits forever.
+                    for sid in self.queue:
+                        v = self.sessions[sid]
+                        if v.frozen and not v.escalated:
+                            v.escalated = True
+                            v.escalations += 1
+                            self._event(
+                                "escalate",
+                                sid,
+                                reason="frozen_memory_needed",
+                                resident_bytes=v.resident,
+                                action="kill",
+                            )
+                            self._out.append(EscalateAction(sid, "kill", "frozen_memory_needed"))
                 return
             self._grant(head)
+
+    def _freeze(self, s: SessionState, now: float) -> None:
+        """The freeze escalation: the process is stopped; its lease goes to the next, and
+        it waits for its turn (its memory stays where it is: a stopped process cannot
+        swap)."""
+        s.lease_s += now - s.lease_start
+        self.holders.remove(s.id)
+        self._event("release", s.id, lease=s.lease, seconds=now - s.lease_start, reason="frozen")
+        s.lease = 0
+        s.frozen = True
+        s.escalated = False
+        s.pending_out = 0
+        self._enqueue(s)
 
     def _grant(self, s: SessionState) -> None:
         now = self.clock.monotonic()
@@ -391,6 +493,8 @@ class Arbiter:
         s.quantum_end = now + q
         s.last_served = now
         self.holders.append(s.id)
+        thaw, s.frozen = s.frozen, False
+        s.escalated = False
         self._event(
             "grant",
             s.id,
@@ -400,7 +504,7 @@ class Arbiter:
             quantum_s=q,
             shared=shared,
         )
-        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared))
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw))
 
     def _revoke(self, s: SessionState, now: float) -> None:
         s.state = State.YIELDING
@@ -465,7 +569,10 @@ class Arbiter:
             s.pending_out = resident
 
     def _view(self, s: SessionState) -> MemoryView:
-        return MemoryView(s.id, s.limit, s.resident, s.holding, s.last_served, s.pending_out)
+        pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
+        return MemoryView(
+            s.id, s.limit, s.resident, s.holding, s.last_served, s.pending_out, pinned
+        )
 
     def _views(self) -> list[MemoryView]:
         return [self._view(s) for s in self.sessions.values()]

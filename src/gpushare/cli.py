@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
     )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
+    n.add_argument("--proc-root", metavar="PATH", help="where the host's /proc is mounted "
+                   "(default /proc; /host/proc in a container without hostPID)")
+    n.add_argument("--admin-group", metavar="GROUP", help="members may administer "
+                   "(admin socket mode 0660)")
     n.add_argument(
         "--metrics-port",
         type=int,
@@ -270,6 +274,8 @@ def _node(args: argparse.Namespace) -> int:
         "sim_bandwidth": args.sim_bandwidth,
         "event_log": args.event_log,
         "metrics_port": args.metrics_port,
+        "proc_root": args.proc_root,
+        "admin_group": args.admin_group,
         "metrics_address": args.metrics_address,
     }
     cfg = msgspec.structs.replace(cfg, **{k: v for k, v in flags.items() if v is not None})

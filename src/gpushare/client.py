@@ -66,6 +66,7 @@ def attach(
         pod=env.pod,
         namespace=env.namespace,
         container=env.container,
+        pod_uid=env.pod_uid,
     )
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     sock.settimeout(timeout)

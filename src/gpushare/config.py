@@ -22,6 +22,7 @@ class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     tq: float | None = None
     mode: Mode | None = None
     policy: Policy | None = None
+    escalation: Escalation | None = None
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -35,6 +36,11 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/gpushare/gpushare.sock"
     admin_socket: str = "/run/gpushare/admin.sock"
     event_log: str = ""
+    proc_root: str = "/proc"
+    admin_group: str = ""  # a group whose members may administer (socket mode 0660)
+    max_sessions_per_uid: int = 64
+    max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
+    hello_timeout: float = 10.0
     metrics_port: int = 9423  # 0: no exporter
     metrics_address: str = "0.0.0.0"
     sim_gpus: int = 0
@@ -64,7 +70,8 @@ def load(path: str | os.PathLike[str] | None) -> NodeConfig:
 
 
 def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> None:
-    """Write ``values`` (``tq``, ``mode``, ``policy``) into the file, atomically.
+    """Write ``values`` (``tq``, ``mode``, ``policy``, ``escalation``) into the file,
+    atomically.
 
     For one GPU they go to its ``[gpu.N]`` table; for all, to the top level, and the
     same keys are dropped from every ``[gpu.N]`` table so that they apply everywhere.

@@ -21,6 +21,7 @@ class WorkloadEnv:
     pod: str
     namespace: str
     container: str
+    pod_uid: str
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> WorkloadEnv:
@@ -54,4 +55,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> WorkloadEnv:
         pod=e.get("POD_NAME", ""),
         namespace=e.get("POD_NAMESPACE", ""),
         container=e.get("CONTAINER_NAME", ""),
+        pod_uid=e.get("POD_UID", ""),
     )

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import signal
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare import protocol as p
 from gpushare.arbiter import (
+    ESCALATIONS,
     MODES,
     POLICIES,
     Action,
@@ -36,12 +37,11 @@ from gpushare.clock import Clock, SystemClock
 from gpushare.config import NodeConfig, persist
 from gpushare.events import EventBus
 from gpushare.gpus import GpuInfo
+from gpushare.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
 from gpushare.units import format_size, parse_size
 from gpushare.utilization import Attribution, NvmlUtilization
 
 log = logging.getLogger("gpushare.node")
-HELLO_DEADLINE_S = 10.0
-_PEERCRED = struct.Struct("3i")
 
 
 @dataclass
@@ -49,21 +49,37 @@ class Conn:
     writer: asyncio.StreamWriter
     pid: int
     uid: int
+    gid: int
     session: int = 0
     gpu: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # what the client claims
+    identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
+    verified: bool = False  # the claimed pod UID is the kernel's
+    frozen: bool = False
+    tokens: float = 0.0
+    refilled: float = 0.0
 
     def send(self, msg: p.Message) -> None:
         if not self.writer.is_closing():
             self.writer.write(p.encode(msg))
 
+    def spend(self, rate: float) -> bool:
+        """One message from the token bucket (``rate``/s, bursts of twice that)."""
+        now = time.monotonic()
+        self.tokens = min(2 * rate, self.tokens + (now - self.refilled) * rate)
+        self.refilled = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end, from the kernel."""
-    pid, uid, gid = _PEERCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    )
-    return pid, uid, gid
+
+class Refused(Exception):
+    """A request this connection may not make; it is answered, logged, and closed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 async def read_frame(reader: asyncio.StreamReader) -> p.Message:
@@ -97,7 +113,7 @@ class Node:
                 mode=o.mode if o and o.mode else config.mode,
                 policy=o.policy if o and o.policy else config.policy,
                 grace_s=config.grace,
-                escalation=config.escalation,
+                escalation=o.escalation if o and o.escalation else config.escalation,
             )
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
@@ -119,9 +135,14 @@ class Node:
 
     async def start(self) -> None:
         self._servers.append(await _serve_unix(self._workload_conn, self.config.socket, mode=0o666))
+        gid = self._admin_gid()
         self._servers.append(
-            await _serve_unix(self._admin_conn, self.config.admin_socket, mode=0o600)
+            await _serve_unix(
+                self._admin_conn, self.config.admin_socket, mode=0o600 if gid is None else 0o660
+            )
         )
+        if gid is not None:
+            os.chown(self.config.admin_socket, -1, gid)
         for g, a in zip(self.gpus, self.arbiters, strict=True):
             s = a.settings
             log.info(
@@ -184,11 +205,16 @@ class Node:
                     else:
                         ratio = sampler.device()
                         procs = sampler.processes() if len(arb.holders) > 1 else None
+                        used = sampler.memory()
                 except Exception as e:  # a flaky driver must not stop the node
                     log.warning("GPU %d: utilization sample failed: %s", g.index, e)
                     continue
-                pids = {sid: c.pid for sid, c in self.conns.items()}
+                pids = {sid: c.pid for sid, c in self.conns.items() if c.gpu == g.index}
                 att.credit(ratio, dt, list(arb.holders), procs, pids)
+                if sampler is not None:  # the GPU's own view of each session's memory
+                    for sid, pid in pids.items():
+                        if pid in used and sid in arb.sessions:
+                            self._apply(arb, arb.over_limit(sid, used[pid]))
 
     async def run(self) -> None:
         await self.start()
@@ -225,6 +251,9 @@ class Node:
                 continue
             c = self.conns.get(a.session)
             if isinstance(a, GrantAction):
+                if c and a.thaw:
+                    self._signal(c, signal.SIGCONT)
+                    c.frozen = False
                 if c:
                     c.send(
                         p.Grant(
@@ -244,9 +273,40 @@ class Node:
     def _escalate(self, a: EscalateAction, c: Conn | None) -> None:
         who = f"session {a.session}" + (f" (pid {c.pid})" if c else "")
         log.warning("escalation %s for %s: %s", a.escalation, who, a.reason)
-        if a.escalation == "kill" and c and c.pid > 0:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(c.pid, signal.SIGKILL)
+        if c is None:
+            return
+        if a.escalation == "kill":
+            self._signal(c, signal.SIGCONT if c.frozen else 0)
+            self._signal(c, signal.SIGKILL)
+        elif a.escalation == "freeze" and a.reason == "no_yield_within_grace":
+            c.frozen = True
+            self._signal(c, signal.SIGSTOP)
+
+    @staticmethod
+    def _signal(c: Conn, sig: int) -> None:
+        if c.pid > 1 and sig:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(c.pid, sig)
+
+    def _refuse(self, conn: Conn, where: str, code: str, message: str) -> None:
+        """Answer a refusal, log it and make it an event."""
+        log.warning(
+            "refused pid %d uid %d on the %s socket: %s", conn.pid, conn.uid, where, message
+        )
+        conn.send(p.Error(code=code, message=message))
+        self.events.publish(
+            {
+                "ts": self.clock.wall(),
+                "gpu": None,
+                "event": "refused",
+                "session": conn.session or None,
+                "pid": conn.pid,
+                "uid": conn.uid,
+                "socket": where,
+                "code": code,
+                "reason": message,
+            }
+        )
 
     def _schedule(self, arb: Arbiter) -> None:
         old = self._timers.pop(arb.gpu, None)
@@ -267,15 +327,23 @@ class Node:
     async def _workload_conn(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
-        conn = Conn(writer, pid, uid)
+        peer = peer_credentials(writer.get_extra_info("socket"))
+        conn = Conn(
+            writer,
+            peer.pid,
+            peer.uid,
+            peer.gid,
+            tokens=2 * self.config.max_messages_per_s,
+            refilled=time.monotonic(),
+        )
         arb: Arbiter | None = None
         try:
             try:
-                hello = await asyncio.wait_for(read_frame(reader), HELLO_DEADLINE_S)
+                hello = await asyncio.wait_for(read_frame(reader), self.config.hello_timeout)
             except TimeoutError:
-                conn.send(p.Error(code="timeout", message="no hello within 10 s"))
-                return
+                raise Refused(
+                    "timeout", f"no hello within {self.config.hello_timeout:g} s"
+                ) from None
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
             arb = self._attach(conn, hello)
@@ -283,15 +351,22 @@ class Node:
                 return
             while True:
                 msg = await read_frame(reader)
+                if not conn.spend(self.config.max_messages_per_s):
+                    raise Refused(
+                        "rate",
+                        f"more than {self.config.max_messages_per_s:g} messages"
+                        " per second: slow down",
+                    )
                 try:
                     self._apply(arb, self._workload_msg(arb, conn.session, msg))
                 except ArbiterError as e:
                     conn.send(p.Error(code="state", message=str(e)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except Refused as e:
+            self._refuse(conn, "workload", e.code, str(e))
         except p.ProtocolError as e:
-            log.warning("pid %d: %s; closing its connection", pid, e)
-            conn.send(p.Error(code="protocol", message=str(e)))
+            self._refuse(conn, "workload", "protocol", str(e))
         finally:
             if arb is not None and conn.session in self.conns:
                 del self.conns[conn.session]
@@ -300,6 +375,13 @@ class Node:
             writer.close()
 
     def _attach(self, conn: Conn, h: p.Hello) -> Arbiter | None:
+        mine = sum(1 for c in self.conns.values() if c.uid == conn.uid)
+        if mine >= self.config.max_sessions_per_uid:
+            raise Refused(
+                "limit",
+                f"uid {conn.uid} has {mine} sessions, the most allowed"
+                " (max_sessions_per_uid): close some first",
+            )
         if h.version != p.PROTOCOL_VERSION:
             conn.send(
                 p.Error(
@@ -334,12 +416,16 @@ class Node:
         weight = h.weight if h.weight is not None else 1.0
         sid = self._next_session
         try:
-            actions = arb.attach(sid, h.name or f"pid-{conn.pid}", limit, weight)
+            actions = arb.attach(
+                sid, h.name or f"pid-{conn.pid}", limit, weight, h.resident, h.swapped, h.holding
+            )
         except ArbiterError as e:
             conn.send(p.Error(code="attach", message=str(e)))
             return None
         self._next_session += 1
         conn.session, conn.gpu = sid, gpu
+        conn.identity = read_identity(conn.pid, self.config.proc_root)
+        conn.verified = bool(conn.identity.pod_uid) and h.pod_uid == conn.identity.pod_uid
         conn.info = {
             "name": h.name,
             "pod": h.pod,
@@ -379,33 +465,44 @@ class Node:
             )
         if isinstance(msg, p.Report):
             return arb.report(sid, msg.resident, msg.swapped)
-        raise p.ProtocolError(
-            f"{type(msg).__name__} is not a workload message (administration uses the admin socket)"
+        raise Refused(
+            "denied",
+            f"{type(msg).__name__} is not a workload message: a workload acts only on its own"
+            " session (administration uses the admin socket)",
         )
 
     # --- administration -------------------------------------------------------------
 
     async def _admin_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
-        conn = Conn(writer, pid, uid)
+        peer = peer_credentials(writer.get_extra_info("socket"))
+        conn = Conn(
+            writer,
+            peer.pid,
+            peer.uid,
+            peer.gid,
+            tokens=2 * self.config.max_messages_per_s,
+            refilled=time.monotonic(),
+        )
         try:
-            if uid not in (0, os.geteuid()):
-                conn.send(
-                    p.Error(
-                        code="denied",
-                        message=(
-                            f"uid {uid} may not administer this node:"
-                            f" run as root or uid {os.geteuid()}"
-                        ),
-                    )
+            if not self._may_administer(conn):
+                group = f" or a member of group {self.config.admin_group}" * bool(
+                    self.config.admin_group
                 )
-                return
+                raise Refused(
+                    "denied",
+                    f"uid {conn.uid} may not administer this node: run as"
+                    f" root, uid {os.geteuid()}{group}",
+                )
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
+                if not conn.spend(self.config.max_messages_per_s):
+                    raise Refused("rate", "too many admin requests per second: slow down")
                 if isinstance(msg, p.StatusRequest):
                     conn.send(p.StatusReply(status=self.status()))
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self._set_config(msg))
+                elif isinstance(msg, p.EndSession):
+                    conn.send(self._end_session(msg))
                 elif isinstance(msg, p.EventsRequest):
                     await self._serve_events(conn, msg)
                     return
@@ -414,11 +511,39 @@ class Node:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
+        except Refused as e:
+            self._refuse(conn, "admin", e.code, str(e))
         except p.ProtocolError as e:
-            log.warning("admin pid %d: %s; closing its connection", pid, e)
-            conn.send(p.Error(code="protocol", message=str(e)))
+            self._refuse(conn, "admin", "protocol", str(e))
         finally:
             writer.close()
+
+    def _admin_gid(self) -> int | None:
+        g = self.config.admin_group
+        if not g:
+            return None
+        return int(g) if g.isdigit() else grp.getgrnam(g).gr_gid
+
+    def _may_administer(self, conn: Conn) -> bool:
+        # The socket's mode already keeps others out; the peer check holds even if the
+        # mode was loosened by hand.
+        if conn.uid in (0, os.geteuid()):
+            return True
+        gid = self._admin_gid()
+        return gid is not None and (
+            conn.gid == gid or gid in groups_of(conn.pid, self.config.proc_root)
+        )
+
+    def _end_session(self, m: p.EndSession) -> p.Message:
+        c = self.conns.get(m.session)
+        if c is None:
+            return p.Error(code="session", message=f"no session {m.session} on this node")
+        log.warning("ending session %d (pid %d): %s", m.session, c.pid, m.reason)
+        c.send(p.Error(code="ended", message=f"session ended: {m.reason}"))
+        if c.frozen:
+            self._signal(c, signal.SIGCONT)
+        c.writer.close()  # its reader sees the end; the detach follows from there
+        return p.Done(message=f"session {m.session} ended")
 
     def _set_config(self, m: p.SetConfig) -> p.Message:
         if m.gpu is not None and not 0 <= m.gpu < len(self.arbiters):
@@ -427,10 +552,14 @@ class Node:
             return p.Error(code="value", message=f"mode must be one of {', '.join(MODES)}")
         if m.policy is not None and m.policy not in POLICIES:
             return p.Error(code="value", message=f"policy must be one of {', '.join(POLICIES)}")
+        if m.escalation is not None and m.escalation not in ESCALATIONS:
+            return p.Error(
+                code="value", message=f"escalation must be one of {', '.join(ESCALATIONS)}"
+            )
         targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
         try:
             for arb in targets:
-                self._apply(arb, arb.configure(m.tq_s, m.mode, m.policy))
+                self._apply(arb, arb.configure(m.tq_s, m.mode, m.policy, m.escalation))
         except ArbiterError as e:
             return p.Error(code="value", message=str(e))
         for arb in targets:
@@ -456,6 +585,8 @@ class Node:
                 values["mode"] = m.mode
             if m.policy is not None:
                 values["policy"] = m.policy
+            if m.escalation is not None:
+                values["escalation"] = m.escalation
             try:
                 persist(self.config_path, m.gpu, **values)
             except (OSError, ValueError) as e:
@@ -467,6 +598,7 @@ class Node:
     @staticmethod
     def _gpu_settings(a: Arbiter) -> dict[str, Any]:
         return {
+            "escalation": a.settings.escalation,
             "index": a.gpu,
             "tq_s": a.settings.tq_s,
             "mode": a.settings.mode,
@@ -500,15 +632,23 @@ class Node:
             for s in a.sessions.values():
                 c = self.conns.get(s.id)
                 info = c.info if c else {}
+                ok = bool(c and c.verified)  # claims shown only when the kernel agrees
+                ident = c.identity if c else CgroupIdentity()
                 sessions.append(
                     {
                         "id": s.id,
                         "name": s.name,
                         "pid": c.pid if c else 0,
                         "uid": c.uid if c else 0,
-                        "pod": info.get("pod", ""),
-                        "namespace": info.get("namespace", ""),
-                        "container": info.get("container", ""),
+                        "pod": info.get("pod", "") if ok else "",
+                        "namespace": info.get("namespace", "") if ok else "",
+                        "container": info.get("container", "") if ok else "",
+                        "identity_verified": ok,
+                        "claimed": {k: info.get(k, "") for k in ("pod", "namespace", "container")},
+                        "pod_uid": ident.pod_uid,
+                        "container_id": ident.container_id,
+                        "runtime": ident.runtime,
+                        "frozen": s.frozen,
                         "state": str(s.state),
                         "weight": s.weight,
                         "memory_limit_bytes": s.limit,

@@ -27,6 +27,7 @@ class MemoryView:
     holding: bool
     last_served: float
     pending_out: int = 0  # bytes asked to swap out, not yet reported done
+    pinned: bool = False  # cannot be asked now (frozen, or its last swap failed)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) ->
     for v in sorted(others, key=lambda s: (s.last_served, s.id)):
         if need <= 0:
             break
-        if v.holding:
+        if v.holding or v.pinned:
             continue
         avail = v.resident - v.pending_out
         if avail <= 0:

@@ -43,6 +43,11 @@ class Hello(_Msg, tag="hello"):
     pod: str = ""
     namespace: str = ""
     container: str = ""
+    pod_uid: str = ""  # claimed; checked against the kernel's cgroup view
+    # A workload that outlived a node restart re-registers what it has:
+    resident: int = 0
+    swapped: int = 0
+    holding: bool = False
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -139,12 +144,24 @@ class SetConfig(_Msg, tag="set_config"):
     tq_s: float | None = None
     mode: str | None = None
     policy: str | None = None
+    escalation: str | None = None
     persist: bool = False
 
 
 class ConfigReply(_Msg, tag="config_reply"):
     gpus: list[dict[str, Any]]
     persisted_to: str = ""
+
+
+class EndSession(_Msg, tag="end_session"):
+    """Administration: close a session's connection (its lease and memory are freed)."""
+
+    session: int
+    reason: str = "ended by an administrator"
+
+
+class Done(_Msg, tag="done"):
+    message: str
 
 
 class EventsRequest(_Msg, tag="events"):
@@ -176,6 +193,8 @@ Message = (
     | StatusReply
     | SetConfig
     | ConfigReply
+    | EndSession
+    | Done
     | EventsRequest
     | EventMsg
     | EventsEnd

@@ -94,7 +94,8 @@ def render(status: dict[str, Any], shares: dict[tuple[int, int], float], width: 
 def _who(s: dict[str, Any]) -> str:
     if s["pod"]:
         return f"{s['namespace']}/{s['pod']}" if s["namespace"] else s["pod"]
-    return str(s["name"])
+    claimed = s.get("claimed", {}).get("pod", "")
+    return f"{claimed}?" if claimed else str(s["name"])  # ?: claimed, not verified
 
 
 def frames(client: AdminClient) -> Iterator[list[str]]:

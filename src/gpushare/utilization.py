@@ -66,6 +66,15 @@ class NvmlUtilization:
     def device(self) -> float:
         return float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu) / 100.0
 
+    def memory(self) -> dict[int, int]:
+        """pid -> GPU memory bytes in use, as the driver counts them."""
+        out: dict[int, int] = {}
+        for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            used = proc.usedGpuMemory
+            if used is not None:  # None where the driver may not say (no permission)
+                out[int(proc.pid)] = out.get(int(proc.pid), 0) + int(used)
+        return out
+
     def processes(self) -> dict[int, float]:
         """pid -> SM utilization (0-1) since the last call; empty where unsupported."""
         try:
