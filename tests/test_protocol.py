@@ -43,7 +43,7 @@ def test_malformed_bodies_raise_protocol_error(body):
         p.decode(body)
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=10_000, deadline=None)
 @given(st.binary(max_size=256))
 def test_decoder_never_fails_other_than_protocol_error(data):
     with contextlib.suppress(p.ProtocolError):

@@ -174,6 +174,8 @@ class Arbiter:
             )
         if not (weight > 0 and math.isfinite(weight)):
             raise ArbiterError("weight must be a positive number")
+        if resident < 0 or swapped < 0 or resident + swapped > limit:
+            raise ArbiterError("re-registered memory must be within the memory limit")
         s = SessionState(
             id=sid, name=name, limit=limit, weight=weight, attached=self.clock.monotonic()
         )

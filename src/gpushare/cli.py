@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--escalation",
-        choices=["log", "kill"],
+        choices=["log", "freeze", "kill"],
         help="what happens to a holder that does not yield in time (default log)",
     )
     n.add_argument(
@@ -99,11 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES_PER_S",
         help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
     )
+    n.add_argument(
+        "--sim-swap-failure-rate",
+        type=float,
+        metavar="P",
+        help="simulated GPUs: each swap-out fails with probability P (fault drills)",
+    )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
-    n.add_argument("--proc-root", metavar="PATH", help="where the host's /proc is mounted "
-                   "(default /proc; /host/proc in a container without hostPID)")
-    n.add_argument("--admin-group", metavar="GROUP", help="members may administer "
-                   "(admin socket mode 0660)")
+    n.add_argument(
+        "--proc-root",
+        metavar="PATH",
+        help="where the host's /proc is mounted "
+        "(default /proc; /host/proc in a container without hostPID)",
+    )
+    n.add_argument(
+        "--admin-group", metavar="GROUP", help="members may administer (admin socket mode 0660)"
+    )
     n.add_argument(
         "--metrics-port",
         type=int,
@@ -138,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the node's config file, so a restart keeps it",
     )
+    for name, choices, what in [
+        ("mode", ["auto", "exclusive"], "how sessions share a GPU"),
+        ("policy", ["equal", "weighted"], "how quanta are sized"),
+        ("escalation", ["log", "freeze", "kill"], "what happens to a holder that ignores a revoke"),
+    ]:
+        sp = cs.add_parser(name, help=f"set the {name}: {what}, live")
+        sp.add_argument("value", choices=choices)
+        sp.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
+        sp.add_argument("--persist", action="store_true", help="also write the config file")
+    end = cs.add_parser("end", help="end a session (its lease and memory are freed)")
+    end.add_argument("session", type=int, metavar="ID")
+    end.add_argument("--reason", default="ended by an administrator")
     ev = cs.add_parser("events", help="the event stream as JSON lines")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
@@ -237,7 +260,11 @@ def _ctl(args: argparse.Namespace) -> int:
     if args.ctl_cmd == "status":
         return ctl.status(args.socket, args.json)
     if args.ctl_cmd == "tq":
-        return ctl.set_tq(args.socket, args.seconds, args.gpu, args.persist)
+        return ctl.configure(args.socket, args.gpu, args.persist, tq_s=args.seconds)
+    if args.ctl_cmd in ("mode", "policy", "escalation"):
+        return ctl.configure(args.socket, args.gpu, args.persist, **{args.ctl_cmd: args.value})
+    if args.ctl_cmd == "end":
+        return ctl.end_session(args.socket, args.session, args.reason)
     return ctl.events(args.socket, args.follow, args.since, args.session)
 
 
@@ -275,6 +302,7 @@ def _node(args: argparse.Namespace) -> int:
         "event_log": args.event_log,
         "metrics_port": args.metrics_port,
         "proc_root": args.proc_root,
+        "sim_swap_failure_rate": args.sim_swap_failure_rate,
         "admin_group": args.admin_group,
         "metrics_address": args.metrics_address,
     }

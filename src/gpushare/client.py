@@ -3,7 +3,9 @@
 A reader thread receives the daemon's messages. A revoke only sets a flag, which
 :meth:`Session.checkpoint` reads with no system call; swap-outs asked of an idle or
 waiting session are done by the reader thread itself, while the workload's own threads
-go on with CPU work.
+go on with CPU work. When the node goes away, the reader thread reconnects with backoff
+and re-registers the session's memory (and its lease, mid-burst); meanwhile a burst in
+progress goes on and a new one waits, up to ``reconnect_timeout``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 import weakref
 from collections.abc import Iterator
 
+import msgspec
+
 from gpushare import protocol as p
 from gpushare.env import read_env
 from gpushare.errors import DaemonUnavailableError, GpushareError, SwapError
@@ -26,6 +30,8 @@ from gpushare.swap.sim import SimBackend
 from gpushare.units import parse_size
 
 log = logging.getLogger("gpushare.client")
+# Error codes after which the node closes the session for good (no reconnecting).
+_FATAL = frozenset({"ended", "protocol", "denied", "rate", "limit"})
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
@@ -46,11 +52,14 @@ def attach(
     weight: float | None = None,
     backend: str | None = None,
     timeout: float = 10.0,
+    reconnect_timeout: float | None = None,
 ) -> Session:
     """Attach this process to a GPU through the node daemon; returns a :class:`Session`.
 
     ``memory`` (``"20GiB"``, bytes) is the most GPU memory the session may use; without
     it ``GPUSHARE_MEMORY``, then KAI's ``GPU_PORTION`` of the GPU, then the whole GPU.
+    ``reconnect_timeout`` (default ``GPUSHARE_RECONNECT_TIMEOUT``, else 60 s) bounds how
+    long a new burst waits for a node that went away.
     """
     env = read_env()
     path = socket or env.socket
@@ -68,41 +77,58 @@ def attach(
         container=env.container,
         pod_uid=env.pod_uid,
     )
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
-        sock.connect(path)
-    except OSError as e:
-        sock.close()
+        sock, welcome, rest = _handshake(path, hello, timeout)
+    except FileNotFoundError as e:
         raise DaemonUnavailableError(
-            f"cannot reach the gpushare node at {path} ({e.strerror or e}): start it with"
+            f"cannot reach the gpushare node at {path} ({e.strerror}): start it with"
             " 'gpushare node' or point GPUSHARE_SOCKET at its socket"
         ) from None
-    try:
-        sock.sendall(p.encode(hello))
-        welcome = _read_one(sock)
     except (OSError, p.ProtocolError) as e:
-        sock.close()
-        raise DaemonUnavailableError(f"gpushare node at {path} did not answer: {e}") from None
-    if isinstance(welcome, p.Error):
-        sock.close()
-        raise GpushareError(welcome.message)
-    if not isinstance(welcome, p.Welcome):
-        sock.close()
-        raise DaemonUnavailableError(f"unexpected first answer from the node: {type(welcome)}")
-    sock.settimeout(None)
-    return Session(sock, welcome, _make_backend(backend, welcome))
+        raise DaemonUnavailableError(
+            f"cannot reach the gpushare node at {path} ({getattr(e, 'strerror', None) or e}):"
+            " start it with 'gpushare node' or point GPUSHARE_SOCKET at its socket"
+        ) from None
+    if reconnect_timeout is None:
+        reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)
+    s = Session(sock, welcome, _make_backend(backend, welcome), path, hello, reconnect_timeout)
+    for msg in rest:
+        s._handle(msg)
+    return s
 
 
-def _read_one(sock: _socket.socket) -> p.Message:
-    buf = p.FrameBuffer()
-    while True:
-        data = sock.recv(65536)
-        if not data:
-            raise p.ProtocolError("connection closed")
-        msgs = buf.feed(data)
-        if msgs:
-            return msgs[0]
+class _Refused(GpushareError):
+    def __init__(self, err: p.Error) -> None:
+        super().__init__(err.message)
+        self.code = err.code
+
+
+def _handshake(
+    path: str, hello: p.Hello, timeout: float
+) -> tuple[_socket.socket, p.Welcome, list[p.Message]]:
+    """Connect, say hello, read the welcome; returns what followed it too."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(p.encode(hello))
+        buf = p.FrameBuffer()
+        msgs: list[p.Message] = []
+        while not msgs:
+            data = sock.recv(65536)
+            if not data:
+                raise p.ProtocolError("the node closed the connection")
+            msgs = buf.feed(data)
+        first = msgs[0]
+        if isinstance(first, p.Error):
+            raise _Refused(first)
+        if not isinstance(first, p.Welcome):
+            raise p.ProtocolError(f"unexpected first answer from the node: {type(first)}")
+        sock.settimeout(None)
+        return sock, first, msgs[1:]
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
@@ -112,14 +138,27 @@ def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
                 f"GPU {w.gpu} ({w.gpu_name}) is a real GPU and the sim backend only serves"
                 " simulated ones: the torch backend is needed for real GPUs"
             )
-        return SimBackend(w.memory_limit, scale=w.sim_scale, bandwidth=w.sim_bandwidth)
+        return SimBackend(
+            w.memory_limit,
+            scale=w.sim_scale,
+            bandwidth=w.sim_bandwidth,
+            failure_rate=w.sim_swap_failure_rate,
+        )
     raise GpushareError(f"unknown swap backend {name!r}: choose 'sim'")
 
 
 class Session:
     """One workload process attached to one GPU. See :func:`attach`."""
 
-    def __init__(self, sock: _socket.socket, welcome: p.Welcome, backend: SwapBackend) -> None:
+    def __init__(
+        self,
+        sock: _socket.socket,
+        welcome: p.Welcome,
+        backend: SwapBackend,
+        path: str = "",
+        hello: p.Hello | None = None,
+        reconnect_timeout: float = 60.0,
+    ) -> None:
         self.id = welcome.session
         self.name = welcome.name
         self.gpu_index = welcome.gpu
@@ -132,6 +171,12 @@ class Session:
         backend.on_change = self._report
         backend.check_access = self._check_access
         self._sock = sock
+        self._path = path
+        self._hello = hello or p.Hello(version=p.PROTOCOL_VERSION)
+        self.reconnect_timeout = reconnect_timeout
+        self._generation = 0  # connections so far: a new one needs requests made again
+        self._away_since = 0.0
+        self._fatal = False  # the node ended this session: no reconnecting
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._pid = os.getpid()
@@ -175,7 +220,7 @@ class Session:
         finally:
             with self._cond:
                 self._depth -= 1
-                if self._depth == 0 and self._holding and not self._gone:
+                if self._depth == 0 and self._holding:
                     self._release_locked(again=False)
 
     def checkpoint(self) -> None:
@@ -228,8 +273,20 @@ class Session:
             )
         if self._closed:
             raise GpushareError("session is closed")
-        if self._gone:
-            raise DaemonUnavailableError(f"gpushare node went away: {self._gone}")
+        if self._gone:  # wait for the reader thread to reconnect, up to the timeout
+            deadline = self._away_since + self.reconnect_timeout
+            while self._gone and not self._fatal and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonUnavailableError(
+                        f"the gpushare node has been away for {self.reconnect_timeout:g} s"
+                        f" ({self._gone}); set GPUSHARE_RECONNECT_TIMEOUT to wait longer"
+                    )
+                self._cond.wait(left)
+            if self._fatal:
+                raise DaemonUnavailableError(f"the gpushare node ended this session: {self._gone}")
+            if self._closed:
+                raise GpushareError("session is closed")
 
     def _acquire_locked(self) -> None:
         if self._acquiring:  # another thread is asking: wait for its answer
@@ -264,8 +321,12 @@ class Session:
                 )
 
     def _await_grant(self, t0: float) -> None:
+        gen = self._generation
         while self._grant is None:
             self._usable()
+            if self._generation != gen:  # a new node: it has not heard us ask
+                gen = self._generation
+                self._send(p.Acquire())
             self._cond.wait()
         g, self._grant = self._grant, None
         self.waits.append(time.monotonic() - t0)
@@ -336,7 +397,7 @@ class Session:
     def _idle_loop(self) -> None:
         # Ends implicit bursts after idle_release seconds without a checkpoint.
         with self._cond:
-            while not (self._closed or self._gone or self._forked):
+            while not (self._closed or self._fatal or self._forked):
                 if not (self._implicit and self._holding and self._depth == 0):
                     self._cond.wait()
                     continue
@@ -357,13 +418,11 @@ class Session:
     # --- messages -------------------------------------------------------------------
 
     def _send(self, msg: p.Message) -> None:
+        """Send, or drop when the node is away: a reconnection re-registers the state
+        that matters (memory, lease) and requests are made again."""
         data = p.encode(msg)
-        with self._send_lock:
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self._gone = self._gone or f"send failed: {e}"
-                raise DaemonUnavailableError(f"gpushare node went away: {e}") from None
+        with self._send_lock, contextlib.suppress(OSError):
+            self._sock.sendall(data)
 
     def _report(self) -> None:
         with contextlib.suppress(DaemonUnavailableError):
@@ -397,21 +456,74 @@ class Session:
         )
 
     def _read_loop(self) -> None:
+        while True:
+            reason = self._read_until_closed(self._sock)
+            with self._cond:
+                if self._closed or self._forked:
+                    return
+                self._gone = self._gone or reason
+                self._away_since = time.monotonic()
+                self._cond.notify_all()
+                if self._fatal:
+                    return
+            log.warning("gpushare node went away (%s): reconnecting", reason)
+            if not self._reconnect():
+                return
+
+    def _read_until_closed(self, sock: _socket.socket) -> str:
         buf = p.FrameBuffer()
-        reason = "connection closed by the node"
         try:
             while True:
-                data = self._sock.recv(65536)
+                data = sock.recv(65536)
                 if not data:
-                    break
+                    return "connection closed by the node"
                 for msg in buf.feed(data):
                     self._handle(msg)
         except (OSError, p.ProtocolError) as e:
-            reason = str(e)
-        with self._cond:
-            if not self._closed:
-                self._gone = reason
-            self._cond.notify_all()
+            return str(e)
+
+    def _reconnect(self) -> bool:
+        """Until connected again (True) or closed or refused for good (False)."""
+        delay = 0.05
+        while not (self._closed or self._forked):
+            with self._cond:  # what this session has now, for the new node
+                hello = msgspec.structs.replace(
+                    self._hello,
+                    memory_limit=self.memory_limit,
+                    weight=self.weight,
+                    portion=None,
+                    gpu=self.gpu_index,
+                    resident=self.backend.resident_bytes,
+                    swapped=self.backend.swapped_bytes,
+                    holding=self._holding,
+                )
+            try:
+                sock, welcome, rest = _handshake(self._path, hello, 10.0)
+            except _Refused as e:
+                with self._cond:
+                    self._gone, self._fatal = f"refused on reconnecting: {e}", True
+                    self._cond.notify_all()
+                log.error("gpushare node refused this session on reconnecting: %s", e)
+                return False
+            except (OSError, p.ProtocolError):
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            with self._cond:
+                old, self._sock = self._sock, sock
+                self.id = welcome.session
+                self._lease = 0
+                self._revoked, self._revoke = False, None
+                self._generation += 1
+                self._gone = ""
+                self._cond.notify_all()
+            with contextlib.suppress(OSError):
+                old.close()
+            log.warning("reconnected to the gpushare node as session %d", self.id)
+            for msg in rest:
+                self._handle(msg)
+            return True
+        return False
 
     def _handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.Grant):
@@ -419,6 +531,9 @@ class Session:
                 if self._acquiring:  # else it crossed a withdrawal, already released
                     self._lease = msg.lease
                     self._grant = msg
+                elif self._holding:  # thawed, or resumed after a node restart: a new lease
+                    self._lease = msg.lease
+                    self._revoked, self._revoke = False, None
                 self._cond.notify_all()
         elif isinstance(msg, p.Revoke):
             if msg.lease == self._lease:
@@ -444,3 +559,7 @@ class Session:
                     self._swap("out", msg.bytes)
         elif isinstance(msg, p.Error):
             log.error("gpushare node: %s", msg.message)
+            if msg.code in _FATAL:  # the node is ending this session: do not come back
+                with self._cond:
+                    self._gone, self._fatal = msg.message, True
+                    self._cond.notify_all()

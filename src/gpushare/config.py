@@ -47,6 +47,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sim_memory: str | int = "80GiB"
     sim_bandwidth: float = 55e9
     sim_scale: int = 1024
+    sim_swap_failure_rate: float = 0.0  # each swap-out fails with this probability
     gpu: dict[str, GpuOverride] = {}
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from gpushare import protocol as p
 from gpushare.admin import AdminClient
 from gpushare.units import format_size
 
@@ -48,13 +49,25 @@ def status(path: str | None, as_json: bool) -> int:
     return 0
 
 
-def set_tq(path: str | None, seconds: float, gpu: int | None, persist: bool) -> int:
+def configure(path: str | None, gpu: int | None, persist: bool, **change: Any) -> int:
+    """Set one of tq_s, mode, policy, escalation; prints the new values per GPU."""
     with AdminClient(path) as c:
-        r = c.configure(tq_s=seconds, gpu=gpu, persist=persist)
+        r = c.configure(gpu=gpu, persist=persist, **change)
     for g in r.gpus:
-        print(f"GPU {g['index']}: TQ {g['tq_s']:g} s (from the next quantum)")
+        print(
+            f"GPU {g['index']}: TQ {g['tq_s']:g} s, mode {g['mode']}, policy {g['policy']},"
+            f" escalation {g['escalation']} (from the next quantum)"
+        )
     if r.persisted_to:
         print(f"persisted to {r.persisted_to}")
+    return 0
+
+
+def end_session(path: str | None, session: int, reason: str) -> int:
+    with AdminClient(path) as c:
+        r = c.request(p.EndSession(session=session, reason=reason))
+    assert isinstance(r, p.Done)
+    print(r.message)
     return 0
 
 

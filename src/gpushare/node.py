@@ -446,6 +446,7 @@ class Node:
                 idle_release_s=self.config.idle_release,
                 sim_scale=self.config.sim_scale,
                 sim_bandwidth=self.config.sim_bandwidth,
+                sim_swap_failure_rate=self.config.sim_swap_failure_rate,
             )
         )
         self._apply(arb, actions)

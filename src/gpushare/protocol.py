@@ -97,6 +97,7 @@ class Welcome(_Msg, tag="welcome"):
     idle_release_s: float
     sim_scale: int = 1024
     sim_bandwidth: float = 55e9
+    sim_swap_failure_rate: float = 0.0
 
 
 class Grant(_Msg, tag="grant"):

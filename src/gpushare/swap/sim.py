@@ -9,10 +9,14 @@ one taken on the way out. A mismatch raises :class:`SwapIntegrityError`, never i
 Timing model: a swap of B device bytes takes ``B / bandwidth`` seconds (default 55 GB/s,
 the pinned copy rate measured on an H200, each way). The real copy runs first and the
 rest of the modelled time is slept, so a switch costs what it would on that GPU.
+
+Faults: with ``failure_rate`` P, each swap-out fails with probability P before it moves
+anything (as when host memory is exhausted), so the daemon's handling can be exercised.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import zlib
@@ -110,8 +114,11 @@ class SimBackend(SwapBackend):
         scale: int = DEFAULT_SCALE,
         bandwidth: float = DEFAULT_BANDWIDTH,
         chunk_bytes: int = CHUNK_BYTES,
+        failure_rate: float = 0.0,
     ) -> None:
         super().__init__()
+        self.failure_rate = failure_rate
+        self._rng = random.Random()
         if scale < 1 or bandwidth <= 0 or chunk_bytes < scale:
             raise ValueError("sim backend: scale >= 1, bandwidth > 0, chunk_bytes >= scale")
         self.limit = limit
@@ -169,6 +176,8 @@ class SimBackend(SwapBackend):
         """Nothing is queued on a simulated device: its copies are synchronous."""
 
     def swap_out(self, nbytes: int) -> SwapResult:
+        if self.failure_rate and self._rng.random() < self.failure_rate:
+            raise SwapError("simulated swap-out failure (host memory exhausted)")
         self._host_ready.wait()
         t0 = time.perf_counter()
         moved = 0
