@@ -6,6 +6,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_WHEELS ?= /opt/wheels
 
 .PHONY: demo test lint typecheck unit bench clean system-deps
 
@@ -13,6 +14,12 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: need Python >= 3.11 on PATH (or PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# PyTorch's CPU build for the `gpushare run` tests, from the wheel on disk where
+	@# there is one (a plain `pip install torch` would fetch a multi-GB CUDA build).
+	@v=$$($(BIN)/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")'); \
+	w=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$v-*.whl 2>/dev/null | head -n 1); \
+	if [ -n "$$w" ]; then echo "installing $$w"; $(BIN)/python -m pip install -q "$$w"; \
+	else echo "make: no PyTorch CPU wheel in $(TORCH_WHEELS): the PyTorch tests will be skipped"; fi
 	touch $(STAMP)
 
 # Real servers the tests use, from Debian's packages: Prometheus (the exporter's

@@ -147,6 +147,7 @@ class Arbiter:
         self.queue: deque[int] = deque()
         self.holders: list[int] = []
         self._lease_seq = 0
+        self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
 
     # --- inputs ---------------------------------------------------------------------
@@ -490,6 +491,7 @@ class Arbiter:
         s.lease = self._lease_seq
         s.state = State.HOLDING
         s.grants += 1
+        self.grants_total += 1
         s.lease_start = now
         q = self.quantum(s)
         s.quantum_end = now + q

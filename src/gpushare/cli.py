@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument(
         "--config",
         metavar="FILE",
-        help="TOML config file; may not exist yet (ctl --persist creates it)",
+        help="TOML config file; may not exist yet (ctl --persist creates it); watched, live",
+    )
+    n.add_argument(
+        "--state",
+        metavar="FILE",
+        help="where ctl --persist writes (default: the config file); read after it",
     )
     n.add_argument(
         "--socket", metavar="PATH", help="workload socket (default /run/gpushare/gpushare.sock)"
@@ -113,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default /proc; /host/proc in a container without hostPID)",
     )
     n.add_argument(
+        "--kubernetes",
+        action="store_true",
+        default=None,
+        help="resolve pod UIDs to pod names through the Kubernetes API (node: $NODE_NAME)",
+    )
+    n.add_argument(
         "--admin-group", metavar="GROUP", help="members may administer (admin socket mode 0660)"
     )
     n.add_argument(
@@ -166,6 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
     ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
 
+    r = sub.add_parser(
+        "run",
+        help="run an unmodified PyTorch program as a session",
+        description="Run COMMAND with its Python attached as a session: GPU work is gated "
+        "on the lease at PyTorch's module-forward and optimizer-step hooks, which are also "
+        "its safe points; the lease is released after idle_release without GPU work. "
+        "See docs/run.md for what is gated and what is not.",
+    )
+    r.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="memory limit (default GPUSHARE_MEMORY, else KAI's GPU_PORTION of the GPU)",
+    )
+    r.add_argument("--weight", type=float, metavar="W", help="weight under policy weighted")
+    r.add_argument("--name", help="the session's name (default the program's)")
+    r.add_argument("--socket", metavar="PATH", help="the node's workload socket")
+    r.add_argument("--gpu", type=int, metavar="INDEX")
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     t = sub.add_parser(
         "top",
         help="live view of GPUs and sessions (q quits)",
@@ -212,6 +241,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _node(args)
         if args.cmd == "ctl":
             return _ctl(args)
+        if args.cmd == "run":
+            from gpushare.runner import run
+
+            cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if args.memory is not None:
+                try:
+                    parse_size(args.memory)  # a clear error before anything starts
+                except ValueError as e:
+                    print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
+                    return 2
+            return run(cmd, args.memory, args.weight, args.name, args.socket, args.gpu)
         if args.cmd == "top":
             from gpushare.top import run_top
 
@@ -269,7 +309,6 @@ def _ctl(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    import msgspec
 
     from gpushare.config import ConfigError, load
     from gpushare.gpus import find_gpus, simulated_gpus
@@ -281,11 +320,6 @@ def _node(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    try:
-        cfg = load(args.config)
-    except ConfigError as e:
-        print(f"gpushare node: error: {e}", file=sys.stderr)
-        return 2
     flags = {
         "socket": args.socket,
         "admin_socket": args.admin_socket,
@@ -304,9 +338,15 @@ def _node(args: argparse.Namespace) -> int:
         "proc_root": args.proc_root,
         "sim_swap_failure_rate": args.sim_swap_failure_rate,
         "admin_group": args.admin_group,
+        "kubernetes": args.kubernetes,
         "metrics_address": args.metrics_address,
     }
-    cfg = msgspec.structs.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    flags = {k: v for k, v in flags.items() if v is not None}
+    try:
+        cfg = load(args.config, args.state, flags)
+    except ConfigError as e:
+        print(f"gpushare node: error: {e}", file=sys.stderr)
+        return 2
     sim_memory = parse_size(cfg.sim_memory)
     if cfg.sim_gpus < 0 or (cfg.sim_gpus and sim_memory <= 0):
         print(
@@ -328,7 +368,14 @@ def _node(args: argparse.Namespace) -> int:
             )
             gpus = simulated_gpus(1, sim_memory)
     try:
-        node = Node(cfg, gpus, config_path=args.config or "", nvml=nvml)
+        node = Node(
+            cfg,
+            gpus,
+            config_path=args.config or "",
+            nvml=nvml,
+            state_path=args.state or "",
+            flags=flags,
+        )
         asyncio.run(node.run())
     except (OSError, ValueError) as e:
         print(f"gpushare node: error: {e}", file=sys.stderr)

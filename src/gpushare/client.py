@@ -71,6 +71,7 @@ def attach(
         weight=weight if weight is not None else env.portion,
         portion=env.portion if limit is None else None,
         gpu=gpu if gpu is not None else env.gpu,
+        gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",
         pod=env.pod,
         namespace=env.namespace,

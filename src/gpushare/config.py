@@ -1,7 +1,10 @@
-"""The node's configuration file (TOML): read at start, written by ``ctl ... --persist``.
+"""The node's configuration: a config file, a state file, command-line flags (TOML).
 
-Precedence, lowest first: built-in defaults, the file's top-level keys, command-line
-flags; a ``[gpu.N]`` table in the file overrides TQ, mode or policy for GPU N.
+Precedence, lowest first: built-in defaults, the config file (``--config``: in
+Kubernetes the mounted ConfigMap, watched and applied live), the state file (``--state``:
+what ``ctl ... --persist`` wrote on this node; without ``--state``, ``--persist`` writes
+the config file itself), then command-line flags. Within the merged result a
+``[gpu.N]`` table overrides TQ, mode, policy or escalation for GPU N.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_socket: str = "/run/gpushare/admin.sock"
     event_log: str = ""
     proc_root: str = "/proc"
+    kubernetes: bool = False  # resolve pod UIDs to names through the Kubernetes API
+    node_name: str = ""  # this node's name in Kubernetes (default: $NODE_NAME, hostname)
     admin_group: str = ""  # a group whose members may administer (socket mode 0660)
     max_sessions_per_uid: int = 64
     max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
@@ -55,19 +60,59 @@ class ConfigError(ValueError):
     pass
 
 
-def load(path: str | os.PathLike[str] | None) -> NodeConfig:
-    """The file's configuration; a path that does not exist yet gives the defaults."""
+def read_raw(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """A file's TOML as a dict; a path that does not exist yet gives ``{}``."""
     if not path or not Path(path).exists():
-        return NodeConfig()
+        return {}
     try:
         raw = tomllib.loads(Path(path).read_text())
-        return msgspec.convert(raw, NodeConfig)
+        msgspec.convert(raw, NodeConfig)  # each file must be valid on its own
+        return raw
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except msgspec.ValidationError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def merge(*layers: dict[str, Any]) -> NodeConfig:
+    """Later layers win; ``[gpu.N]`` tables merge key by key."""
+    out: dict[str, Any] = {}
+    gpu: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if k == "gpu":
+                for idx, table in v.items():
+                    gpu.setdefault(str(idx), {}).update(table)
+            elif v is not None:
+                out[k] = v
+    if gpu:
+        out["gpu"] = gpu
+    try:
+        return msgspec.convert(out, NodeConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"configuration: {e}") from None
+
+
+def load(
+    path: str | os.PathLike[str] | None,
+    state: str | os.PathLike[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> NodeConfig:
+    """Defaults, then the config file, the state file and the flags."""
+    return merge(read_raw(path), read_raw(state), flags or {})
+
+
+def gpu_settings(cfg: NodeConfig, index: int) -> dict[str, Any]:
+    """TQ, mode, policy and escalation for one GPU, its ``[gpu.N]`` table applied."""
+    o = cfg.gpu.get(str(index))
+    return {
+        "tq_s": o.tq if o and o.tq is not None else cfg.tq,
+        "mode": o.mode if o and o.mode else cfg.mode,
+        "policy": o.policy if o and o.policy else cfg.policy,
+        "escalation": o.escalation if o and o.escalation else cfg.escalation,
+    }
 
 
 def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> None:

@@ -1,57 +1,109 @@
-"""What a workload's environment says: socket path, memory limit, KAI's GPU portion."""
+"""What a workload's environment says: socket, memory limit, GPU, pod identity, and what
+KAI Scheduler gave the pod, so that a pod placed by KAI needs no other setting.
+
+Read, in order of precedence for the memory limit: ``GPUSHARE_MEMORY``; KAI's
+``gpu-memory`` annotation (MiB); KAI's fraction (``GPU_PORTION``, else the
+``gpu-fraction`` annotation) of the GPU's memory, applied by the node. The fraction is
+also the session's weight. ``NVIDIA_VISIBLE_DEVICES`` names the GPU by index or UUID.
+Annotations come from a downward-API volume (``GPUSHARE_PODINFO``, default
+``/etc/podinfo``, file ``annotations``). The environment and that folder are parameters,
+so recorded pod environments can be tested.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpushare.units import parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
 DEFAULT_ADMIN_SOCKET = "/run/gpushare/admin.sock"
+DEFAULT_PODINFO = "/etc/podinfo"
+_ANNOTATION = re.compile(r'^([^=]+)="(.*)"$')
 
 
 @dataclass(frozen=True)
 class WorkloadEnv:
     socket: str
     memory: int | None
-    portion: float | None  # KAI's GPU_PORTION: the fraction of the GPU this pod was given
+    portion: float | None  # the fraction of the GPU this pod was given (KAI)
     gpu: int | None
+    gpu_uuid: str
     pod: str
     namespace: str
     container: str
     pod_uid: str
 
 
-def read_env(environ: Mapping[str, str] | None = None) -> WorkloadEnv:
+def read_annotations(podinfo: str | Path) -> dict[str, str]:
+    """A downward-API ``annotations`` file: ``key="value"`` lines, Go-quoted values."""
+    try:
+        text = (Path(podinfo) / "annotations").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = _ANNOTATION.match(line.strip())
+        if m:
+            try:
+                out[m.group(1)] = json.loads(f'"{m.group(2)}"')
+            except json.JSONDecodeError:
+                out[m.group(1)] = m.group(2)
+    return out
+
+
+def _fraction(value: str, source: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        f = -1.0
+    if not 0 < f <= 1:
+        raise ValueError(
+            f"{source}={value!r} is not a fraction in (0, 1]: fix the pod's gpu-fraction annotation"
+        )
+    return f
+
+
+def read_env(
+    environ: Mapping[str, str] | None = None, podinfo: str | Path | None = None
+) -> WorkloadEnv:
     e = os.environ if environ is None else environ
+    notes = read_annotations(podinfo or e.get("GPUSHARE_PODINFO") or DEFAULT_PODINFO)
     memory = None
     if e.get("GPUSHARE_MEMORY"):
         try:
             memory = parse_size(e["GPUSHARE_MEMORY"])
         except ValueError as err:
             raise ValueError(f"GPUSHARE_MEMORY: {err}") from None
+    elif notes.get("gpu-memory"):
+        try:
+            memory = int(notes["gpu-memory"]) * 2**20  # KAI writes MiB
+        except ValueError:
+            raise ValueError(
+                f"gpu-memory annotation {notes['gpu-memory']!r} is not a number of MiB"
+            ) from None
     portion = None
     if e.get("GPU_PORTION"):
-        try:
-            portion = float(e["GPU_PORTION"])
-        except ValueError:
-            portion = -1.0
-        if not 0 < portion <= 1:
-            raise ValueError(
-                f"GPU_PORTION={e['GPU_PORTION']!r} is not a fraction in (0, 1]: fix the pod's"
-                " gpu-fraction annotation"
-            )
-    gpu = None
-    visible = e.get("NVIDIA_VISIBLE_DEVICES", "")
-    if visible.isdigit():
-        gpu = int(visible)
+        portion = _fraction(e["GPU_PORTION"], "GPU_PORTION")
+    elif notes.get("gpu-fraction"):
+        portion = _fraction(notes["gpu-fraction"], "gpu-fraction annotation")
+    gpu, uuid = None, ""
+    first = e.get("NVIDIA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.isdigit():
+        gpu = int(first)
+    elif first.startswith(("GPU-", "MIG-")):
+        uuid = first
     return WorkloadEnv(
         socket=e.get("GPUSHARE_SOCKET") or DEFAULT_SOCKET,
         memory=memory,
         portion=portion,
         gpu=gpu,
+        gpu_uuid=uuid,
         pod=e.get("POD_NAME", ""),
         namespace=e.get("POD_NAMESPACE", ""),
         container=e.get("CONTAINER_NAME", ""),

@@ -80,6 +80,9 @@ class NodeCollector(Collector):
         policy = GaugeMetricFamily(
             "gpushare_policy", "1 for the GPU's share policy.", labels=[*GPU_LABELS, "policy"]
         )
+        ggrants = CounterMetricFamily(
+            "gpushare_gpu_grants", "Leases granted on the GPU.", labels=GPU_LABELS
+        )
         shared = CounterMetricFamily(
             "gpushare_shared_utilization_seconds",
             "GPU busy-seconds in shared periods that no per-process sample attributed.",
@@ -133,6 +136,7 @@ class NodeCollector(Collector):
             for pol in POLICIES:
                 policy.add_metric([*gl, pol], 1.0 if g["policy"] == pol else 0.0)
             shared.add_metric(gl, g["shared_utilization_seconds_total"])
+            ggrants.add_metric(gl, g["grants_total"])
             counts = {s.value: 0 for s in State}
             for s in g["sessions"]:
                 counts[s["state"]] += 1
@@ -165,7 +169,7 @@ class NodeCollector(Collector):
                 states.add_metric([*gl, state_name], n)
         yield ginfo
         yield from g_gauges.values()
-        yield from (tq, mode, policy, shared, states)
+        yield from (tq, mode, policy, shared, ggrants, states)
         yield from s_counters.values()
         yield from s_gauges.values()
         yield from (swaps, swap_bytes, swap_secs, waits, sstate)

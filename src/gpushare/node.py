@@ -34,10 +34,11 @@ from gpushare.arbiter import (
     SwapOutAction,
 )
 from gpushare.clock import Clock, SystemClock
-from gpushare.config import NodeConfig, persist
+from gpushare.config import ConfigError, NodeConfig, gpu_settings, load, persist
 from gpushare.events import EventBus
 from gpushare.gpus import GpuInfo
 from gpushare.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
+from gpushare.k8s import PodCache, PodWatcher
 from gpushare.units import format_size, parse_size
 from gpushare.utilization import Attribution, NvmlUtilization
 
@@ -96,25 +97,23 @@ class Node:
         config_path: str = "",
         clock: Clock | None = None,
         nvml: Any = None,
+        state_path: str = "",
+        flags: dict[str, Any] | None = None,
     ) -> None:
         if not gpus:
             raise ValueError("a node needs at least one GPU")
         self.config = config
         self.config_path = config_path
+        self.state_path = state_path
+        self.flags = flags or {}
+        self._config_text: bytes | None = self._read_config_text()
         self.gpus = gpus
         self.clock = clock or SystemClock()
         self.events = EventBus(config.event_log)
         reserve = parse_size(config.reserve)
         self.arbiters: list[Arbiter] = []
         for g in gpus:
-            o = config.gpu.get(str(g.index))
-            settings = GpuSettings(
-                tq_s=o.tq if o and o.tq is not None else config.tq,
-                mode=o.mode if o and o.mode else config.mode,
-                policy=o.policy if o and o.policy else config.policy,
-                grace_s=config.grace,
-                escalation=o.escalation if o and o.escalation else config.escalation,
-            )
+            settings = GpuSettings(grace_s=config.grace, **gpu_settings(config, g.index))
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
             self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
@@ -129,6 +128,8 @@ class Node:
             g.index: NvmlUtilization(nvml, g.index) for g in gpus if nvml and not g.simulated
         }
         self._stop_metrics: Any = None
+        self.pods: PodCache | None = None  # pod names from the Kubernetes API
+        self._pod_watcher: PodWatcher | None = None
         self.metrics_port = 0
 
     # --- life -----------------------------------------------------------------------
@@ -157,6 +158,13 @@ class Node:
             )
         log.info("workloads: %s  admin: %s", self.config.socket, self.config.admin_socket)
         self._spawn(self._sample_utilization())
+        if self.config.kubernetes and self.pods is None:
+            node = self.config.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
+            self.pods = PodCache()
+            self._pod_watcher = PodWatcher(self.pods, node).start()
+            log.info("pod names from the Kubernetes API, pods of node %s", node)
+        if self.config_path:
+            self._spawn(self._watch_config())
         if self.config.metrics_port:
             try:
                 from gpushare import metrics
@@ -216,6 +224,54 @@ class Node:
                         if pid in used and sid in arb.sessions:
                             self._apply(arb, arb.over_limit(sid, used[pid]))
 
+    def _read_config_text(self) -> bytes | None:
+        try:
+            return open(self.config_path, "rb").read() if self.config_path else None
+        except OSError:
+            return None
+
+    async def _watch_config(self, period: float = 1.0) -> None:
+        """Apply changes to the config file live (a ConfigMap update lands this way)."""
+        while True:
+            await asyncio.sleep(period)
+            text = self._read_config_text()
+            if text == self._config_text:
+                continue
+            self._config_text = text
+            self.reload()
+
+    def reload(self) -> None:
+        """Merge the files and flags again; apply what changed in them, from the next
+        quantum. A live change made with ctl stays unless the same key changed."""
+        try:
+            new = load(self.config_path, self.state_path, self.flags)
+        except ConfigError as e:
+            log.error("%s: keeping the configuration in force", e)
+            return
+        for arb in self.arbiters:
+            before, after = gpu_settings(self.config, arb.gpu), gpu_settings(new, arb.gpu)
+            change = {k: v for k, v in after.items() if before[k] != v}
+            if change:
+                log.info(
+                    "config %s changed: GPU %d %s (from the next quantum)",
+                    self.config_path,
+                    arb.gpu,
+                    change,
+                )
+                self._apply(arb, arb.configure(**change))
+        restart = [
+            k
+            for k in ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve")
+            if getattr(new, k) != getattr(self.config, k)
+        ]
+        if restart:
+            log.warning(
+                "config %s changed %s: takes effect when the node restarts",
+                self.config_path,
+                ", ".join(restart),
+            )
+        self.config = new
+
     async def run(self) -> None:
         await self.start()
         stop = asyncio.Event()
@@ -237,6 +293,8 @@ class Node:
             task.cancel()
         if self._stop_metrics:
             self._stop_metrics()
+        if self._pod_watcher:
+            self._pod_watcher.stop()
         for path in (self.config.socket, self.config.admin_socket):
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -289,11 +347,11 @@ class Node:
                 os.kill(c.pid, sig)
 
     def _refuse(self, conn: Conn, where: str, code: str, message: str) -> None:
-        """Answer a refusal, log it and make it an event."""
+        """Log a refusal, make it an event, then answer it (in that order: whoever reads
+        the answer finds the event already written)."""
         log.warning(
             "refused pid %d uid %d on the %s socket: %s", conn.pid, conn.uid, where, message
         )
-        conn.send(p.Error(code=code, message=message))
         self.events.publish(
             {
                 "ts": self.clock.wall(),
@@ -307,6 +365,7 @@ class Node:
                 "reason": message,
             }
         )
+        conn.send(p.Error(code=code, message=message))
 
     def _schedule(self, arb: Arbiter) -> None:
         old = self._timers.pop(arb.gpu, None)
@@ -394,6 +453,20 @@ class Node:
             )
             return None
         gpu = 0 if h.gpu is None else h.gpu
+        if h.gpu_uuid:
+            by_uuid = {g.uuid: g.index for g in self.gpus}
+            if h.gpu_uuid not in by_uuid:
+                conn.send(
+                    p.Error(
+                        code="gpu",
+                        message=(
+                            f"no GPU {h.gpu_uuid} on this node (NVIDIA_VISIBLE_DEVICES): it has "
+                            + ", ".join(by_uuid)
+                        ),
+                    )
+                )
+                return None
+            gpu = by_uuid[h.gpu_uuid]
         if not 0 <= gpu < len(self.arbiters):
             conn.send(
                 p.Error(
@@ -574,10 +647,14 @@ class Node:
             )
         persisted = ""
         if m.persist:
-            if not self.config_path:
+            target = self.state_path or self.config_path
+            if not target:
                 return p.Error(
                     code="persist",
-                    message=("changed live but not persisted: the node runs without --config FILE"),
+                    message=(
+                        "changed live but not persisted: the node runs without --config FILE"
+                        " or --state FILE"
+                    ),
                 )
             values: dict[str, Any] = {}
             if m.tq_s is not None:
@@ -589,10 +666,12 @@ class Node:
             if m.escalation is not None:
                 values["escalation"] = m.escalation
             try:
-                persist(self.config_path, m.gpu, **values)
+                persist(target, m.gpu, **values)
+                self.config = load(self.config_path, self.state_path, self.flags)
+                self._config_text = self._read_config_text()
             except (OSError, ValueError) as e:
                 return p.Error(code="persist", message=f"changed live, not persisted: {e}")
-            persisted = self.config_path
+            persisted = target
             log.info("persisted %s to %s", values, persisted)
         return p.ConfigReply(gpus=[self._gpu_settings(a) for a in targets], persisted_to=persisted)
 
@@ -635,6 +714,14 @@ class Node:
                 info = c.info if c else {}
                 ok = bool(c and c.verified)  # claims shown only when the kernel agrees
                 ident = c.identity if c else CgroupIdentity()
+                names = (
+                    self.pods.resolve(ident.pod_uid, ident.container_id)
+                    if (self.pods is not None and ident.pod_uid)
+                    else None
+                )
+                if names:  # the API's names for the kernel's pod UID: no claim needed
+                    info = dict(zip(("namespace", "pod", "container"), names, strict=True))
+                    ok = True
                 sessions.append(
                     {
                         "id": s.id,
@@ -645,6 +732,7 @@ class Node:
                         "namespace": info.get("namespace", "") if ok else "",
                         "container": info.get("container", "") if ok else "",
                         "identity_verified": ok,
+                        "identity_source": "kubernetes" if names else "claim" if ok else "",
                         "claimed": {k: info.get(k, "") for k in ("pod", "namespace", "container")},
                         "pod_uid": ident.pod_uid,
                         "container_id": ident.container_id,
@@ -685,6 +773,7 @@ class Node:
                     "usable_bytes": a.capacity,
                     "used_bytes": a.used_bytes(),
                     "utilization_ratio": att.last_ratio,
+                    "grants_total": a.grants_total,
                     "shared_utilization_seconds_total": att.shared,
                     "tq_s": a.settings.tq_s,
                     "mode": a.settings.mode,

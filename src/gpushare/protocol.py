@@ -39,6 +39,7 @@ class Hello(_Msg, tag="hello"):
     weight: float | None = None
     portion: float | None = None  # KAI's GPU_PORTION, when no memory limit was given
     gpu: int | None = None
+    gpu_uuid: str = ""  # from NVIDIA_VISIBLE_DEVICES; the node maps it to its index
     backend: str = "sim"
     pod: str = ""
     namespace: str = ""

@@ -119,6 +119,7 @@ class SimBackend(SwapBackend):
         super().__init__()
         self.failure_rate = failure_rate
         self._rng = random.Random()
+        self.checksums_verified = 0  # chunks whose CRC-32 matched on the way back
         if scale < 1 or bandwidth <= 0 or chunk_bytes < scale:
             raise ValueError("sim backend: scale >= 1, bandwidth > 0, chunk_bytes >= scale")
         self.limit = limit
@@ -208,6 +209,7 @@ class SimBackend(SwapBackend):
                     f"simulated swap-in of a {c.nbytes}-byte chunk failed its checksum"
                 )
             c.data = data
+            self.checksums_verified += 1
             moved += c.nbytes
         return SwapResult(moved, self._model_time(moved, t0))
 

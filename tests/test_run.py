@@ -1,0 +1,195 @@
+"""``gpushare run``: unmodified PyTorch programs (the CPU build) gated on the lease at
+PyTorch's global hooks, against a real node on a simulated GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import wait_until
+
+torch = pytest.importorskip(
+    "torch",
+    reason="PyTorch is not installed (make test installs the CPU build where its wheel is on disk)",
+)
+
+TRAIN = textwrap.dedent("""
+    import sys, time, torch
+    from gpushare import runner
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    s = runner.SESSION
+    print(json.dumps({"session": s.id, "limit": s.memory_limit, "weight": s.weight}), flush=True)
+    end, steps = time.time() + float(sys.argv[1]), 0
+    while time.time() < end:
+        loss = ((m(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        time.sleep(0.002)
+    idle = float(sys.argv[2]) if len(sys.argv) > 2 else 0
+    print(json.dumps({"steps": steps, "grants": s.grants, "holding": s.holding}), flush=True)
+    time.sleep(idle)  # no GPU work: the lease goes back after idle_release
+""").replace("import sys,", "import json, sys,")
+
+
+@pytest.fixture
+def script(short_tmp):
+    p = short_tmp / "train.py"
+    p.write_text(TRAIN)
+    return p
+
+
+def gs_run(node, *args, extra_env=None, **kw) -> subprocess.Popen[str]:
+    import os
+
+    env = {**os.environ, **(extra_env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "run", "--socket", node.socket, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+def lines(out: str) -> list[dict]:
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+def test_an_unmodified_program_becomes_a_session(node_factory, script):
+    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--idle-release", "0.3")
+    pr = gs_run(
+        node,
+        "--memory",
+        "2GiB",
+        "--name",
+        "trainer",
+        "--",
+        sys.executable,
+        str(script),
+        "1.0",
+        "1.5",
+    )
+    first = json.loads(pr.stdout.readline())
+    assert first["limit"] == 2 * 2**30
+    assert json.loads(pr.stdout.readline())["steps"] > 10  # trained; now 1.5 s without work
+
+    def idle() -> bool:
+        return any(
+            s["state"] == "idle" and s["name"] == "trainer"
+            for s in node.status()["gpus"][0]["sessions"]
+        )
+
+    wait_until(idle, timeout=10, what="the lease to go back after idle_release")
+    _, err = pr.communicate(timeout=30)
+    assert pr.returncode == 0, err
+    ev = [e for e in node.event_list() if e.get("session") == first["session"]]
+    kinds = [e["event"] for e in ev]
+    assert kinds[0] == "attach" and "grant" in kinds and kinds[-1] == "detach"
+    assert any(e["event"] == "release" and e["reason"] == "burst_end" for e in ev)
+
+
+def test_two_programs_take_turns_at_the_hooks(node_factory, script):
+    node = node_factory(
+        "--sim-gpus",
+        "1",
+        "--sim-memory",
+        "16GiB",
+        "--mode",
+        "exclusive",
+        "--tq",
+        "0.3",
+        "--idle-release",
+        "0.3",
+    )
+    procs = [
+        gs_run(
+            node, "--memory", "4GiB", "--name", f"job{i}", "--", sys.executable, str(script), "3.0"
+        )
+        for i in range(2)
+    ]
+    results = []
+    for pr in procs:
+        out, err = pr.communicate(timeout=60)
+        assert pr.returncode == 0, err
+        results.append(lines(out))
+    ids = [r[0]["session"] for r in results]
+    assert all(r[1]["steps"] > 10 and r[1]["grants"] >= 2 for r in results), results
+    ev = node.event_list()
+    revoked = {e["session"] for e in ev if e["event"] == "release" and e["reason"] == "revoked"}
+    assert set(ids) <= revoked  # each was revoked and yielded at a hook
+    # and never held together: grants and releases alternate on the GPU
+    holder = None
+    for e in ev:
+        if e["event"] == "grant":
+            assert holder is None, "two holders in exclusive mode"
+            holder = e["session"]
+        elif e["event"] in ("release", "detach") and e.get("session") == holder:
+            holder = None
+
+
+def test_gpu_portion_sets_the_limit(node_factory, script):
+    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    pr = gs_run(node, "--", sys.executable, str(script), "0.1", extra_env={"GPU_PORTION": "0.25"})
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    first = lines(out)[0]
+    assert first["limit"] == 4 * 2**30 and first["weight"] == 0.25
+
+
+def test_a_shadowed_sitecustomize_still_runs(node_factory, short_tmp):
+    other = short_tmp / "site"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
+    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    code = (
+        "import os; from gpushare import runner; print(os.environ.get('SHADOWED_RAN'), "
+        "runner.SESSION is not None)"
+    )
+    pr = gs_run(node, "--", sys.executable, "-c", code, extra_env={"PYTHONPATH": str(other)})
+    out, err = pr.communicate(timeout=60)
+    assert out.split() == ["1", "True"], err
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ([], 2, "no command"),
+        (["--memory", "lots", "--", "true"], 2, "write it like"),
+        (["--", "no-such-program-xyz"], 127, "command not found"),
+    ],
+)
+def test_bad_invocations(node_factory, args, code, message):
+    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    pr = gs_run(node, *args)
+    _, err = pr.communicate(timeout=30)
+    assert pr.returncode == code and message in err
+
+
+def test_no_node_is_a_clear_error(short_tmp, script):
+    pr = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "run",
+            "--socket",
+            str(short_tmp / "none.sock"),
+            "--",
+            sys.executable,
+            str(script),
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert pr.returncode == 3 and "start it with 'gpushare node'" in pr.stderr
