@@ -393,3 +393,20 @@ def test_over_limit_seen_by_the_gpu_escalates_once(clock):
     assert actions_of(a.over_limit(1, 3 * GiB), EscalateAction) == []
     a.over_limit(1, GiB // 2)
     assert actions_of(a.over_limit(1, 2 * GiB), EscalateAction)
+
+
+def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
+    a = arb(clock, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
+    a.attach(1, "slow", 10 * GiB)
+    a.attach(2, "next", 10 * GiB)
+    a.acquire(1)
+    a.report(1, 10 * GiB, 0)
+    a.acquire(2)
+    clock.advance(1)
+    a.tick()
+    clock.advance(1)
+    a.tick()  # frozen while its yield was on the way
+    out = a.release(1, 6 * GiB, 4 * GiB, again=True, swapped_out=4 * GiB, seconds=0.1)
+    assert events_of(out, "swap_out")[0]["bytes"] == 4 * GiB
+    assert a.sessions[1].state is State.WAITING and list(a.queue) == [1]
+    assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)

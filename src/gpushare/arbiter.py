@@ -240,6 +240,13 @@ class Arbiter:
             s.state = State.IDLE
             self._set_memory(s, resident, swapped)
             return self._advance()
+        if s.state is State.WAITING and s.frozen:
+            # The answer to a revoke that crossed the freeze: it waits already; keep the
+            # figures of what it swapped out on the way.
+            if swapped_out:
+                self._count_swap(s, "out", swapped_out, seconds)
+            self._set_memory(s, resident, swapped)
+            return self._advance()
         if not s.holding:
             raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
         revoked = s.state is State.YIELDING
@@ -289,38 +296,34 @@ class Arbiter:
     def report(self, sid: int, resident: int, swapped: int) -> list[Action]:
         s = self._get(sid)
         self._set_memory(s, resident, swapped)
-        if resident > s.limit:
-            s.escalations += 1
-            self._event(
-                "escalate",
-                sid,
-                reason="over_memory_limit",
-                resident_bytes=resident,
-                limit_bytes=s.limit,
-                action=self.settings.escalation,
-            )
-            self._out.append(EscalateAction(sid, self.settings.escalation, "over_memory_limit"))
+        self._check_limit(s, resident, "resident_bytes")
         return self._advance()
 
     def over_limit(self, sid: int, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""
-        s = self._get(sid)
+        self._check_limit(self._get(sid), used, "used_bytes")
+        return self._advance()
+
+    def _check_limit(self, s: SessionState, used: int, what: str) -> None:
+        """Escalate once per stretch over the limit."""
         if used > s.limit and not s.over_limit:
             s.over_limit = True
-            s.escalations += 1
-            esc = self.settings.escalation
-            self._event(
-                "escalate",
-                sid,
-                reason="over_memory_limit",
-                used_bytes=used,
-                limit_bytes=s.limit,
-                action=esc,
-            )
-            self._out.append(EscalateAction(sid, esc, "over_memory_limit"))
+            self._escalate(s, "over_memory_limit", {what: used, "limit_bytes": s.limit})
         elif used <= s.limit:
             s.over_limit = False
-        return self._advance()
+
+    def _escalate(
+        self,
+        s: SessionState,
+        reason: str,
+        fields: dict[str, Any],
+        action: Escalation | None = None,
+    ) -> Escalation:
+        esc = action or self.settings.escalation
+        s.escalations += 1
+        self._event("escalate", s.id, reason=reason, action=esc, **fields)
+        self._out.append(EscalateAction(s.id, esc, reason))
+        return esc
 
     def configure(
         self,
@@ -411,16 +414,7 @@ class Arbiter:
                     s.quantum_end = now + self.quantum(s)
             elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
                 s.escalated = True
-                s.escalations += 1
-                esc = self.settings.escalation
-                self._event(
-                    "escalate",
-                    sid,
-                    reason="no_yield_within_grace",
-                    grace_s=self.settings.grace_s,
-                    action=esc,
-                )
-                self._out.append(EscalateAction(sid, esc, "no_yield_within_grace"))
+                esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
                 if esc == "freeze":
                     self._freeze(s, now)
                     self._grant_what_fits()
@@ -457,15 +451,9 @@ class Arbiter:
                         v = self.sessions[sid]
                         if v.frozen and not v.escalated:
                             v.escalated = True
-                            v.escalations += 1
-                            self._event(
-                                "escalate",
-                                sid,
-                                reason="frozen_memory_needed",
-                                resident_bytes=v.resident,
-                                action="kill",
+                            self._escalate(
+                                v, "frozen_memory_needed", {"resident_bytes": v.resident}, "kill"
                             )
-                            self._out.append(EscalateAction(sid, "kill", "frozen_memory_needed"))
                 return
             self._grant(head)
 

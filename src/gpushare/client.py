@@ -296,11 +296,15 @@ class Session:
                 self._usable()
             return
         self._acquiring = True
+        self.bursts += 1
+        t0 = time.monotonic()
+        self._grant = None
+        self._send(p.Acquire())
+        self._wait_for_grant(t0)
+
+    def _wait_for_grant(self, t0: float) -> None:
+        """Wait for the grant asked for (``_acquiring`` set); withdraw if interrupted."""
         try:
-            self.bursts += 1
-            t0 = time.monotonic()
-            self._grant = None
-            self._send(p.Acquire())
             self._await_grant(t0)
         except BaseException:
             self._cancel_wait()
@@ -368,14 +372,7 @@ class Session:
                 self._grant = None
                 self._acquiring = True
                 self._release_locked(again=True)
-                try:
-                    self._await_grant(t0)
-                except BaseException:
-                    self._cancel_wait()
-                    raise
-                finally:
-                    self._acquiring = False
-                    self._cond.notify_all()
+                self._wait_for_grant(t0)
             elif not self._holding:
                 if self._depth == 0:
                     self._implicit = True

@@ -346,6 +346,14 @@ class Node:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(c.pid, sig)
 
+    def _new_conn(self, writer: asyncio.StreamWriter) -> Conn:
+        """A connection, with its peer from the kernel and a full message allowance."""
+        peer = peer_credentials(writer.get_extra_info("socket"))
+        rate = self.config.max_messages_per_s
+        return Conn(
+            writer, peer.pid, peer.uid, peer.gid, tokens=2 * rate, refilled=time.monotonic()
+        )
+
     def _refuse(self, conn: Conn, where: str, code: str, message: str) -> None:
         """Log a refusal, make it an event, then answer it (in that order: whoever reads
         the answer finds the event already written)."""
@@ -386,15 +394,7 @@ class Node:
     async def _workload_conn(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        peer = peer_credentials(writer.get_extra_info("socket"))
-        conn = Conn(
-            writer,
-            peer.pid,
-            peer.uid,
-            peer.gid,
-            tokens=2 * self.config.max_messages_per_s,
-            refilled=time.monotonic(),
-        )
+        conn = self._new_conn(writer)
         arb: Arbiter | None = None
         try:
             try:
@@ -548,15 +548,7 @@ class Node:
     # --- administration -------------------------------------------------------------
 
     async def _admin_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = peer_credentials(writer.get_extra_info("socket"))
-        conn = Conn(
-            writer,
-            peer.pid,
-            peer.uid,
-            peer.gid,
-            tokens=2 * self.config.max_messages_per_s,
-            refilled=time.monotonic(),
-        )
+        conn = self._new_conn(writer)
         try:
             if not self._may_administer(conn):
                 group = f" or a member of group {self.config.admin_group}" * bool(
