@@ -11,11 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from gpushare.admin import AdminClient
 from gpushare.demo import wait_for_socket
 
 REPO = Path(__file__).resolve().parent.parent
+
+# In CI the property tests draw the same examples every run (reproducible verdicts);
+# elsewhere they explore new ones each time.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 class NodeProcess:

@@ -105,3 +105,16 @@ def test_live_view_in_tmux(node_factory):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_share_over_the_history_for_sessions_older_than_the_window():
+    node, clock = scenario()
+    clock.advance(10)  # session 1 has held for 10 s
+    tr = ShareTracker(window=5)
+    tr.update(clock.monotonic(), node.status())
+    a = node.arbiters[0]
+    a.release(1, 0, 0)  # 2 takes over
+    clock.advance(4)
+    shares = tr.update(clock.monotonic(), node.status())
+    assert shares[(0, 1)] == pytest.approx(0.0)  # not since attach (10/14), the last 4 s
+    assert shares[(0, 2)] == pytest.approx(1.0)

@@ -41,11 +41,11 @@ class ShareTracker:
         for g in status["gpus"]:
             for s in g["sessions"]:
                 k = (g["index"], s["id"])
-                span = min(t - t0, s["attached_seconds"]) if k in then else 0.0
-                if span > 0.2:
-                    shares[k] = (now[k] - then[k]) / span
-                else:  # new or first frame: since it attached
+                if s["attached_seconds"] <= self.window or k not in then or t - t0 < 0.2:
+                    # attached within the window (or no history yet): since it attached
                     shares[k] = s["lease_seconds_total"] / max(s["attached_seconds"], 1e-9)
+                else:  # over the history this view has, up to the window
+                    shares[k] = (now[k] - then[k]) / (t - t0)
         return shares
 
 
