@@ -194,6 +194,10 @@ def _table(results: dict[str, dict[str, Any]], events: list[dict[str, Any]], pea
             f" {format_size(f.swap_in_bytes):>10} {data} ({r['checks']} checks)"
         )
     print(f"peak GPU memory in use (sampled every 0.1 s): {format_size(peak)} of {GPU_MEMORY}")
+    print(
+        "GPU share: the part of the run each held a lease. In mode auto, sessions whose memory"
+        " fits together hold leases together, so the shares can add up to more than 100%."
+    )
 
 
 if __name__ == "__main__":

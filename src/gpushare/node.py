@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare import protocol as p
+from gpushare import status
 from gpushare.arbiter import (
     ESCALATIONS,
     MODES,
@@ -700,90 +701,15 @@ class Node:
     def status(self) -> dict[str, Any]:
         gpus = []
         for g, a, att in zip(self.gpus, self.arbiters, self.utilization, strict=True):
-            sessions = []
-            for s in a.sessions.values():
-                c = self.conns.get(s.id)
-                info = c.info if c else {}
-                ok = bool(c and c.verified)  # claims shown only when the kernel agrees
-                ident = c.identity if c else CgroupIdentity()
-                names = (
-                    self.pods.resolve(ident.pod_uid, ident.container_id)
-                    if (self.pods is not None and ident.pod_uid)
-                    else None
-                )
-                if names:  # the API's names for the kernel's pod UID: no claim needed
-                    info = dict(zip(("namespace", "pod", "container"), names, strict=True))
-                    ok = True
-                sessions.append(
-                    {
-                        "id": s.id,
-                        "name": s.name,
-                        "pid": c.pid if c else 0,
-                        "uid": c.uid if c else 0,
-                        "pod": info.get("pod", "") if ok else "",
-                        "namespace": info.get("namespace", "") if ok else "",
-                        "container": info.get("container", "") if ok else "",
-                        "identity_verified": ok,
-                        "identity_source": "kubernetes" if names else "claim" if ok else "",
-                        "claimed": {k: info.get(k, "") for k in ("pod", "namespace", "container")},
-                        "pod_uid": ident.pod_uid,
-                        "container_id": ident.container_id,
-                        "runtime": ident.runtime,
-                        "frozen": s.frozen,
-                        "state": str(s.state),
-                        "weight": s.weight,
-                        "memory_limit_bytes": s.limit,
-                        "resident_bytes": s.resident,
-                        "swapped_bytes": s.swapped,
-                        "lease_seconds_total": a.lease_seconds(s),
-                        "wait_seconds_total": a.wait_seconds(s),
-                        "wait_seconds_max": s.wait_max_s,
-                        "grants_total": s.grants,
-                        "bursts_total": s.bursts,
-                        "revokes_total": s.revokes,
-                        "escalations_total": s.escalations,
-                        "swap_out_total": s.swap_outs,
-                        "swap_in_total": s.swap_ins,
-                        "swap_out_bytes_total": s.swap_out_bytes,
-                        "swap_in_bytes_total": s.swap_in_bytes,
-                        "swap_out_seconds_total": s.swap_out_s,
-                        "swap_in_seconds_total": s.swap_in_s,
-                        "attached_seconds": a.clock.monotonic() - s.attached,
-                        "wait_seconds_completed_total": s.wait_s,
-                        "wait_seconds_buckets": list(s.wait_counts),
-                        "wait_seconds_p95": _p95(s.recent_waits),
-                        "utilization_seconds_total": att.by_session.get(s.id, 0.0),
-                    }
-                )
-            gpus.append(
-                {
-                    "index": g.index,
-                    "name": g.name,
-                    "uuid": g.uuid,
-                    "simulated": g.simulated,
-                    "memory_bytes": g.memory_bytes,
-                    "usable_bytes": a.capacity,
-                    "used_bytes": a.used_bytes(),
-                    "utilization_ratio": att.last_ratio,
-                    "grants_total": a.grants_total,
-                    "shared_utilization_seconds_total": att.shared,
-                    "tq_s": a.settings.tq_s,
-                    "mode": a.settings.mode,
-                    "policy": a.settings.policy,
-                    "holders": list(a.holders),
-                    "queue": list(a.queue),
-                    "sessions": sessions,
-                }
-            )
+            sessions = [
+                {**status.session(a, s, att), **status.identity(self.conns.get(s.id), self.pods)}
+                for s in a.sessions.values()
+            ]
+            gpus.append(status.gpu(g, a, att, sessions))
         return {
             "node": {"pid": os.getpid(), "started": self.started, "config": self.config_path},
             "gpus": gpus,
         }
-
-
-def _p95(xs: Any) -> float:
-    v = sorted(xs)
-    return v[min(len(v) - 1, int(0.95 * len(v)))] if v else 0.0
 
 
 async def _serve_unix(cb: Any, path: str, mode: int) -> asyncio.Server:
