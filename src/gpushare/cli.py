@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     tq.add_argument(
         "--persist",
         action="store_true",
-        help="also write the node's config file, so a restart keeps it",
+        help="also write it to the node's state file (--state) or config file: a restart keeps it",
     )
     for name, choices, what in [
         ("mode", ["auto", "exclusive"], "how sessions share a GPU"),
@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp = cs.add_parser(name, help=f"set the {name}: {what}, live")
         sp.add_argument("value", choices=choices)
         sp.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
-        sp.add_argument("--persist", action="store_true", help="also write the config file")
+        sp.add_argument(
+            "--persist", action="store_true", help="also write it down (state or config file)"
+        )
     end = cs.add_parser("end", help="end a session (its lease and memory are freed)")
     end.add_argument("session", type=int, metavar="ID")
     end.add_argument("--reason", default="ended by an administrator")
