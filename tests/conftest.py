@@ -25,6 +25,14 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def sim(memory: str, gpus: int | str = 1, **flags: object) -> list[str]:
+    """Node arguments for simulated GPUs: ``sim("16GiB", mode="exclusive", tq=0.3)``."""
+    args = ["--sim-gpus", str(gpus), "--sim-memory", memory]
+    for key, value in flags.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
 class NodeProcess:
     def __init__(self, tmp: Path, *args: str) -> None:
         # Socket paths must stay short (108 bytes): pytest's tmp paths can be long.

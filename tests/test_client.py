@@ -11,7 +11,7 @@ import pytest
 import gpushare
 from gpushare.errors import DaemonUnavailableError, GpushareError, OutOfMemoryError
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 G = 2**30
 
@@ -19,18 +19,7 @@ G = 2**30
 @pytest.fixture
 def node(node_factory):
     return node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.2",
-        "--idle-release",
-        "0.3",
-        "--sim-bandwidth",
-        "1e12",
+        *sim("16GiB", mode="exclusive", tq="0.2", idle_release="0.3", sim_bandwidth="1e12")
     )
 
 

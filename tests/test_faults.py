@@ -18,7 +18,7 @@ import gpushare
 from gpushare import protocol as p
 from gpushare.errors import DaemonUnavailableError, GpushareError
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 G = 2**30
 
@@ -51,20 +51,7 @@ def events(node, kind: str) -> list[dict]:
 
 
 def test_holder_that_ignores_revoke_is_frozen_then_thawed(node_factory):
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.3",
-        "--grace",
-        "0.3",
-        "--escalation",
-        "freeze",
-    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", grace="0.3", escalation="freeze"))
     pr = stubborn(node, seconds=3.0)
     try:
         with gpushare.attach("4GiB", socket=node.socket, name="patient") as s:
@@ -86,20 +73,7 @@ def test_holder_that_ignores_revoke_is_frozen_then_thawed(node_factory):
 
 
 def test_holder_that_ignores_revoke_is_killed(node_factory):
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.3",
-        "--grace",
-        "0.3",
-        "--escalation",
-        "kill",
-    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", grace="0.3", escalation="kill"))
     pr = stubborn(node)
     with gpushare.attach("4GiB", socket=node.socket, name="patient") as s, s.gpu():
         assert s.holding
@@ -108,20 +82,7 @@ def test_holder_that_ignores_revoke_is_killed(node_factory):
 
 
 def test_escalation_log_only_logs(node_factory):
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.2",
-        "--grace",
-        "0.2",
-        "--escalation",
-        "log",
-    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.2", grace="0.2", escalation="log"))
     pr = stubborn(node, seconds=1.5)
     with gpushare.attach("4GiB", socket=node.socket) as s, s.gpu():
         pass  # granted only when the stubborn burst ends by itself
@@ -131,18 +92,7 @@ def test_escalation_log_only_logs(node_factory):
 
 
 def test_node_killed_and_restarted_loses_nothing(node_factory):
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "10GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.3",
-        "--sim-bandwidth",
-        "1e12",
-    )
+    node = node_factory(*sim("10GiB", mode="exclusive", tq="0.3", sim_bandwidth="1e12"))
     env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "30"}
     procs = [
         node.workload(
@@ -175,18 +125,7 @@ def test_node_killed_and_restarted_loses_nothing(node_factory):
 
 def test_failing_swaps_are_survived(node_factory):
     node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "10GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "5",
-        "--sim-bandwidth",
-        "1e13",
-        "--sim-swap-failure-rate",
-        "0.3",
+        *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", sim_swap_failure_rate="0.3")
     )
     procs = [
         node.workload(
@@ -222,7 +161,7 @@ def _recv(s: socket.socket) -> p.Message:
 
 
 def test_reported_memory_over_the_limit_escalates(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     s = _raw_session(node, memory_limit=G)
     s.sendall(p.encode(p.Report(resident=2 * G, swapped=0)))
     wait_until(lambda: events(node, "escalate"), what="an escalation")
@@ -244,7 +183,7 @@ def test_reported_memory_over_the_limit_escalates(node_factory):
     ],
 )
 def test_workload_cannot_administer_or_act_for_others(node_factory, msg):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--mode", "exclusive")
+    node = node_factory(*sim("16GiB", mode="exclusive"))
     with gpushare.attach("1GiB", socket=node.socket, name="victim") as victim, victim.gpu():
         s = _raw_session(node, memory_limit=G, name="intruder")
         s.sendall(p.encode(msg))
@@ -259,7 +198,7 @@ def test_workload_cannot_administer_or_act_for_others(node_factory, msg):
 
 
 def test_release_of_a_lease_it_does_not_hold_is_refused(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--mode", "exclusive")
+    node = node_factory(*sim("16GiB", mode="exclusive"))
     with gpushare.attach("1GiB", socket=node.socket, name="victim") as victim, victim.gpu():
         s = _raw_session(node, memory_limit=G)
         s.sendall(p.encode(p.Release(resident=0, swapped=0, again=True)))
@@ -270,7 +209,7 @@ def test_release_of_a_lease_it_does_not_hold_is_refused(node_factory):
 
 
 def test_admin_can_end_a_session(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     s = gpushare.attach("1GiB", socket=node.socket, name="doomed")
     r = node.ctl("end", str(s.id), "--reason", "maintenance")
     assert f"session {s.id} ended" in r.stdout
@@ -284,7 +223,7 @@ def test_admin_can_end_a_session(node_factory):
 def test_message_flood_is_cut_off_alone(node_factory, short_tmp):
     cfg = short_tmp / "limits.toml"
     cfg.write_text("max_messages_per_s = 50.0\nmax_sessions_per_uid = 3\nhello_timeout = 0.5\n")
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--config", str(cfg))
+    node = node_factory(*sim("16GiB", config=str(cfg)))
     with gpushare.attach("1GiB", socket=node.socket, name="bystander") as by:
         s = _raw_session(node, memory_limit=G)
         flood = p.encode(p.Report(resident=0, swapped=0)) * 500
@@ -337,7 +276,7 @@ def _status_as(path: str, uid: int, gid: int) -> str:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_admin_socket_admits_root_and_the_admin_group_only(node_factory, short_tmp):
     os.chmod(short_tmp, 0o755)
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--admin-group", "65534")
+    node = node_factory(*sim("16GiB", admin_group="65534"))
     assert _status_as(node.admin, 65534, 65534) == "ok"  # in the group
     assert "permission denied" in _status_as(node.admin, 65534, 65533)  # the socket's mode
     os.chmod(node.admin, 0o666)  # loosened by hand: the peer check still holds

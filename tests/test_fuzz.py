@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import gpushare
 from gpushare import protocol as p
 
-from .conftest import NodeProcess
+from .conftest import NodeProcess, sim
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 floats = st.floats(allow_nan=True, allow_infinity=True)
@@ -87,17 +87,7 @@ admin_msgs = st.one_of(
 def fuzz_node():
     with tempfile.TemporaryDirectory(prefix="gs-fz-") as d:
         node = NodeProcess(
-            Path(d),
-            "--sim-gpus",
-            "2",
-            "--sim-memory",
-            "16GiB",
-            "--tq",
-            "0.2",
-            "--mode",
-            "exclusive",
-            "--log-level",
-            "error",
+            Path(d), *sim("16GiB", gpus="2", tq="0.2", mode="exclusive", log_level="error")
         )
         node.start()
         bystander = gpushare.attach("1GiB", socket=node.socket, name="bystander")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gpushare
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -21,7 +21,7 @@ def tqs(node) -> list[float]:
 def test_config_file_changes_apply_live(node_factory, short_tmp):
     cfg = short_tmp / "node.toml"
     cfg.write_text("tq = 30.0\n")
-    node = node_factory("--sim-gpus", "2", "--sim-memory", "16GiB", "--config", str(cfg))
+    node = node_factory(*sim("16GiB", gpus="2", config=str(cfg)))
     assert tqs(node) == [30, 30]
     cfg.write_text('tq = 12.0\n[gpu.1]\nmode = "exclusive"\n')
     wait_until(lambda: tqs(node) == [12, 12], timeout=10, what="the new TQ")
@@ -39,9 +39,7 @@ def test_config_file_changes_apply_live(node_factory, short_tmp):
 def test_state_file_outlasts_restarts_and_beats_the_configmap(node_factory, short_tmp):
     cfg, state = short_tmp / "node.toml", short_tmp / "state" / "state.toml"
     cfg.write_text('tq = 30.0\npolicy = "equal"\n')
-    node = node_factory(
-        "--sim-gpus", "1", "--sim-memory", "16GiB", "--config", str(cfg), "--state", str(state)
-    )
+    node = node_factory(*sim("16GiB", config=str(cfg), state=str(state)))
     r = node.ctl("tq", "20", "--persist")
     assert f"persisted to {state}" in r.stdout
     assert "tq = 20" in state.read_text() and cfg.read_text() == 'tq = 30.0\npolicy = "equal"\n'
@@ -58,7 +56,7 @@ def test_state_file_outlasts_restarts_and_beats_the_configmap(node_factory, shor
 
 
 def test_kai_pod_needs_no_setting(node_factory, monkeypatch):
-    node = node_factory("--sim-gpus", "2", "--sim-memory", "40GiB")
+    node = node_factory(*sim("40GiB", gpus="2"))
     uuid = node.status()["gpus"][1]["uuid"]
     monkeypatch.setenv("GPUSHARE_SOCKET", node.socket)
     monkeypatch.setenv("GPU_PORTION", "0.5")

@@ -18,6 +18,8 @@ from gpushare.metrics import registry_for
 from gpushare.node import Node
 from gpushare.utilization import Attribution, NvmlUtilization
 
+from .conftest import sim
+
 G = 2**30
 
 
@@ -113,20 +115,14 @@ def test_conventions_hold_for_every_family(scripted):
 def test_live_node_serves_metrics_over_http(node_factory):
     port = free_port()
     node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "10GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.3",
-        "--metrics-port",
-        str(port),
-        "--metrics-address",
-        "127.0.0.1",
-        "--sim-bandwidth",
-        "1e12",
+        *sim(
+            "10GiB",
+            mode="exclusive",
+            tq="0.3",
+            metrics_port=str(port),
+            metrics_address="127.0.0.1",
+            sim_bandwidth="1e12",
+        )
     )
     env = {"POD_NAME": "trainer-0", "POD_NAMESPACE": "ml", "CONTAINER_NAME": "main"}
     import os

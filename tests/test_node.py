@@ -16,25 +16,14 @@ import gpushare
 from gpushare import protocol as p
 from gpushare.report import figures
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 G = 2**30
 
 
 def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
     # Two sessions of 6 GiB on a 10 GiB GPU: every handoff swaps. Fast modelled link.
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "10GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "5",
-        "--sim-bandwidth",
-        "1e13",
-    )
+    node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
     procs = [
         node.workload(
             "cycles",
@@ -62,9 +51,7 @@ def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
 
 
 def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
-    node = node_factory(
-        "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive", "--tq", "1"
-    )
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
     procs = [
         node.workload(
             "batch", "--memory", "30GiB", "--seconds", "9", "--name", f"job{i}", "--seed", str(i)
@@ -94,9 +81,7 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
 
 
 def test_killed_holder_lease_goes_to_next_waiter(node_factory):
-    node = node_factory(
-        "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive", "--tq", "60"
-    )
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="60"))
     holder = node.workload("batch", "--memory", "10GiB", "--seconds", "60", "--name", "holder")
     wait_until(lambda: node.status()["gpus"][0]["holders"], what="a holder")
     waiter = node.workload("batch", "--memory", "10GiB", "--seconds", "1", "--name", "waiter")
@@ -113,7 +98,7 @@ def test_killed_holder_lease_goes_to_next_waiter(node_factory):
 
 def test_ctl_tq_live_and_persist_across_restart(node_factory, short_tmp):
     cfg = short_tmp / "conf" / "node.toml"  # does not exist yet
-    node = node_factory("--sim-gpus", "2", "--sim-memory", "16GiB", "--config", str(cfg))
+    node = node_factory(*sim("16GiB", gpus="2", config=str(cfg)))
     r = node.ctl("tq", "7")
     assert "GPU 0: TQ 7 s" in r.stdout and "GPU 1: TQ 7 s" in r.stdout
     assert [g["tq_s"] for g in node.status()["gpus"]] == [7, 7]
@@ -130,7 +115,7 @@ def test_ctl_tq_live_and_persist_across_restart(node_factory, short_tmp):
 
 
 def test_ctl_errors_are_one_clear_line(node_factory, short_tmp):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     r = node.ctl("tq", "5", "--persist", check=False)
     assert r.returncode == 1 and "without --config" in r.stderr
     r = node.ctl("tq", "5", "--gpu", "3", check=False)
@@ -142,7 +127,7 @@ def test_ctl_errors_are_one_clear_line(node_factory, short_tmp):
 
 
 def test_status_json_has_the_contract_fields(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     with gpushare.attach("4GiB", socket=node.socket, name="probe") as s, s.gpu():
         st = json.loads(node.ctl("status", "--json").stdout)
     g = st["gpus"][0]
@@ -183,7 +168,7 @@ def test_status_json_has_the_contract_fields(node_factory):
 
 
 def test_events_follow_streams_new_events(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     import subprocess
     import sys
 
@@ -241,7 +226,7 @@ def _frame(body: bytes) -> bytes:
     ],
 )
 def test_garbage_gets_an_error_and_harms_no_one(node_factory, data, code):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--mode", "exclusive")
+    node = node_factory(*sim("16GiB", mode="exclusive"))
     with gpushare.attach("2GiB", socket=node.socket, name="bystander") as s:
         reply = _raw(node.socket, data)
         assert code in reply  # an error frame came back, then the connection closed
@@ -252,14 +237,14 @@ def test_garbage_gets_an_error_and_harms_no_one(node_factory, data, code):
 
 
 def test_garbage_on_the_admin_socket(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     assert b"protocol" in _raw(node.admin, os.urandom(100))
     assert b"protocol" in _raw(node.admin, p.encode(p.Acquire()))
     assert node.status()["gpus"][0]["index"] == 0
 
 
 def test_admin_socket_is_owner_only(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     assert stat.S_IMODE(os.stat(node.admin).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(node.socket).st_mode) == 0o666
 
@@ -293,7 +278,7 @@ def test_bad_config_file_is_one_line_exit_2(node_factory, short_tmp):
 
 
 def test_second_node_on_same_socket_is_refused(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     import subprocess
     import sys
 

@@ -22,6 +22,7 @@ from gpushare.gpus import simulated_gpus
 from gpushare.metrics import registry_for
 from gpushare.node import Node
 
+from .conftest import sim
 from .test_metrics import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "gpushare.json"
@@ -108,9 +109,9 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
         f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}.scope\n"
     )
     monkeypatch.setenv("POD_UID", uid)
-    args = ["--sim-gpus", "1", "--sim-memory", "16GiB", "--metrics-port", str(mport)]
-    args += ["--metrics-address", "127.0.0.1", "--proc-root", str(proc)]
-    node = node_factory(*args)
+    node = node_factory(
+        *sim("16GiB", metrics_port=mport, metrics_address="127.0.0.1", proc_root=proc)
+    )
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"

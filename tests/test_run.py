@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 torch = pytest.importorskip(
     "torch",
@@ -65,7 +65,7 @@ def lines(out: str) -> list[dict]:
 
 
 def test_an_unmodified_program_becomes_a_session(node_factory, script):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB", "--idle-release", "0.3")
+    node = node_factory(*sim("16GiB", idle_release="0.3"))
     pr = gs_run(
         node,
         "--memory",
@@ -98,18 +98,7 @@ def test_an_unmodified_program_becomes_a_session(node_factory, script):
 
 
 def test_two_programs_take_turns_at_the_hooks(node_factory, script):
-    node = node_factory(
-        "--sim-gpus",
-        "1",
-        "--sim-memory",
-        "16GiB",
-        "--mode",
-        "exclusive",
-        "--tq",
-        "0.3",
-        "--idle-release",
-        "0.3",
-    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
     procs = [
         gs_run(
             node, "--memory", "4GiB", "--name", f"job{i}", "--", sys.executable, str(script), "3.0"
@@ -137,7 +126,7 @@ def test_two_programs_take_turns_at_the_hooks(node_factory, script):
 
 
 def test_gpu_portion_sets_the_limit(node_factory, script):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     pr = gs_run(node, "--", sys.executable, str(script), "0.1", extra_env={"GPU_PORTION": "0.25"})
     out, err = pr.communicate(timeout=60)
     assert pr.returncode == 0, err
@@ -149,7 +138,7 @@ def test_a_shadowed_sitecustomize_still_runs(node_factory, short_tmp):
     other = short_tmp / "site"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     code = (
         "import os; from gpushare import runner; print(os.environ.get('SHADOWED_RAN'), "
         "runner.SESSION is not None)"
@@ -168,7 +157,7 @@ def test_a_shadowed_sitecustomize_still_runs(node_factory, short_tmp):
     ],
 )
 def test_bad_invocations(node_factory, args, code, message):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     pr = gs_run(node, *args)
     _, err = pr.communicate(timeout=30)
     assert pr.returncode == code and message in err

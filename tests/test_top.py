@@ -15,7 +15,7 @@ from gpushare.gpus import simulated_gpus
 from gpushare.node import Node
 from gpushare.top import ShareTracker, render
 
-from .conftest import wait_until
+from .conftest import sim, wait_until
 
 G = 2**30
 
@@ -52,7 +52,7 @@ def test_share_over_the_window():
 
 
 def test_once_prints_a_frame(node_factory):
-    node = node_factory("--sim-gpus", "1", "--sim-memory", "16GiB")
+    node = node_factory(*sim("16GiB"))
     r = subprocess.run(
         [sys.executable, "-m", "gpushare", "top", "--socket", node.admin, "--once"],
         capture_output=True,
@@ -64,9 +64,7 @@ def test_once_prints_a_frame(node_factory):
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_live_view_in_tmux(node_factory):
-    node = node_factory(
-        "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive", "--tq", "1"
-    )
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
     procs = [
         node.workload("batch", "--memory", "30GiB", "--seconds", "20", "--name", f"job{i}")
         for i in range(3)
