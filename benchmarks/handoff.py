@@ -28,6 +28,7 @@ from pathlib import Path
 
 import gpushare
 from gpushare.demo import wait_for_socket
+from handoffs import handoffs, percentile
 
 
 def client(sock: str, go: str, out: str, bursts: int) -> None:
@@ -48,11 +49,6 @@ def client(sock: str, go: str, out: str, bursts: int) -> None:
         time.sleep(0.0005)  # a little CPU work between bursts
     s.close()
     Path(out).write_text(json.dumps(rows))
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def start_node(sock: str, admin: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -115,23 +111,8 @@ def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
     finally:
         node.terminate()
         node.wait(timeout=10)
-    grants, releases = [], []
-    for o in outs[:active]:
-        for ask, g, r in json.loads(Path(o).read_text()):
-            grants.append((g, ask))
-            releases.append(r)
-    grants.sort()
-    releases.sort()
-    # A handoff: a grant to a session that was already waiting when the holder before it
-    # released (the latest release before the grant).
-    hand = []
-    j = 0
-    for g, ask in grants[1:]:
-        while j + 1 < len(releases) and releases[j + 1] <= g:
-            j += 1
-        if ask < releases[j] <= g:
-            hand.append(g - releases[j])
-    us = [h * 1e6 for h in hand]
+    bursts = [tuple(b) for o in outs[:active] for b in json.loads(Path(o).read_text())]
+    us = [h * 1e6 for h in handoffs(bursts)]
     return {
         "sessions": n,
         "active": active,

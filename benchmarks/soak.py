@@ -31,6 +31,7 @@ import gpushare
 from gpushare.admin import AdminClient
 from gpushare.demo import wait_for_socket
 from gpushare.swap.sim import SimBackend
+from handoffs import handoffs, percentile
 
 PER_PROCESS = 16
 SESSION_MEMORY = 3 * 2**30  # on 8 GiB GPUs: 16 sessions a GPU share room for 2
@@ -194,26 +195,6 @@ class Soak:
             return sum(len(g["sessions"]) for g in c.status()["gpus"])
 
 
-def handoffs(rows: list[list[float]], gpus: int) -> list[float]:
-    out = []
-    for g in range(gpus):
-        mine = [r for r in rows if r[0] == g]
-        grants = sorted((r[2], r[1]) for r in mine)
-        rels = sorted(r[3] for r in mine)
-        j = 0
-        for t, ask in grants[1:]:
-            while j + 1 < len(rels) and rels[j + 1] <= t:
-                j += 1
-            if ask < rels[j] <= t:
-                out.append(t - rels[j])
-    return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         a = sys.argv[2:]
@@ -301,7 +282,11 @@ def main() -> int:
                     rows.append(rec)
             for k, v in last_totals.items():
                 totals[k] += v
-        hs = handoffs(rows, a.gpus)
+        hs = [
+            h
+            for g in range(a.gpus)
+            for h in handoffs([(r[1], r[2], r[3]) for r in rows if r[0] == g])
+        ]
     result: dict[str, Any] = {
         "grants": done,
         "seconds": elapsed,
@@ -311,8 +296,8 @@ def main() -> int:
         "client_kills": kills,
         "node_restarted": restarted,
         "handoffs_measured": len(hs),
-        "handoff_p50_ms": pct(hs, 0.5) * 1e3,
-        "handoff_p99_ms": pct(hs, 0.99) * 1e3,
+        "handoff_p50_ms": percentile(hs, 0.5) * 1e3,
+        "handoff_p99_ms": percentile(hs, 0.99) * 1e3,
         "pattern_checks": totals["checks"],
         "pattern_failures": totals["failures"],
         "swap_checksums_verified": totals["checksums"],
