@@ -1,15 +1,19 @@
 """A discrete-event model of workloads driving a real Arbiter on a ManualClock.
 
 Model clients obey the protocol as the real client does (swap in after a grant, answer
-a revoke after a delay, swap out when asked), with swap times from a bandwidth. The
-model tracks the bytes each client really has on the GPU, in flight included, so tests
-can check the arbiter's invariants against what would physically be there.
+a revoke after a delay, swap out when asked), with swap times from a bandwidth. Clients
+that ``fill`` (the current client) release first and then swap out chunk by chunk,
+reporting each, and swap in chunk by chunk within the room the arbiter gives; the others
+(older clients) swap out before releasing and swap in all at once. The model tracks the
+bytes each client really has on the GPU, in flight included, so tests can check the
+arbiter's invariants against what would physically be there.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,11 +25,14 @@ from gpushare.arbiter import (
     GpuSettings,
     GrantAction,
     RevokeAction,
+    RoomAction,
     SwapOutAction,
 )
 from gpushare.clock import ManualClock
 
 GiB = 2**30
+CHUNK = 4 * GiB  # the fill clients' swap granularity (coarse: the test runs many)
+Task = Callable[[Callable[[], None]], None]  # runs, then calls its argument when done
 
 
 @dataclass
@@ -42,7 +49,11 @@ class Client:
     in_host: int = 0
     holding: bool = False
     swapping_in: bool = False
-    busy_until: float = 0.0  # the real client does one swap at a time, under its lock
+    fills: bool = False
+    room: int = 0  # while filling: the most it may have on the GPU
+    parked: Callable[[], None] | None = None  # a fill waiting for room
+    busy: bool = False  # the real client does one swap at a time, under its lock
+    tasks: deque[Task] = field(default_factory=deque)
     wants: bool = False
     lease: int = 0
     grant_times: list[float] = field(default_factory=list)
@@ -96,6 +107,13 @@ class Model:
                 c = self.clients[a.session]
                 assert not c.holding, "the planner asked a holder to swap out"
                 self._swap_out(c, a.bytes)
+            elif isinstance(a, RoomAction):
+                c = self.clients[a.session]
+                assert a.room > c.room or not c.room, "a room shrank"
+                c.room = 0 if a.room >= c.limit else a.room
+                if c.parked:
+                    go, c.parked = c.parked, None
+                    self.at(0.0, go)
         self._observe()
 
     def _observe(self) -> None:
@@ -126,7 +144,7 @@ class Model:
     # --- clients --------------------------------------------------------------------
     def add(self, c: Client, start: float = 0.0) -> Client:
         self.clients[c.sid] = c
-        self.apply(self.arb.attach(c.sid, f"s{c.sid}", c.limit, c.weight))
+        self.apply(self.arb.attach(c.sid, f"s{c.sid}", c.limit, c.weight, fills=c.fills))
         self.at(start, lambda: self._want(c))
         return c
 
@@ -145,33 +163,67 @@ class Model:
         self.grants.append(c.sid)
         c.holding = True
         c.swapping_in = True
+        assert not a.room or c.fills, "a room for a client that cannot fill"
+        c.room = a.room
 
-        def start() -> float:
+        def swap_in(done: Callable[[], None]) -> None:
             back = c.in_host
-            # Swap-in bytes land on the GPU as the copy starts (counted at once).
-            c.on_gpu += back
-            c.in_host = 0
-            self._observe()
+            t0 = self.clock.monotonic()
 
-            def swapped_in() -> None:
+            def finished() -> None:
+                if c.room and c.sid in self.clients:  # as the real client: the burst
+                    c.parked = finished  # waits until its whole limit has room
+                    return
                 c.swapping_in = False
+                done()
                 if c.sid not in self.clients:
                     return
-                self.apply(self.arb.swap_done(c.sid, "in", back, back / self.bw, c.on_gpu, 0))
+                secs = self.clock.monotonic() - t0
+                self.apply(self.arb.swap_done(c.sid, "in", back, secs, c.on_gpu, c.in_host))
                 if c.holding:  # the workload grows to its limit while it holds
+                    assert not c.room, "grew past its room"
                     c.on_gpu = c.limit
                     self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
 
-            self.at(back / self.bw, swapped_in)
-            return back / self.bw
+            if not c.fills:  # all at once: the bytes land as the copy starts
+                c.on_gpu += back
+                c.in_host = 0
+                self._observe()
+                self.at(back / self.bw, finished)
+                return
 
-        self.serial(c, start)
+            def chunk() -> None:
+                if c.sid not in self.clients:
+                    return done()
+                if not c.in_host:
+                    return finished()
+                k = min(CHUNK, c.in_host)
+                if c.room and c.on_gpu + k > c.room:
+                    c.parked = chunk  # until a RoomAction
+                    return
+                c.on_gpu += k
+                c.in_host -= k
+                self._observe()
+
+                def landed() -> None:
+                    if c.sid in self.clients:
+                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                    chunk()
+
+                self.at(k / self.bw, landed)
+
+            chunk()
+
+        self.serial(c, swap_in)
         if c.kind == "bursty":
             lease = c.lease
             self.at(c.burst_s, lambda: self._burst_end(c, lease))
 
     def _burst_end(self, c: Client, lease: int) -> None:
         if c.sid not in self.clients or not c.holding or c.lease != lease:
+            return
+        if c.swapping_in:  # as the real client: the burst begins once the memory is back
+            self.at(0.001, lambda: self._burst_end(c, lease))
             return
         c.holding = False
         c.wants = False
@@ -187,6 +239,15 @@ class Model:
         moved = min(a.swap_out, c.on_gpu)
         c.holding = False
         c.want_since = self.clock.monotonic()
+        again = c.kind == "batch"
+        if not again:
+            c.wants = False
+        if c.fills:  # release first, then swap out chunk by chunk
+            self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, swapping_out=moved))
+            self._swap_out(c, moved)
+            if not again:
+                self.at(c.think_s, lambda: self._want(c))
+            return
 
         # the copy takes moved/bw; the release is sent when it is done
         def done() -> None:
@@ -194,9 +255,6 @@ class Model:
                 return
             c.on_gpu -= moved
             c.in_host += moved
-            again = c.kind == "batch"
-            if not again:
-                c.wants = False
             self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, moved, moved / self.bw))
             if not again:
                 self.at(c.think_s, lambda: self._want(c))
@@ -204,30 +262,53 @@ class Model:
         self.at(moved / self.bw, done)
 
     def _swap_out(self, c: Client, n: int) -> None:
-        def start() -> float:
+        def swap_out(done: Callable[[], None]) -> None:
             moved = min(n, c.on_gpu)
+            t0 = self.clock.monotonic()
+            left = [moved]
 
-            def done() -> None:
+            def finished() -> None:
+                done()
+                if c.sid in self.clients:
+                    secs = self.clock.monotonic() - t0
+                    self.apply(self.arb.swap_done(c.sid, "out", moved, secs, c.on_gpu, c.in_host))
+
+            def chunk() -> None:
                 if c.sid not in self.clients:
-                    return
-                c.on_gpu -= moved
-                c.in_host += moved
-                self.apply(
-                    self.arb.swap_done(c.sid, "out", moved, moved / self.bw, c.on_gpu, c.in_host)
-                )
+                    return done()
+                if not left[0]:
+                    return finished()
+                k = min(CHUNK if c.fills else left[0], left[0])
 
-            self.at(moved / self.bw, done)
-            return moved / self.bw
+                def freed() -> None:  # bytes leave the GPU when their copy is done
+                    if c.sid not in self.clients:
+                        return done()
+                    left[0] -= k
+                    c.on_gpu -= k
+                    c.in_host += k
+                    if c.fills and left[0]:
+                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                    chunk()
 
-        self.serial(c, start)
+                self.at(k / self.bw, freed)
 
-    def serial(self, c: Client, start: Callable[[], float]) -> None:
-        """Run ``start`` (which returns its duration) after the client's last swap."""
-        now = self.clock.monotonic()
-        if c.busy_until <= now:
-            c.busy_until = now + start()
-        else:
-            self.at(c.busy_until - now, lambda: self.serial(c, start))
+            chunk()
+
+        self.serial(c, swap_out)
+
+    def serial(self, c: Client, task: Task) -> None:
+        """Run ``task`` once the client's earlier swaps are done."""
+        c.tasks.append(task)
+        if not c.busy:
+            self._next_task(c)
+
+    def _next_task(self, c: Client) -> None:
+        if not c.tasks:
+            c.busy = False
+            return
+        c.busy = True
+        task = c.tasks.popleft()
+        task(lambda: self._next_task(c))
 
     def kill(self, sid: int) -> None:
         c = self.clients.pop(sid)

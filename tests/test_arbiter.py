@@ -7,12 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushare.arbiter import (
+    SWAP_RETRY_S,
     Arbiter,
     ArbiterError,
     EscalateAction,
     GpuSettings,
     GrantAction,
     RevokeAction,
+    RoomAction,
     State,
     SwapOutAction,
 )
@@ -266,6 +268,7 @@ sessions_st = st.lists(
         st.floats(0.05, 3.0),  # think
         st.sampled_from([0.25, 0.5, 1.0]),  # weight
         st.floats(0.0, 0.3),  # yield delay
+        st.booleans(),  # fills: a current client (overlapped switches) or an older one
     ),
     min_size=1,
     max_size=8,
@@ -289,8 +292,9 @@ def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills,
     m = Model(
         cap, GpuSettings(tq_s=tq, mode=mode, policy=policy, grace_s=1.0, escalation=escalation)
     )
-    for i, (lim, kind, burst, think, w, yd) in enumerate(sessions, start=1):
-        m.add(Client(i, lim * GiB, w, kind, burst, think, yd, stuck=i in stuck), start=0.01 * i)
+    for i, (lim, kind, burst, think, w, yd, fills) in enumerate(sessions, start=1):
+        c = Client(i, lim * GiB, w, kind, burst, think, yd, stuck=i in stuck, fills=fills)
+        m.add(c, start=0.01 * i)
     t = 0.0
     for when, idx in sorted(kills):
         m.run(when - t)
@@ -410,3 +414,90 @@ def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
     assert events_of(out, "swap_out")[0]["bytes"] == 4 * GiB
     assert a.sessions[1].state is State.WAITING and list(a.queue) == [1]
     assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)
+
+
+def _switch_setup(clock, **kw):
+    """A holds 30 GiB of a 40 GiB GPU; B's 30 GiB are in host memory; A is revoked."""
+    a = arb(clock, capacity=40 * GiB, tq_s=1, mode="exclusive", **kw)
+    a.attach(1, "a", 30 * GiB, fills=True)
+    a.attach(2, "b", 30 * GiB, swapped=30 * GiB, fills=True)
+    a.acquire(1)
+    a.report(1, 30 * GiB, 0)
+    a.acquire(2)
+    clock.advance(1)
+    (r,) = actions_of(a.tick(), RevokeAction)
+    assert r.session == 1 and r.swap_out == 20 * GiB
+    return a
+
+
+def test_overlapped_switch_swaps_in_as_the_swap_out_frees(clock):
+    a = _switch_setup(clock)
+    # A stops its GPU work and releases before swapping out: B is granted at once, with
+    # room for what is free now (10 GiB), and swaps in while A swaps out.
+    out = a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
+    (g,) = actions_of(out, GrantAction)
+    assert (g.session, g.room, g.swap_in) == (2, 10 * GiB, 30 * GiB)
+    rooms = []
+    for done in range(1, 21):  # A reports each GiB it frees; B's room grows with it
+        out = a.report(1, (30 - done) * GiB, done * GiB)
+        rooms += [x.room for x in actions_of(out, RoomAction)]
+        assert a.used_bytes() <= a.capacity
+        assert actions_of(out, SwapOutAction) == []  # nothing asked twice
+    assert rooms == [(10 + i) * GiB for i in range(1, 20)] + [30 * GiB]
+    assert a.next_deadline() is not None  # the quantum is bounded once the room is full
+    a.swap_done(1, "out", 20 * GiB, 0.4, 10 * GiB, 20 * GiB)
+    clock.advance(0.5)
+    a.swap_done(2, "in", 30 * GiB, 0.55, 30 * GiB, 0)
+    assert a.next_deadline() == pytest.approx(clock.monotonic() + 1)  # quantum from here
+
+
+def test_without_overlap_the_next_holder_waits_for_the_whole_swap_out(clock):
+    a = _switch_setup(clock, overlap=False)
+    out = a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
+    assert actions_of(out, GrantAction) == []
+    for done in range(1, 20):
+        assert actions_of(a.report(1, (30 - done) * GiB, done * GiB), GrantAction) == []
+    (g,) = actions_of(a.report(1, 10 * GiB, 20 * GiB), GrantAction)
+    assert (g.session, g.room) == (2, 0)
+
+
+def test_a_client_that_cannot_fill_gets_no_room(clock):
+    a = arb(clock, capacity=40 * GiB, tq_s=1, mode="exclusive")
+    a.attach(1, "a", 30 * GiB, fills=True)
+    a.attach(2, "old", 30 * GiB, swapped=30 * GiB)  # an older client: fills=False
+    a.acquire(1)
+    a.report(1, 30 * GiB, 0)
+    a.acquire(2)
+    clock.advance(1)
+    a.tick()
+    assert actions_of(a.release(1, 30 * GiB, 0, True, swapping_out=20 * GiB), GrantAction) == []
+    (g,) = actions_of(a.report(1, 10 * GiB, 20 * GiB), GrantAction)
+    assert g.room == 0
+
+
+def test_a_failed_swap_out_under_a_filling_holder_is_asked_again(clock):
+    a = _switch_setup(clock)
+    a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
+    a.report(1, 25 * GiB, 5 * GiB)
+    out = a.swap_done(1, "out", 0, 0.1, 25 * GiB, 5 * GiB, error="host memory exhausted")
+    assert actions_of(out, SwapOutAction) == []  # not at once: it just failed
+    clock.advance(SWAP_RETRY_S)
+    assert actions_of(a.tick(), SwapOutAction) == [SwapOutAction(1, 15 * GiB)]
+
+
+def test_overlap_shortens_switches_in_the_model():
+    """Revoke-to-swapped-in time of a 30 GiB switch, overlapped vs one after the other."""
+
+    def switch_times(overlap):
+        m = Model(40 * GiB, GpuSettings(tq_s=1.0, mode="exclusive", overlap=overlap))
+        for i in (1, 2):
+            m.add(Client(i, 30 * GiB, fills=True, yield_delay=0.0))
+        m.run(20)
+        revokes = [e["ts"] for e in m.events if e["event"] == "revoke"]
+        ins = [e["ts"] for e in m.events if e["event"] == "swap_in" and e["bytes"]]
+        return [next(t for t in ins if t > r) - r for r in revokes[:-1]]
+
+    over, seq = switch_times(True), switch_times(False)
+    assert len(over) >= 5 and len(seq) >= 5
+    ratio = (sum(over) / len(over)) / (sum(seq) / len(seq))
+    assert ratio < 0.8, ratio  # the model's full-duplex link: about 0.5 + a chunk

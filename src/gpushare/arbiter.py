@@ -25,6 +25,9 @@ MODES: tuple[Mode, ...] = ("auto", "exclusive")
 POLICIES: tuple[Policy, ...] = ("equal", "weighted")
 ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
+# A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
+# (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
+SWAP_FLOOR_BPS = 1e9
 # Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
 WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -47,6 +50,7 @@ class GpuSettings:
     policy: Policy = "equal"
     grace_s: float = 5.0
     escalation: Escalation = "log"
+    overlap: bool = True  # the next holder swaps in while the last one swaps out
 
 
 @dataclass
@@ -59,6 +63,9 @@ class SessionState:
     resident: int = 0
     swapped: int = 0
     pending_out: int = 0
+    fills: bool = False  # its client can swap in chunk by chunk within a room
+    room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
+    swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
     lease: int = 0
     lease_start: float = 0.0
     quantum_end: float = 0.0
@@ -100,6 +107,15 @@ class GrantAction:
     quantum_s: float
     shared: bool
     thaw: bool = False  # the process was frozen: continue it before telling it
+    room: int = 0  # swap in only up to this many resident bytes until a RoomAction
+
+
+@dataclass(frozen=True)
+class RoomAction:
+    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
+
+    session: int
+    room: int
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,17 @@ class EventAction:
     record: dict[str, Any] = field(hash=False)
 
 
-Action = GrantAction | RevokeAction | SwapOutAction | EscalateAction | EventAction
+Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction
+
+
+def _used(s: SessionState) -> int:
+    """What a session may have on the GPU: a holder its limit (its room while filling),
+    anyone else what is there now."""
+    if s.state in (State.HOLDING, State.YIELDING):
+        return s.room or s.limit
+    if s.swapping_in:  # frozen mid swap-in: all of it may have landed
+        return s.resident + s.swapped
+    return s.resident
 
 
 class Arbiter:
@@ -161,9 +187,12 @@ class Arbiter:
         resident: int = 0,
         swapped: int = 0,
         holding: bool = False,
+        fills: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
-        outlived a node restart (it keeps its memory and, mid-burst, its lease)."""
+        outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
+        its client can swap in within a room, so its swap-in may overlap another's
+        swap-out."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if limit <= 0:
@@ -178,7 +207,12 @@ class Arbiter:
         if resident < 0 or swapped < 0 or resident + swapped > limit:
             raise ArbiterError("re-registered memory must be within the memory limit")
         s = SessionState(
-            id=sid, name=name, limit=limit, weight=weight, attached=self.clock.monotonic()
+            id=sid,
+            name=name,
+            limit=limit,
+            weight=weight,
+            attached=self.clock.monotonic(),
+            fills=fills,
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
@@ -230,9 +264,16 @@ class Arbiter:
         again: bool = False,
         swapped_out: int = 0,
         seconds: float = 0.0,
+        swapping_out: int = 0,
     ) -> list[Action]:
+        """The burst ended, or the holder yielded (``again``). ``swapped_out`` bytes went
+        on the way (older clients); ``swapping_out`` bytes are going now, after the release,
+        reported as they go (:meth:`report`) and when done (:meth:`swap_done`): the GPU work
+        has stopped, so the next holder's swap-in may overlap that swap-out."""
         s = self._get(sid)
         now = self.clock.monotonic()
+        if swapping_out < 0:
+            raise ArbiterError("swapping_out must not be negative")
         if s.state is State.WAITING and not again:
             # The burst ended before it was granted (the workload gave up waiting).
             self.queue.remove(sid)
@@ -258,7 +299,9 @@ class Arbiter:
         # The release answers the revoke's ask, whatever was done: what is still missing
         # is planned anew, so a short answer cannot leave the queue waiting on bytes.
         s.pending_out = 0
+        s.room = 0
         self._set_memory(s, resident, swapped)
+        s.pending_out = min(swapping_out, s.resident)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")
         self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
         s.lease = 0
@@ -287,9 +330,12 @@ class Arbiter:
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         else:
             self._count_swap(s, direction, nbytes, seconds)
-            if direction == "in" and s.state is State.HOLDING:
-                # The quantum is GPU time: it starts once the memory is back.
-                s.quantum_end = max(s.quantum_end, self.clock.monotonic() + self.quantum(s))
+        if direction == "in":
+            s.swapping_in = False
+            if s.state is State.HOLDING:
+                # The quantum is GPU time: it starts once the memory is back (or the
+                # swap-in failed, and the workload gives the lease back).
+                s.quantum_end = self.clock.monotonic() + self.quantum(s)
         self._set_memory(s, resident, swapped)
         return self._advance()
 
@@ -370,10 +416,12 @@ class Arbiter:
         for sid in self.holders:
             s = self.sessions[sid]
             if s.state is State.HOLDING:
-                times.append(s.quantum_end)
+                if not math.isinf(s.quantum_end):  # a filling holder's quantum waits
+                    times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
-        if self.queue:  # a plan waiting on a failed swap: look again when it may retry
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
             now = self.clock.monotonic()
             times += [
                 s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
@@ -396,15 +444,16 @@ class Arbiter:
         return s.wait_s + live
 
     def used_bytes(self) -> int:
-        """Bytes the GPU must be able to hold now (holders at their limits)."""
-        held = (State.HOLDING, State.YIELDING)
-        return sum(v.limit if v.state in held else v.resident for v in self.sessions.values())
+        """Bytes the GPU must be able to hold now (holders at their limits, or at their
+        rooms while filling)."""
+        return sum(_used(v) for v in self.sessions.values())
 
     # --- the rules ------------------------------------------------------------------
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
         self._grant_what_fits()
+        self._fill_rooms()
         for sid in list(self.holders):
             s = self.sessions[sid]
             if s.state is State.HOLDING and s.quantum_end <= now:
@@ -433,8 +482,8 @@ class Arbiter:
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
             # Fast path (the common case, on every handoff): it fits as things are.
-            head_used = head.limit if head.holding else head.resident
-            if self.used_bytes() - head_used + head.limit <= self.capacity:
+            others = self.used_bytes() - _used(head)
+            if others + head.limit <= self.capacity:
                 self._grant(head)
                 continue
             plan = plan_grant(self.capacity, self._views(), head.id)
@@ -443,6 +492,18 @@ class Arbiter:
                     v = self.sessions[sid]
                     v.pending_out += n
                     self._out.append(SwapOutAction(sid, n))
+                room = self.capacity - others
+                if (
+                    self.settings.overlap
+                    and head.fills
+                    and head.swapped
+                    and not plan.shortfall
+                    and room > head.resident
+                ):
+                    # Enough is on its way out: the head swaps in now, into what is free
+                    # and then into what the swap-outs free (RoomActions), at once.
+                    self._grant(head, room)
+                    continue
                 if plan.shortfall and not plan.swap_outs and not self.holders:
                     # A frozen session's memory (a stopped process cannot swap) blocks the
                     # head, and thawing it would not help (it ignores revokes): the
@@ -468,9 +529,10 @@ class Arbiter:
         s.frozen = True
         s.escalated = False
         s.pending_out = 0
+        s.room = 0
         self._enqueue(s)
 
-    def _grant(self, s: SessionState) -> None:
+    def _grant(self, s: SessionState, room: int = 0) -> None:
         now = self.clock.monotonic()
         self.queue.popleft()
         waited = self._end_wait(s, now)
@@ -482,7 +544,11 @@ class Arbiter:
         self.grants_total += 1
         s.lease_start = now
         q = self.quantum(s)
-        s.quantum_end = now + q
+        s.room = room
+        s.swapping_in = bool(s.swapped)
+        # The quantum starts when the swap-in is done (swap_done); a filling holder's
+        # bound waits for its room too.
+        s.quantum_end = math.inf if room else self._quantum_end(s)
         s.last_served = now
         self.holders.append(s.id)
         thaw, s.frozen = s.frozen, False
@@ -495,8 +561,40 @@ class Arbiter:
             swap_in_bytes=s.swapped,
             quantum_s=q,
             shared=shared,
+            **({"room_bytes": room} if room else {}),
         )
-        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw))
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+
+    def _quantum_end(self, s: SessionState) -> float:
+        """A quantum from now, after the swap-in at no less than the floor rate."""
+        return self.clock.monotonic() + self.quantum(s) + s.swapped / SWAP_FLOOR_BPS
+
+    def _fill_rooms(self) -> None:
+        """Grow each filling holder's room into what swap-outs have freed, and ask for
+        more swap-outs where those under way will not do (one failed, say)."""
+        for sid in self.holders:
+            s = self.sessions[sid]
+            if not s.room:
+                continue
+            free = self.capacity - (self.used_bytes() - s.room)
+            if free >= s.limit:
+                s.room = 0
+                self._out.append(RoomAction(s.id, s.limit))
+                if math.isinf(s.quantum_end):  # bounded again, even if it never reports
+                    s.quantum_end = self._quantum_end(s)
+                continue
+            if free > s.room:
+                s.room = free
+                self._out.append(RoomAction(s.id, free))
+            views = [
+                MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
+                if v.id == s.id
+                else self._view(v)
+                for v in self.sessions.values()
+            ]
+            for vid, n in plan_grant(self.capacity, views, s.id).swap_outs:
+                self.sessions[vid].pending_out += n
+                self._out.append(SwapOutAction(vid, n))
 
     def _revoke(self, s: SessionState, now: float) -> None:
         s.state = State.YIELDING
@@ -540,8 +638,7 @@ class Arbiter:
         return waited
 
     def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:
-        if direction == "out":
-            s.pending_out = max(0, s.pending_out - nbytes)
+        if direction == "out":  # pending_out went down with resident (_set_memory)
             s.swap_outs += 1
             s.swap_out_bytes += nbytes
             s.swap_out_s += seconds
@@ -555,16 +652,16 @@ class Arbiter:
     def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
         if resident < 0 or swapped < 0:
             raise ArbiterError("memory figures must not be negative")
+        # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
+        # bytes no longer pending: a swap-out counts down as it goes.
+        s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
         s.resident = resident
         s.swapped = swapped
-        if s.pending_out > resident:
-            s.pending_out = resident
 
     def _view(self, s: SessionState) -> MemoryView:
         pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
-        return MemoryView(
-            s.id, s.limit, s.resident, s.holding, s.last_served, s.pending_out, pinned
-        )
+        resident = s.resident if s.holding else _used(s)
+        return MemoryView(s.id, s.limit, resident, s.holding, s.last_served, s.pending_out, pinned)
 
     def _views(self) -> list[MemoryView]:
         return [self._view(s) for s in self.sessions.values()]

@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="simulated GPUs: each swap-out fails with probability P (fault drills)",
     )
+    n.add_argument(
+        "--sequential-switches",
+        dest="overlap",
+        action="store_false",
+        default=None,
+        help="swap the next holder in only after the last one swapped out (default: overlap"
+        " the two, the link is full duplex)",
+    )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
     n.add_argument(
         "--proc-root",
@@ -342,6 +350,7 @@ def _node(args: argparse.Namespace) -> int:
         "admin_group": args.admin_group,
         "kubernetes": args.kubernetes,
         "metrics_address": args.metrics_address,
+        "overlap": args.overlap,
     }
     flags = {k: v for k, v in flags.items() if v is not None}
     try:

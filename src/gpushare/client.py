@@ -77,6 +77,7 @@ def attach(
         namespace=env.namespace,
         container=env.container,
         pod_uid=env.pod_uid,
+        fills=True,
     )
     try:
         sock, welcome, rest = _handshake(path, hello, timeout)
@@ -171,6 +172,7 @@ class Session:
         self.backend = backend
         backend.on_change = self._report
         backend.check_access = self._check_access
+        backend.wait_room = self._wait_room
         self._sock = sock
         self._path = path
         self._hello = hello or p.Hello(version=p.PROTOCOL_VERSION)
@@ -191,6 +193,7 @@ class Session:
         self._holding = False
         self._lease = 0
         self._grant: p.Grant | None = None
+        self._room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
         self._revoked = False  # read without a lock by checkpoint()
         self._revoke: p.Revoke | None = None
         self.bursts = 0  # bursts opened by this process
@@ -338,30 +341,33 @@ class Session:
         self.grants += 1
         if g.swap_in or self.backend.swapped_bytes:
             self._swap("in", 0)
+        # Work may grow the session to its limit: not before the node has room for that.
+        self._wait_room(self.memory_limit)
         self._holding = True
 
     def _release_locked(self, again: bool) -> None:
-        out, secs = 0, 0.0
         rev, self._revoke = self._revoke, None
         self._revoked = False
         self._holding = False
-        if rev is not None and rev.lease == self._lease and rev.swap_out:
+        swap_out = rev.swap_out if rev is not None and rev.lease == self._lease else 0
+        if swap_out:
+            # The GPU work is done before the lease goes; the swap-out comes after the
+            # release, reported chunk by chunk, so the next holder swaps in meanwhile.
             self.backend.synchronize()
-            try:
-                r = self.backend.swap_out(rev.swap_out)
-                out, secs = r.bytes, r.seconds
-            except SwapError as e:
-                log.error("swap-out asked by the revoke failed: %s", e)
         self._lease = 0
         self._send(
             p.Release(
                 resident=self.backend.resident_bytes,
                 swapped=self.backend.swapped_bytes,
                 again=again,
-                swapped_out=out,
-                seconds=secs,
+                swapping_out=swap_out,
             )
         )
+        if swap_out:
+            try:
+                self._swap("out", swap_out)
+            except SwapError as e:
+                log.error("swap-out asked by the revoke failed: %s", e)
 
     def _checkpoint_slow(self) -> None:
         with self._cond:
@@ -406,6 +412,16 @@ class Session:
                         self._release_locked(again=False)
                 else:
                     self._cond.wait(self.idle_release_s - idle)
+
+    def _wait_room(self, resident: int) -> None:
+        # Called by the backend's swap-in, under self._cond (from _await_grant): waiting
+        # releases it, so the reader thread can deliver the Room that ends the wait.
+        while self._room and resident > self._room:
+            if self._gone or self._closed:
+                raise SwapError(
+                    "the gpushare node went away during this session's swap-in: try again"
+                )
+            self._cond.wait()
 
     def _check_access(self) -> None:
         if not self._holding:
@@ -528,10 +544,15 @@ class Session:
             with self._cond:
                 if self._acquiring:  # else it crossed a withdrawal, already released
                     self._lease = msg.lease
+                    self._room = msg.room if msg.room < self.memory_limit else 0
                     self._grant = msg
                 elif self._holding:  # thawed, or resumed after a node restart: a new lease
                     self._lease = msg.lease
                     self._revoked, self._revoke = False, None
+                self._cond.notify_all()
+        elif isinstance(msg, p.Room):
+            with self._cond:
+                self._room = msg.room if msg.room < self.memory_limit else 0
                 self._cond.notify_all()
         elif isinstance(msg, p.Revoke):
             if msg.lease == self._lease:

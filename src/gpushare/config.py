@@ -35,6 +35,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grace: float = 5.0
     escalation: Escalation = "log"
     idle_release: float = 0.5
+    overlap: bool = True  # a switch's swap-in runs while the swap-out frees memory
     reserve: str | int = 0
     socket: str = "/run/gpushare/gpushare.sock"
     admin_socket: str = "/run/gpushare/admin.sock"

@@ -32,6 +32,7 @@ from gpushare.arbiter import (
     GpuSettings,
     GrantAction,
     RevokeAction,
+    RoomAction,
     SwapOutAction,
 )
 from gpushare.clock import Clock, SystemClock
@@ -114,7 +115,9 @@ class Node:
         reserve = parse_size(config.reserve)
         self.arbiters: list[Arbiter] = []
         for g in gpus:
-            settings = GpuSettings(grace_s=config.grace, **gpu_settings(config, g.index))
+            settings = GpuSettings(
+                grace_s=config.grace, overlap=config.overlap, **gpu_settings(config, g.index)
+            )
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
             self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
@@ -250,6 +253,7 @@ class Node:
             log.error("%s: keeping the configuration in force", e)
             return
         for arb in self.arbiters:
+            arb.settings.overlap = new.overlap  # the next switch is planned with it
             before, after = gpu_settings(self.config, arb.gpu), gpu_settings(new, arb.gpu)
             change = {k: v for k, v in after.items() if before[k] != v}
             if change:
@@ -316,7 +320,11 @@ class Node:
                 if c:
                     c.send(
                         p.Grant(
-                            lease=a.lease, swap_in=a.swap_in, quantum_s=a.quantum_s, shared=a.shared
+                            lease=a.lease,
+                            swap_in=a.swap_in,
+                            quantum_s=a.quantum_s,
+                            shared=a.shared,
+                            room=a.room,
                         )
                     )
             elif isinstance(a, RevokeAction):
@@ -325,6 +333,9 @@ class Node:
             elif isinstance(a, SwapOutAction):
                 if c:
                     c.send(p.SwapOut(bytes=a.bytes))
+            elif isinstance(a, RoomAction):
+                if c:
+                    c.send(p.Room(room=a.room))
             elif isinstance(a, EscalateAction):
                 self._escalate(a, c)
         self._schedule(arb)
@@ -491,7 +502,14 @@ class Node:
         sid = self._next_session
         try:
             actions = arb.attach(
-                sid, h.name or f"pid-{conn.pid}", limit, weight, h.resident, h.swapped, h.holding
+                sid,
+                h.name or f"pid-{conn.pid}",
+                limit,
+                weight,
+                h.resident,
+                h.swapped,
+                h.holding,
+                h.fills,
             )
         except ArbiterError as e:
             conn.send(p.Error(code="attach", message=str(e)))
@@ -532,7 +550,13 @@ class Node:
             return arb.acquire(sid)
         if isinstance(msg, p.Release):
             return arb.release(
-                sid, msg.resident, msg.swapped, msg.again, msg.swapped_out, msg.seconds
+                sid,
+                msg.resident,
+                msg.swapped,
+                msg.again,
+                msg.swapped_out,
+                msg.seconds,
+                msg.swapping_out,
             )
         if isinstance(msg, p.SwapDone):
             return arb.swap_done(

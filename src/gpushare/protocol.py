@@ -49,6 +49,7 @@ class Hello(_Msg, tag="hello"):
     resident: int = 0
     swapped: int = 0
     holding: bool = False
+    fills: bool = False  # it swaps in within a Room, so its switches may overlap
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -57,13 +58,16 @@ class Acquire(_Msg, tag="acquire"):
 
 class Release(_Msg, tag="release"):
     """The burst ended (``again`` False) or the workload yielded after a revoke and wants
-    the GPU again (``again`` True). Carries what it swapped out on the way."""
+    the GPU again (``again`` True). Carries what it swapped out on the way (older
+    clients), or what it swaps out now, after the release (``swapping_out``: reported by
+    :class:`Report` as it goes and :class:`SwapDone` at the end)."""
 
     resident: int
     swapped: int
     again: bool = False
     swapped_out: int = 0
     seconds: float = 0.0
+    swapping_out: int = 0
 
 
 class SwapDone(_Msg, tag="swap_done"):
@@ -108,6 +112,13 @@ class Grant(_Msg, tag="grant"):
     swap_in: int
     quantum_s: float
     shared: bool = False
+    room: int = 0  # >0: have at most this many bytes on the GPU until a Room says more
+
+
+class Room(_Msg, tag="room"):
+    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
+
+    room: int
 
 
 class Revoke(_Msg, tag="revoke"):
@@ -188,6 +199,7 @@ Message = (
     | Report
     | Welcome
     | Grant
+    | Room
     | Revoke
     | SwapOut
     | Error

@@ -17,7 +17,13 @@ class SwapBackend(ABC):
     """One session's GPU memory. Implementations: ``sim`` (here) and ``torch``.
 
     Swap calls come from one thread at a time (the session serializes them); a failed
-    swap raises :class:`~gpushare.errors.SwapError` and leaves memory as it was.
+    swap raises :class:`~gpushare.errors.SwapError` and leaves memory as it was (chunks
+    already moved stay moved, and are counted so).
+
+    Swaps go chunk by chunk, so that a switch can overlap: a swap-out calls
+    :attr:`on_change` as each chunk's GPU memory is freed, and a swap-in calls
+    :attr:`wait_room` before each chunk with the resident bytes it will have after it
+    (which blocks until the node allows that much) and :attr:`on_change` after it.
     """
 
     name: str
@@ -26,6 +32,7 @@ class SwapBackend(ABC):
     def __init__(self) -> None:
         self.on_change: Callable[[], None] = lambda: None  # memory figures changed
         self.check_access: Callable[[], None] = lambda: None  # raises outside a lease
+        self.wait_room: Callable[[int], None] = lambda resident: None  # blocks for room
 
     @property
     @abstractmethod
@@ -45,7 +52,8 @@ class SwapBackend(ABC):
 
     @abstractmethod
     def swap_in(self) -> SwapResult:
-        """Bring every swapped byte back and verify it."""
+        """Bring every swapped byte back and verify it; ``seconds`` leaves out the time
+        spent waiting for room."""
 
     def close(self) -> None:  # noqa: B027  optional for backends with nothing to free
         """Free host buffers."""
