@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import statistics
 import os
 import signal
 import socket
 import stat
+import statistics
 import struct
 import time
 from typing import Any

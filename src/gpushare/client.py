@@ -93,7 +93,12 @@ def attach(
         ) from None
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)
-    s = Session(sock, welcome, _make_backend(backend, welcome), path, hello, reconnect_timeout)
+    try:
+        swap = _make_backend(backend, welcome)
+    except BaseException:
+        sock.close()  # the node counts the session gone
+        raise
+    s = Session(sock, welcome, swap, path, hello, reconnect_timeout)
     for msg in rest:
         s._handle(msg)
     return s
@@ -134,11 +139,13 @@ def _handshake(
 
 
 def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
-    if name in (None, "", "sim"):
+    """``sim`` for a simulated GPU, ``torch`` for a real one, unless asked otherwise."""
+    name = name or ("sim" if w.simulated else "torch")
+    if name == "sim":
         if not w.simulated:
             raise GpushareError(
                 f"GPU {w.gpu} ({w.gpu_name}) is a real GPU and the sim backend only serves"
-                " simulated ones: the torch backend is needed for real GPUs"
+                " simulated ones: use backend='torch' (the default on real GPUs)"
             )
         return SimBackend(
             w.memory_limit,
@@ -146,7 +153,16 @@ def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
             bandwidth=w.sim_bandwidth,
             failure_rate=w.sim_swap_failure_rate,
         )
-    raise GpushareError(f"unknown swap backend {name!r}: choose 'sim'")
+    if name == "torch":
+        if w.simulated:
+            raise GpushareError(
+                f"GPU {w.gpu} is simulated and the torch backend needs a real one:"
+                " use backend='sim' (the default on simulated GPUs)"
+            )
+        from gpushare.swap.torch import TorchBackend  # imports PyTorch: only when needed
+
+        return TorchBackend(w.memory_limit, gpu_uuid=w.gpu_uuid, gpu_index=w.gpu)
+    raise GpushareError(f"unknown swap backend {name!r}: choose 'torch' or 'sim'")
 
 
 class Session:

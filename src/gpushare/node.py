@@ -532,6 +532,7 @@ class Node:
                 name=h.name or f"pid-{conn.pid}",
                 gpu=gpu,
                 gpu_name=g.name,
+                gpu_uuid=g.uuid,
                 simulated=g.simulated,
                 memory_limit=limit,
                 weight=weight,

@@ -103,6 +103,7 @@ class Welcome(_Msg, tag="welcome"):
     sim_scale: int = 1024
     sim_bandwidth: float = 55e9
     sim_swap_failure_rate: float = 0.0
+    gpu_uuid: str = ""  # the workload finds its CUDA device by it
 
 
 class Grant(_Msg, tag="grant"):

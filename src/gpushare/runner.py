@@ -102,7 +102,8 @@ def child_start() -> None:
         from gpushare import hooks
 
         hooks.install(session)
-        hooks.limit_cuda_memory(session)
+        if session.backend.name != "torch":  # the torch backend sets its own limit
+            hooks.limit_cuda_memory(session)
     except ImportError:
         log.warning("gpushare run: PyTorch is not installed: nothing is gated")
     global SESSION

@@ -1,0 +1,241 @@
+"""The CUDA driver calls the ``torch`` swap backend needs, through ctypes.
+
+Virtual memory management (``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``...)
+lets a session keep its addresses while the physical memory behind them leaves the GPU:
+swap-out copies a piece to pinned host memory and releases its physical handle; swap-in
+creates a new one and maps it at the same address. ctypes on ``libcuda.so.1`` (already
+loaded by PyTorch) keeps this free of any extra dependency; the calls are few, each
+on a piece of 256 MiB or so, so their Python overhead does not count.
+
+:class:`Driver` is the interface the backend uses; :class:`CudaDriver` implements it on
+the real driver. Tests use a fake with the same methods over host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Protocol
+
+from gpushare.errors import SwapError
+
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+_CU_STREAM_NON_BLOCKING = 1
+_CU_EVENT_DISABLE_TIMING = 2
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class Driver(Protocol):
+    """What the VMM swap backend asks of a GPU. Addresses and handles are ints."""
+
+    def make_current(self) -> None: ...
+    def granularity(self) -> int: ...
+    def reserve(self, size: int) -> int: ...
+    def unreserve(self, va: int, size: int) -> None: ...
+    def create(self, size: int) -> int: ...
+    def release(self, handle: int) -> None: ...
+    def map(self, va: int, size: int, handle: int) -> None: ...
+    def unmap(self, va: int, size: int) -> None: ...
+    def host_alloc(self, size: int) -> int: ...
+    def host_free(self, ptr: int) -> None: ...
+    def new_stream(self) -> int: ...
+    def copy_dtoh(self, dst: int, src: int, size: int, stream: int) -> None: ...
+    def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None: ...
+    def record(self, stream: int) -> int: ...
+    def wait(self, event: int) -> None: ...
+
+
+class CudaError(SwapError):
+    def __init__(self, call: str, code: int, text: str) -> None:
+        super().__init__(f"{call} failed: {text} (CUDA error {code})")
+        self.code = code
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.code == _CUDA_ERROR_OUT_OF_MEMORY
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+_u64 = ctypes.c_uint64
+_size = ctypes.c_size_t
+_ptr = ctypes.c_void_p
+
+
+class CudaDriver:
+    """The real driver, for one device (its primary context, which PyTorch uses)."""
+
+    def __init__(self, device: int, lib: str = "libcuda.so.1") -> None:
+        try:
+            self._cu = ctypes.CDLL(lib)
+        except OSError as e:
+            raise SwapError(
+                f"cannot load the CUDA driver ({lib}: {e}): the torch backend needs an NVIDIA"
+                " driver; on a machine without a GPU the node runs simulated GPUs"
+            ) from None
+        self._sig()
+        self._check("cuInit", self._cu.cuInit(0))
+        dev = ctypes.c_int()
+        self._check("cuDeviceGet", self._cu.cuDeviceGet(ctypes.byref(dev), device))
+        ctx = ctypes.c_void_p()
+        self._check(
+            "cuDevicePrimaryCtxRetain", self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        )
+        self._ctx = ctx
+        self._prop = _AllocationProp()
+        self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device)
+        self._access = _AccessDesc(
+            _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        )
+        self._current = threading.local()
+
+    def _sig(self) -> None:
+        cu = self._cu
+        for name, args in {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+            "cuCtxSetCurrent": [_ptr],
+            "cuMemGetAllocationGranularity": [
+                ctypes.POINTER(_size),
+                ctypes.POINTER(_AllocationProp),
+                ctypes.c_int,
+            ],
+            "cuMemAddressReserve": [ctypes.POINTER(_u64), _size, _size, _u64, _u64],
+            "cuMemAddressFree": [_u64, _size],
+            "cuMemCreate": [ctypes.POINTER(_u64), _size, ctypes.POINTER(_AllocationProp), _u64],
+            "cuMemRelease": [_u64],
+            "cuMemMap": [_u64, _size, _size, _u64, _u64],
+            "cuMemUnmap": [_u64, _size],
+            "cuMemSetAccess": [_u64, _size, ctypes.POINTER(_AccessDesc), _size],
+            "cuMemHostAlloc": [ctypes.POINTER(_ptr), _size, ctypes.c_uint],
+            "cuMemFreeHost": [_ptr],
+            "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
+            "cuMemcpyDtoHAsync_v2": [_ptr, _u64, _size, _ptr],
+            "cuMemcpyHtoDAsync_v2": [_u64, _ptr, _size, _ptr],
+            "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
+            "cuEventRecord": [_ptr, _ptr],
+            "cuEventSynchronize": [_ptr],
+            "cuEventDestroy_v2": [_ptr],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }.items():
+            fn = getattr(cu, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+
+    def _check(self, call: str, rc: int) -> None:
+        if rc:
+            s = ctypes.c_char_p()
+            self._cu.cuGetErrorString(rc, ctypes.byref(s))
+            raise CudaError(call, rc, (s.value or b"unknown error").decode())
+
+    def make_current(self) -> None:
+        # Each thread that calls the driver needs the context; once per thread suffices.
+        if getattr(self._current, "set", False):
+            return
+        self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._ctx))
+        self._current.set = True
+
+    def granularity(self) -> int:
+        g = _size()
+        self._check(
+            "cuMemGetAllocationGranularity",
+            self._cu.cuMemGetAllocationGranularity(
+                ctypes.byref(g), ctypes.byref(self._prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
+        )
+        return int(g.value)
+
+    def reserve(self, size: int) -> int:
+        va = _u64()
+        self._check(
+            "cuMemAddressReserve",
+            self._cu.cuMemAddressReserve(ctypes.byref(va), size, self.granularity(), 0, 0),
+        )
+        return int(va.value)
+
+    def unreserve(self, va: int, size: int) -> None:
+        self._check("cuMemAddressFree", self._cu.cuMemAddressFree(va, size))
+
+    def create(self, size: int) -> int:
+        h = _u64()
+        self._check(
+            "cuMemCreate", self._cu.cuMemCreate(ctypes.byref(h), size, ctypes.byref(self._prop), 0)
+        )
+        return int(h.value)
+
+    def release(self, handle: int) -> None:
+        self._check("cuMemRelease", self._cu.cuMemRelease(handle))
+
+    def map(self, va: int, size: int, handle: int) -> None:
+        self._check("cuMemMap", self._cu.cuMemMap(va, size, 0, handle, 0))
+        self._check(
+            "cuMemSetAccess", self._cu.cuMemSetAccess(va, size, ctypes.byref(self._access), 1)
+        )
+
+    def unmap(self, va: int, size: int) -> None:
+        self._check("cuMemUnmap", self._cu.cuMemUnmap(va, size))
+
+    def host_alloc(self, size: int) -> int:
+        p = _ptr()
+        self._check("cuMemHostAlloc", self._cu.cuMemHostAlloc(ctypes.byref(p), size, 0))
+        return int(p.value or 0)
+
+    def host_free(self, ptr: int) -> None:
+        self._check("cuMemFreeHost", self._cu.cuMemFreeHost(ptr))
+
+    def new_stream(self) -> int:
+        s = _ptr()
+        self._check(
+            "cuStreamCreate", self._cu.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING)
+        )
+        return int(s.value or 0)
+
+    def copy_dtoh(self, dst: int, src: int, size: int, stream: int) -> None:
+        self._check("cuMemcpyDtoHAsync", self._cu.cuMemcpyDtoHAsync_v2(dst, src, size, stream))
+
+    def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None:
+        self._check("cuMemcpyHtoDAsync", self._cu.cuMemcpyHtoDAsync_v2(dst, src, size, stream))
+
+    def record(self, stream: int) -> int:
+        e = _ptr()
+        self._check(
+            "cuEventCreate", self._cu.cuEventCreate(ctypes.byref(e), _CU_EVENT_DISABLE_TIMING)
+        )
+        self._check("cuEventRecord", self._cu.cuEventRecord(e, stream))
+        return int(e.value or 0)
+
+    def wait(self, event: int) -> None:
+        try:
+            self._check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
+        finally:
+            self._cu.cuEventDestroy_v2(event)
