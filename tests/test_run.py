@@ -182,3 +182,36 @@ def test_no_node_is_a_clear_error(short_tmp, script):
         timeout=60,
     )
     assert pr.returncode == 3 and "start it with 'gpushare node'" in pr.stderr
+
+
+def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
+    # The CPU build cannot reach a GPU, but the gate runs first: a move that names CUDA
+    # opens a burst (waiting for the lease) before PyTorch says it has no CUDA.
+    code = textwrap.dedent("""
+        import json, time, torch
+        from gpushare import runner
+        s = runner.SESSION
+        t = torch.ones(4)
+        t.to("cpu"); t.to(torch.float64); t.item() if t.numel() == 1 else t.sum().item()
+        t.copy_(torch.zeros(4)); t.tolist(); t.cpu(); t.numpy()
+        quiet = s.grants
+        seen = []
+        for move in (lambda: t.to("cuda"), lambda: t.cuda(), lambda: t.to(0),
+                     lambda: t.to(device=torch.device("cuda", 0)),
+                     lambda: torch.nn.Linear(2, 2).to("cuda")):
+            try:
+                move()
+            except (AssertionError, RuntimeError):  # "Torch not compiled with CUDA enabled"
+                pass
+            seen.append(s.grants)
+            while s.holding:  # idle_release hands the lease back before the next move
+                time.sleep(0.05)
+        print(json.dumps({"quiet": quiet, "seen": seen}))
+    """)
+    node = node_factory(*sim("16GiB", idle_release="0.2"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    r = lines(out)[0]
+    assert r["quiet"] == 0  # CPU-only moves never asked for the GPU
+    assert r["seen"] == [1, 2, 3, 4, 5], r  # each CUDA move opened a burst of its own

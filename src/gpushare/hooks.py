@@ -1,21 +1,27 @@
 """Gating an unmodified PyTorch program on the lease, at PyTorch's global hooks.
 
 What is gated: every ``nn.Module`` forward call (a global forward pre-hook, so nested
-modules too) and every ``Optimizer.step`` (a global step pre-hook). Each is a safe
-point: :meth:`Session.checkpoint` there opens a burst if none is open (waiting for the
-lease), and yields if the lease was revoked. The burst ends after the node's
-``idle_release`` seconds without another hook call.
+modules too), every ``Optimizer.step`` (a global step pre-hook), and the tensor methods
+that move data to or from the GPU when a CUDA tensor or device is involved: ``to``,
+``cuda``, ``copy_``, ``item``, ``cpu``, ``tolist``, ``numpy`` (so ``Module.to("cuda")``,
+``batch.cuda()`` before a forward and ``loss.item()`` after a step are gated too). Each
+is a safe point: :meth:`Session.checkpoint` there opens a burst if none is open (waiting
+for the lease, and for the session's memory to come back), and yields if the lease was
+revoked. The burst ends after the node's ``idle_release`` seconds without another call.
 
-What is not gated: tensor operations outside any module's forward (``x @ w`` at the top
-level), host-to-device copies (``.cuda()``, ``.to()``), backward passes by themselves
-(they follow a forward within the idle window in a training loop), custom kernels, and
-anything in processes forked from the workload (DataLoader workers). A program whose
-GPU work happens there should use ``with session.gpu()`` explicitly.
+What is not gated: other tensor operations outside any module's forward (``x @ w`` at
+the top level), factory functions with a CUDA device (``torch.zeros(..., device="cuda")``),
+backward passes by themselves (they follow a forward within the idle window in a
+training loop), custom kernels, and anything in processes forked from the workload
+(DataLoader workers). A program whose GPU work happens there should use
+``with session.gpu()`` explicitly: outside a lease its memory may be swapped out.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from gpushare.client import Session
@@ -32,7 +38,63 @@ def install(session: Session) -> list[Any]:
         if os.getpid() == pid:  # a forked child is not this session
             session.checkpoint()
 
-    return [register_module_forward_pre_hook(gate), register_optimizer_step_pre_hook(gate)]
+    handles = [register_module_forward_pre_hook(gate), register_optimizer_step_pre_hook(gate)]
+    return [*handles, *_gate_tensor_methods(gate)]
+
+
+# Tensor methods that move data between host and GPU: gated when CUDA is involved.
+TENSOR_METHODS = ("to", "cuda", "copy_", "item", "cpu", "tolist", "numpy")
+
+
+class _Unpatch:
+    """A handle like PyTorch's hook handles: ``.remove()`` puts the method back."""
+
+    def __init__(self, cls: Any, name: str, original: Any) -> None:
+        self.cls, self.name, self.original = cls, name, original
+
+    def remove(self) -> None:
+        setattr(self.cls, self.name, self.original)
+
+
+def _is_cuda(x: Any) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return bool(x.is_cuda)
+    if isinstance(x, torch.device):
+        return x.type == "cuda"
+    if isinstance(x, int) and not isinstance(x, bool):  # a device index: .to(0)
+        return True
+    return isinstance(x, str) and x.startswith("cuda")
+
+
+def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
+    import torch
+
+    handles = []
+    for name in TENSOR_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def gated(
+            self: Any,
+            *args: Any,
+            _original: Any = original,
+            _always: bool = name == "cuda",
+            **kwargs: Any,
+        ) -> Any:
+            # Cheap first: most calls are on CUDA tensors or name no CUDA device.
+            if (
+                _always
+                or self.is_cuda
+                or any(_is_cuda(a) for a in args)
+                or any(_is_cuda(v) for v in kwargs.values())
+            ):
+                gate()
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, functools.wraps(original)(gated))
+        handles.append(_Unpatch(torch.Tensor, name, original))
+    return handles
 
 
 def limit_cuda_memory(session: Session) -> float | None:

@@ -3,12 +3,19 @@ the limit, swapped content, stable addresses and CUDA graph replays."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+
 import pytest
 
 from gpushare import protocol as p
 from gpushare.client import _make_backend
 from gpushare.errors import GpushareError
+from gpushare.swap import torch as tb
 from gpushare.swap.torch import default_host_bytes, find_device
+from gpushare.swap.vmm import VmmBackend
+
+from .fake_cuda import FakeDriver
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 CUDA = torch.cuda.is_available()
@@ -81,6 +88,25 @@ def test_pinned_host_memory_defaults_to_the_limit_within_half_the_host(tmp_path,
     assert default_host_bytes(20 * GiB, str(tmp_path)) == 4 * GiB
     monkeypatch.setenv("GPUSHARE_HOST_MEMORY", "1GiB")
     assert default_host_bytes(20 * GiB, str(tmp_path)) == GiB
+
+
+def test_the_allocator_functions_pytorch_calls_never_raise_into_c(caplog):
+    # The backend minus PyTorch: its allocate/free as C function pointers, called as
+    # PyTorch's pluggable allocator calls them, over the modelled driver.
+    piece = 64 * 1024
+    b = tb.TorchBackend.__new__(tb.TorchBackend)
+    VmmBackend.__init__(b, FakeDriver(2**20), 4 * piece, piece_bytes=piece)
+    keep = tb._ALLOC(b._alloc), tb._FREE(b._free)
+    alloc = tb._ALLOC(ctypes.cast(keep[0], ctypes.c_void_p).value)
+    free = tb._FREE(ctypes.cast(keep[1], ctypes.c_void_p).value)
+    va = alloc(3 * piece, 0, None)
+    assert va and b.resident_bytes == 3 * piece
+    with caplog.at_level(logging.WARNING, "gpushare.swap"):
+        assert alloc(2 * piece, 0, None) is None  # NULL: PyTorch raises its OOM error
+        free(0xDEAD000, piece, 0, None)  # not ours: logged, never raised into C
+    assert "past its memory limit" in caplog.text and "could not free" in caplog.text
+    free(va, 3 * piece, 0, None)
+    assert b.resident_bytes == 0
 
 
 # --- on a CUDA GPU --------------------------------------------------------------------
