@@ -37,6 +37,9 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idle_release: float = 0.5
     overlap: bool = True  # a switch's swap-in runs while the swap-out frees memory
     reserve: str | int = 0
+    # NVML counts a process's CUDA context and libraries' workspaces beside the memory
+    # its session accounts for: a process is over its limit only past this much more.
+    nvml_allowance: str | int = "1GiB"
     socket: str = "/run/gpushare/gpushare.sock"
     admin_socket: str = "/run/gpushare/admin.sock"
     event_log: str = ""

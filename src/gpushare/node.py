@@ -226,7 +226,8 @@ class Node:
                 if sampler is not None:  # the GPU's own view of each session's memory
                     for sid, pid in pids.items():
                         if pid in used and sid in arb.sessions:
-                            self._apply(arb, arb.over_limit(sid, used[pid]))
+                            over = used[pid] - parse_size(self.config.nvml_allowance)
+                            self._apply(arb, arb.over_limit(sid, over))
 
     def _read_config_text(self) -> bytes | None:
         try:
