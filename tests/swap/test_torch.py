@@ -112,8 +112,10 @@ def test_the_allocator_functions_pytorch_calls_never_raise_into_c(caplog):
 # --- on a CUDA GPU --------------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def backend():
+    # One per process, as in a workload: a second would route into its own pool while
+    # the first's segments stay cached (and count against the per-process fraction).
     from gpushare.swap.torch import TorchBackend
 
     b = TorchBackend(8 * GiB, host_bytes=8 * GiB)
