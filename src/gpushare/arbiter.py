@@ -300,6 +300,7 @@ class Arbiter:
         # is planned anew, so a short answer cannot leave the queue waiting on bytes.
         s.pending_out = 0
         s.room = 0
+        s.swapping_in = False  # what it has is what it says now
         self._set_memory(s, resident, swapped)
         s.pending_out = min(swapping_out, s.resident)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")

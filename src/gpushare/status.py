@@ -52,6 +52,8 @@ def session(a: Arbiter, s: SessionState, att: Attribution) -> dict[str, Any]:
         "memory_limit_bytes": s.limit,
         "resident_bytes": s.resident,
         "swapped_bytes": s.swapped,
+        "pending_swap_out_bytes": s.pending_out,
+        "room_bytes": s.room,  # > 0: swapping in within this room (an overlapped switch)
         "lease_seconds_total": a.lease_seconds(s),
         "wait_seconds_total": a.wait_seconds(s),
         "wait_seconds_max": s.wait_max_s,
