@@ -123,6 +123,42 @@ def test_node_killed_and_restarted_loses_nothing(node_factory):
     assert sum(e["resident_bytes"] + e["swapped_bytes"] for e in resumed) == 12 * G
 
 
+def test_node_killed_during_an_overlapped_switch_loses_nothing(node_factory):
+    # A slow modelled link (2 GB/s): each switch moves 2 GiB each way over a second, and
+    # the incoming session spends it waiting for room. The node dies right then.
+    node = node_factory(*sim("10GiB", mode="exclusive", tq="0.5", sim_bandwidth="2e9"))
+    env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "30"}
+    procs = [
+        node.workload(
+            "batch",
+            "--memory",
+            "6GiB",
+            "--seconds",
+            "8",
+            "--seed",
+            str(i),
+            "--name",
+            f"w{i}",
+            env=env,
+        )
+        for i in (1, 2)
+    ]
+
+    def filling() -> bool:
+        return any(e.get("room_bytes") for e in events(node, "grant"))
+
+    wait_until(filling, timeout=20, what="an overlapped switch")
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait()
+    time.sleep(0.5)
+    node.start()
+    outs = [pr.communicate(timeout=60) for pr in procs]
+    assert [pr.returncode for pr in procs] == [0, 0], [err[-500:] for _, err in outs]
+    figures = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(f["failures"] == 0 and f["checks"] >= 1 for f in figures), figures
+    assert len([e for e in events(node, "attach") if e.get("resumed")]) == 2
+
+
 def test_failing_swaps_are_survived(node_factory):
     node = node_factory(
         *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", sim_swap_failure_rate="0.3")

@@ -210,6 +210,7 @@ class Session:
         self._lease = 0
         self._grant: p.Grant | None = None
         self._room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
+        self._swap_gen = 0  # the connection whose grant the swap-in in progress follows
         self._revoked = False  # read without a lock by checkpoint()
         self._revoke: p.Revoke | None = None
         self.bursts = 0  # bursts opened by this process
@@ -346,19 +347,27 @@ class Session:
 
     def _await_grant(self, t0: float) -> None:
         gen = self._generation
-        while self._grant is None:
-            self._usable()
-            if self._generation != gen:  # a new node: it has not heard us ask
-                gen = self._generation
-                self._send(p.Acquire())
-            self._cond.wait()
-        g, self._grant = self._grant, None
+        while True:
+            while self._grant is None:
+                self._usable()
+                if self._generation != gen:  # a new node: it has not heard us ask
+                    gen = self._generation
+                    self._send(p.Acquire())
+                self._cond.wait()
+            g, self._grant = self._grant, None
+            self._swap_gen = self._generation
+            try:
+                if g.swap_in or self.backend.swapped_bytes:
+                    self._swap("in", 0)
+                # Work may grow the session to its limit: not before the node has room.
+                self._wait_room(self.memory_limit)
+            except SwapError:
+                if not (self._gone or self._generation != self._swap_gen):
+                    raise
+                continue  # the node went away mid swap-in: ask the next one, go on
+            break
         self.waits.append(time.monotonic() - t0)
         self.grants += 1
-        if g.swap_in or self.backend.swapped_bytes:
-            self._swap("in", 0)
-        # Work may grow the session to its limit: not before the node has room for that.
-        self._wait_room(self.memory_limit)
         self._holding = True
 
     def _release_locked(self, again: bool) -> None:
@@ -433,7 +442,7 @@ class Session:
         # Called by the backend's swap-in, under self._cond (from _await_grant): waiting
         # releases it, so the reader thread can deliver the Room that ends the wait.
         while self._room and resident > self._room:
-            if self._gone or self._closed:
+            if self._gone or self._closed or self._generation != self._swap_gen:
                 raise SwapError(
                     "the gpushare node went away during this session's swap-in: try again"
                 )
