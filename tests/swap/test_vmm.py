@@ -23,6 +23,7 @@ def fake() -> FakeDriver:
 
 def backend(fake: FakeDriver, limit: int = 4 * 2**20, **kw) -> VmmBackend:
     b = VmmBackend(fake, limit, piece_bytes=PIECE, **kw)
+    b.progress_every_s = 0.0  # every piece reported: the fake moves them at once
     assert b.wait_for_host_buffers(10)
     return b
 

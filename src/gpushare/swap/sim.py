@@ -198,7 +198,7 @@ class SimBackend(SwapBackend):
             moved += c.nbytes
             self._pace(t0, moved)
             c.data = None  # the device memory is freed once its copy is done
-            self.on_change()
+            self.progress()
         return SwapResult(moved, time.perf_counter() - t0)
 
     def swap_in(self) -> SwapResult:
@@ -222,7 +222,7 @@ class SimBackend(SwapBackend):
             self.checksums_verified += 1
             moved += c.nbytes
             self._pace(t0, moved)
-            self.on_change()
+            self.progress()
         return SwapResult(moved, time.perf_counter() - t0)
 
     def _pace(self, t0: float, moved: int) -> None:

@@ -282,7 +282,7 @@ class VmmBackend(SwapBackend):
         p.handle, p.host = 0, buf
         self._resident -= p.size
         self._swapped += p.size
-        self.on_change()
+        self.progress()
         return p.size
 
     def swap_in(self) -> SwapResult:
@@ -335,7 +335,7 @@ class VmmBackend(SwapBackend):
         self.driver.wait(ev)
         self.host.give(p.host)
         p.host = 0
-        self.on_change()
+        self.progress()
         return p.size
 
     def _unback(self, p: _Piece) -> None:
