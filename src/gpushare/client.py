@@ -152,6 +152,7 @@ def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
             scale=w.sim_scale,
             bandwidth=w.sim_bandwidth,
             failure_rate=w.sim_swap_failure_rate,
+            link=w.sim_link,
         )
     if name == "torch":
         if w.simulated:

@@ -41,6 +41,7 @@ from gpushare.events import EventBus
 from gpushare.gpus import GpuInfo
 from gpushare.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
 from gpushare.k8s import PodCache, PodWatcher
+from gpushare.swap.sim import SimLink
 from gpushare.units import format_size, parse_size
 from gpushare.utilization import Attribution, NvmlUtilization
 
@@ -138,8 +139,14 @@ class Node:
 
     # --- life -----------------------------------------------------------------------
 
+    def _sim_link(self, gpu: int) -> str:
+        return f"{self.config.socket}.link{gpu}"
+
     async def start(self) -> None:
         self._servers.append(await _serve_unix(self._workload_conn, self.config.socket, mode=0o666))
+        for g in self.gpus:  # the simulated links' shared state, beside the socket
+            if g.simulated:
+                SimLink.create(self._sim_link(g.index))
         gid = self._admin_gid()
         self._servers.append(
             await _serve_unix(
@@ -301,7 +308,8 @@ class Node:
             self._stop_metrics()
         if self._pod_watcher:
             self._pod_watcher.stop()
-        for path in (self.config.socket, self.config.admin_socket):
+        links = [self._sim_link(g.index) for g in self.gpus if g.simulated]
+        for path in (self.config.socket, self.config.admin_socket, *links):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self.events.close()
@@ -541,6 +549,7 @@ class Node:
                 sim_scale=self.config.sim_scale,
                 sim_bandwidth=self.config.sim_bandwidth,
                 sim_swap_failure_rate=self.config.sim_swap_failure_rate,
+                sim_link=self._sim_link(gpu) if g.simulated else "",
             )
         )
         self._apply(arb, actions)

@@ -104,6 +104,7 @@ class Welcome(_Msg, tag="welcome"):
     sim_bandwidth: float = 55e9
     sim_swap_failure_rate: float = 0.0
     gpu_uuid: str = ""  # the workload finds its CUDA device by it
+    sim_link: str = ""  # the simulated GPU's shared link file (its timing model)
 
 
 class Grant(_Msg, tag="grant"):

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from gpushare.errors import GpushareError, OutOfMemoryError, SwapError, SwapIntegrityError
@@ -72,3 +74,23 @@ def test_freed_memory_returns_its_host_slots(backend):
         m = backend.allocate(9 * G)
         m.free()
     assert backend.resident_bytes == 0
+
+
+def test_the_link_serializes_a_lane_and_slows_both_when_both_are_busy(tmp_path):
+    from gpushare.swap.sim import DUPLEX, IN, OUT, SimLink
+
+    path = str(tmp_path / "link0")
+    SimLink.create(path)
+    a, b = SimLink(path), SimLink(path)  # two sessions' processes, one link
+    bw, n = 1e9, 100_000_000  # 0.1 s per booking at the full rate
+    t = time.monotonic()
+    first = a.book(OUT, n, bw)
+    assert first == pytest.approx(t + 0.1, abs=0.01)
+    second = b.book(OUT, n, bw)  # the same lane: after the first, sharing the rate
+    assert second == pytest.approx(first + 0.1, abs=0.01)
+    both = b.book(IN, n, bw)  # the other lane is busy: the duplex rate
+    assert both == pytest.approx(t + 0.1 / DUPLEX, abs=0.01)
+    lone = SimLink()  # not shared: this process's own lanes
+    assert lone.book(OUT, n, bw) == pytest.approx(time.monotonic() + 0.1, abs=0.01)
+    for link in (a, b, lone):
+        link.close()

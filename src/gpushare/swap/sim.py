@@ -6,14 +6,15 @@ host buffer made ahead of time (as pinned buffers must be, in the background at 
 and frees them; swapping in copies them back and checks each chunk's CRC-32 against the
 one taken on the way out. A mismatch raises :class:`SwapIntegrityError`, never ignored.
 
-Timing model: a swap of B device bytes takes ``B / bandwidth`` seconds (default 55 GB/s,
-the pinned copy rate measured on an H200, each way), paced chunk by chunk: each chunk's
-real copy runs, then the rest of its modelled time is slept, so a switch costs what it
-would on that GPU and progress is reported as it would be. The two directions are
-independent lanes (the link is full duplex), so a swap-out and another session's swap-in
-overlap fully; the H200 measured ~92 GB/s both ways at once rather than 110, a slowdown
-this model leaves out (so the simulated overlapped switch is ~0.5 of the sequential one,
-against ~0.58 measured).
+Timing model (:class:`SimLink`): the simulated GPU's PCIe link has one lane each way, at
+``bandwidth`` bytes/s (default 55 GB/s, the pinned copy rate measured on an H200). Each
+chunk books its lane: it starts when the lane is free (sessions moving the same way take
+turns) and runs at the full rate, or at :data:`DUPLEX` of it while the other lane is
+busy (the H200 measured 91-94 GB/s both ways at once, against 2 x 55). The chunk's real
+copy runs, then the rest of its booked time is slept, so a switch costs what it would on
+that GPU, and a swap-out overlapped with another session's swap-in comes to about 0.58
+of the two one after the other, as measured there. The sessions' processes share the
+lanes through a small file the node makes per simulated GPU.
 
 Faults: with ``failure_rate`` P, each swap-out fails with probability P before it moves
 anything (as when host memory is exhausted), so the daemon's handling can be exercised.
@@ -21,18 +22,93 @@ anything (as when host memory is exhausted), so the daemon's handling can be exe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
 import random
+import struct
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpushare.errors import OutOfMemoryError, SwapError, SwapIntegrityError
 from gpushare.swap.base import SwapBackend, SwapResult
 
+log = logging.getLogger("gpushare.swap")
 DEFAULT_SCALE = 1024
 DEFAULT_BANDWIDTH = 55e9  # bytes/s each way
 CHUNK_BYTES = 256 * 2**20  # device bytes per chunk: the swap granularity
+DUPLEX = 92 / 110  # each direction's share of the full rate while both are busy
+OUT, IN = 0, 1  # the link's lanes: device to host, host to device
+_LANES = struct.Struct("=dd")  # per lane: CLOCK_MONOTONIC time it is booked until
+
+
+class SimLink:
+    """The PCIe link of one simulated GPU: when each lane is booked until.
+
+    With ``path`` (a file the node made), every session's process books the same lanes,
+    under an fcntl lock; without, the lanes are this process's own. Times are
+    CLOCK_MONOTONIC, which all processes share; a process killed mid-swap leaves a
+    booking that simply runs out.
+    """
+
+    SIZE = _LANES.size
+
+    def __init__(self, path: str = "") -> None:
+        self._lock = threading.Lock()
+        self._fd = -1
+        if path:
+            self._fd = os.open(path, os.O_RDWR)
+            self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, self.SIZE)
+        else:
+            self._mem = bytearray(self.SIZE)
+
+    @staticmethod
+    def create(path: str) -> None:
+        """Make the shared file (the node, once per simulated GPU)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.fchmod(fd, 0o666)  # any workload's user may book the link
+            os.write(fd, bytes(SimLink.SIZE))
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            if self._fd < 0:
+                yield
+                return
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def book(self, lane: int, nbytes: int, bandwidth: float) -> float:
+        """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done."""
+        with self._locked():
+            booked = list(_LANES.unpack_from(self._mem))
+            now = time.monotonic()
+            start = max(now, booked[lane])
+            rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
+            end: float = start + nbytes / rate
+            booked[lane] = end
+            _LANES.pack_into(self._mem, 0, *booked)
+            return end
+
+    def close(self) -> None:
+        if isinstance(self._mem, mmap.mmap):
+            self._mem.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 _SWAPPED = "simulated GPU memory touched while swapped out: GPU work outside a lease"
 
 
@@ -120,6 +196,7 @@ class SimBackend(SwapBackend):
         bandwidth: float = DEFAULT_BANDWIDTH,
         chunk_bytes: int = CHUNK_BYTES,
         failure_rate: float = 0.0,
+        link: str = "",
     ) -> None:
         super().__init__()
         self.failure_rate = failure_rate
@@ -132,6 +209,11 @@ class SimBackend(SwapBackend):
         self.bandwidth = bandwidth
         self.chunk_bytes = chunk_bytes
         self.chunk_real = chunk_bytes // scale
+        try:
+            self.link = SimLink(link)
+        except OSError as e:  # another mount namespace, say: this process's own lanes
+            log.warning("simulated link %s not shared (%s): timing per process", link, e)
+            self.link = SimLink()
         self._chunks: list[_Chunk] = []
         self._free_slots = list(range(-(-limit // chunk_bytes) - 1, -1, -1))
         self._host = bytearray()
@@ -192,11 +274,12 @@ class SimBackend(SwapBackend):
                 break
             if c.data is None:
                 continue
+            done = self.link.book(OUT, c.nbytes, self.bandwidth)
             off = c.slot * self.chunk_real
             self._host[off : off + len(c.data)] = c.data
             c.crc = zlib.crc32(c.data)
             moved += c.nbytes
-            self._pace(t0, moved)
+            _sleep_until(done)
             c.data = None  # the device memory is freed once its copy is done
             self.progress()
         return SwapResult(moved, time.perf_counter() - t0)
@@ -211,6 +294,7 @@ class SimBackend(SwapBackend):
             w0 = time.perf_counter()
             self.wait_room(self.resident_bytes + c.nbytes)
             t0 += time.perf_counter() - w0  # waiting for room is not transfer time
+            done = self.link.book(IN, c.nbytes, self.bandwidth)
             real = -(-c.nbytes // self.scale)
             off = c.slot * self.chunk_real
             data = bytearray(self._host[off : off + real])
@@ -221,16 +305,17 @@ class SimBackend(SwapBackend):
             c.data = data
             self.checksums_verified += 1
             moved += c.nbytes
-            self._pace(t0, moved)
+            _sleep_until(done)
             self.progress()
         return SwapResult(moved, time.perf_counter() - t0)
-
-    def _pace(self, t0: float, moved: int) -> None:
-        """Sleep until ``moved`` bytes would have crossed the modelled link."""
-        left = t0 + moved / self.bandwidth - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
 
     def close(self) -> None:
         self._chunks = []
         self._host = bytearray()
+        self.link.close()
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.monotonic()
+    if left > 0:
+        time.sleep(left)
