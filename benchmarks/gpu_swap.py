@@ -95,7 +95,7 @@ def part_swap(size: int, cycles: int) -> dict[str, Any]:
     from gpushare.swap.torch import TorchBackend
 
     t0 = time.perf_counter()
-    b = TorchBackend(size + GiB, host_bytes=size)
+    b = TorchBackend(size + GiB, host_bytes=size + GiB)  # room for small-pool segments too
     attach_s = time.perf_counter() - t0
     b.wait_for_host_buffers()
     n = size // GiB
@@ -284,15 +284,6 @@ class Node:
         return [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
 
 
-def _switches(ev: list[dict[str, Any]]) -> list[float]:
-    out = []
-    for r in (e for e in ev if e["event"] == "revoke"):
-        ins = [e for e in ev if e["event"] == "swap_in" and e["bytes"] and e["ts"] > r["ts"]]
-        if ins and ins[0]["session"] != r["session"]:
-            out.append(ins[0]["ts"] - r["ts"])
-    return out
-
-
 def switch(tmp: Path, total: int, seconds: float, sequential: bool) -> dict[str, Any]:
     reserve = 4 * GiB  # CUDA contexts and PyTorch's own bits live outside the sessions
     cap = total - reserve
@@ -315,7 +306,9 @@ def switch(tmp: Path, total: int, seconds: float, sequential: bool) -> dict[str,
         outs = [_last_json(p.communicate(timeout=seconds + 120)[0]) for p in procs]
     finally:
         ev = node.stop()
-    sw = _switches(ev)
+    from gpushare.report import switches
+
+    sw = switches(ev).seconds
     moved = [e["bytes"] for e in ev if e["event"] == "swap_out" and e["bytes"]]
     return {
         "switches": len(sw),

@@ -16,6 +16,7 @@ import pytest
 
 import gpushare
 from gpushare import protocol as p
+from gpushare.report import switches
 
 from .conftest import sim, wait_until
 
@@ -330,11 +331,7 @@ def _switch_seconds(node_factory, *extra: str) -> tuple[list[float], list[dict[s
     ev = node.event_list()
     node.stop()
     node.events.unlink()
-    out = []
-    for r in (e for e in ev if e["event"] == "revoke"):
-        ins = [e for e in ev if e["event"] == "swap_in" and e["bytes"] and e["ts"] > r["ts"]]
-        if ins and ins[0]["session"] != r["session"]:
-            out.append(ins[0]["ts"] - r["ts"])
+    out = switches(ev).seconds
     assert len(out) >= 3, ev
     return out, ev
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from typing import Any
 
 from gpushare.admin import AdminClient
 from gpushare.errors import DaemonUnavailableError, GpushareError
-from gpushare.report import figures, read_events
+from gpushare.report import figures, read_events, switches
 from gpushare.units import format_size
 
 GPU_MEMORY = "80 GiB"
@@ -194,6 +195,13 @@ def _table(results: dict[str, dict[str, Any]], events: list[dict[str, Any]], pea
             f" {format_size(f.swap_in_bytes):>10} {data} ({r['checks']} checks)"
         )
     print(f"peak GPU memory in use (sampled every 0.1 s): {format_size(peak)} of {GPU_MEMORY}")
+    sw = switches(events)
+    if sw.seconds:
+        print(
+            f"quanta ended with a swap: {len(sw.seconds)}, from the revoke to the next workload"
+            f" swapped in: median {statistics.median(sw.seconds):.2f} s; {sw.overlapped} grants"
+            " swapped in while the last holder still swapped out (overlapped switches)"
+        )
     print(
         "GPU share: the part of the run each held a lease. In mode auto, sessions whose memory"
         " fits together hold leases together, so the shares can add up to more than 100%."

@@ -77,3 +77,23 @@ def figures(events: Iterable[dict[str, Any]]) -> Figures:
     if start > end:
         start = end = 0.0
     return Figures(sessions, start, end)
+
+
+@dataclass
+class Switches:
+    """Handoffs that moved memory: from a revoke to the next session swapped in."""
+
+    seconds: list[float]
+    overlapped: int  # grants made while the last holder still swapped out (with a room)
+
+
+def switches(events: Iterable[dict[str, Any]]) -> Switches:
+    evs = list(events)
+    ins = [e for e in evs if e["event"] == "swap_in" and e.get("bytes") and not e.get("error")]
+    out = []
+    for r in (e for e in evs if e["event"] == "revoke"):
+        nxt = next((e for e in ins if e["ts"] > r["ts"] and e["gpu"] == r["gpu"]), None)
+        if nxt is not None and nxt["session"] != r["session"]:
+            out.append(nxt["ts"] - r["ts"])
+    rooms = sum(1 for e in evs if e["event"] == "grant" and e.get("room_bytes"))
+    return Switches(out, rooms)

@@ -1,0 +1,22 @@
+"""``gpushare demo``, the main job, as a user runs it: a short run end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_demo_runs_and_reports_intact_data_and_overlapped_switches(short_tmp):
+    workdir = short_tmp / "demo"
+    cmd = [sys.executable, "-m", "gpushare", "demo", "--seconds", "8", "--tq", "1"]
+    out = subprocess.run(
+        [*cmd, "--workdir", str(workdir)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "SIMULATED" in text
+    names = ("train-a", "train-b", "notebook")
+    rows = [r for r in text.splitlines() if r.startswith(names) and r.endswith("checks)")]
+    assert len(rows) == 3 and all(" intact (" in r for r in rows), text
+    assert "overlapped switches" in text, text
+    assert (workdir / "events.jsonl").stat().st_size > 0
