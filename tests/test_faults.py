@@ -91,33 +91,39 @@ def test_escalation_log_only_logs(node_factory):
     assert "escalation log" in node.log.read_text()
 
 
-def test_node_killed_and_restarted_loses_nothing(node_factory):
-    node = node_factory(*sim("10GiB", mode="exclusive", tq="0.3", sim_bandwidth="1e12"))
+def two_batch_jobs(node, seconds: float) -> list[subprocess.Popen[str]]:
+    """Two 6 GiB batch sessions that wait up to 30 s for a node that went away."""
     env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "30"}
-    procs = [
+    return [
         node.workload(
-            "batch",
-            "--memory",
-            "6GiB",
-            "--seconds",
-            "6",
-            "--seed",
-            str(i),
-            "--name",
-            f"w{i}",
-            env=env,
+            "batch", "--memory", "6GiB", "--seconds", str(seconds), "--seed", str(i),
+            "--name", f"w{i}", env=env,
         )
         for i in (1, 2)
-    ]
-    wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 2, what="two sessions")
-    time.sleep(1.0)
+    ]  # fmt: skip
+
+
+def kill_and_restart(node, away: float) -> None:
     node.proc.send_signal(signal.SIGKILL)
     node.proc.wait()
-    time.sleep(1.0)  # the workloads carry on (or wait) without it
+    time.sleep(away)  # the workloads carry on (or wait) without it
     node.start()
-    outs = [json.loads(pr.communicate(timeout=60)[0].strip().splitlines()[-1]) for pr in procs]
-    assert [pr.returncode for pr in procs] == [0, 0]
-    assert all(o["failures"] == 0 and o["checks"] >= 1 for o in outs), outs
+
+
+def finished_intact(procs: list[subprocess.Popen[str]]) -> None:
+    outs = [pr.communicate(timeout=60) for pr in procs]
+    assert [pr.returncode for pr in procs] == [0, 0], [err[-500:] for _, err in outs]
+    figures = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(f["failures"] == 0 and f["checks"] >= 1 for f in figures), figures
+
+
+def test_node_killed_and_restarted_loses_nothing(node_factory):
+    node = node_factory(*sim("10GiB", mode="exclusive", tq="0.3", sim_bandwidth="1e12"))
+    procs = two_batch_jobs(node, 6)
+    wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 2, what="two sessions")
+    time.sleep(1.0)
+    kill_and_restart(node, 1.0)
+    finished_intact(procs)
     resumed = [e for e in events(node, "attach") if e.get("resumed")]
     assert len(resumed) == 2
     assert sum(e["resident_bytes"] + e["swapped_bytes"] for e in resumed) == 12 * G
@@ -127,35 +133,14 @@ def test_node_killed_during_an_overlapped_switch_loses_nothing(node_factory):
     # A slow modelled link (2 GB/s): each switch moves 2 GiB each way over a second, and
     # the incoming session spends it waiting for room. The node dies right then.
     node = node_factory(*sim("10GiB", mode="exclusive", tq="0.5", sim_bandwidth="2e9"))
-    env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "30"}
-    procs = [
-        node.workload(
-            "batch",
-            "--memory",
-            "6GiB",
-            "--seconds",
-            "8",
-            "--seed",
-            str(i),
-            "--name",
-            f"w{i}",
-            env=env,
-        )
-        for i in (1, 2)
-    ]
+    procs = two_batch_jobs(node, 8)
 
     def filling() -> bool:
         return any(e.get("room_bytes") for e in events(node, "grant"))
 
     wait_until(filling, timeout=20, what="an overlapped switch")
-    node.proc.send_signal(signal.SIGKILL)
-    node.proc.wait()
-    time.sleep(0.5)
-    node.start()
-    outs = [pr.communicate(timeout=60) for pr in procs]
-    assert [pr.returncode for pr in procs] == [0, 0], [err[-500:] for _, err in outs]
-    figures = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    assert all(f["failures"] == 0 and f["checks"] >= 1 for f in figures), figures
+    kill_and_restart(node, 0.5)
+    finished_intact(procs)
     assert len([e for e in events(node, "attach") if e.get("resumed")]) == 2
 
 
