@@ -215,3 +215,37 @@ def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
     r = lines(out)[0]
     assert r["quiet"] == 0  # CPU-only moves never asked for the GPU
     assert r["seen"] == [1, 2, 3, 4, 5], r  # each CUDA move opened a burst of its own
+
+
+def test_a_long_backward_keeps_the_lease(node_factory):
+    # A backward pass longer than idle_release has no safe point inside: the burst stays
+    # open through it (and a revoke waits for the next safe point after it).
+    code = textwrap.dedent("""
+        import json, time, torch
+        from gpushare import runner
+        s = runner.SESSION
+        seen = []
+
+        class Slow(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                time.sleep(1.0)  # five times idle_release
+                seen.append(s.holding)
+                return g * 2
+
+        m = torch.nn.Linear(4, 1)
+        loss = Slow.apply(m(torch.ones(2, 4))).sum()  # the forward opens a burst
+        loss.backward()
+        g = torch.autograd.grad(Slow.apply(m(torch.ones(2, 4))).sum(), m.weight)
+        print(json.dumps({"seen": seen, "grants": s.grants}))
+    """)
+    node = node_factory(*sim("16GiB", idle_release="0.2"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    r = lines(out)[0]
+    assert r["seen"] == [True, True] and r["grants"] == 1, r

@@ -206,6 +206,7 @@ class Session:
         self._depth = 0  # threads inside gpu()
         self._implicit = False  # a burst opened by checkpoint() outside gpu()
         self._last_work = 0.0
+        self._busy = 0  # threads inside working(): no release for idleness meanwhile
         self._acquiring = False
         self._holding = False
         self._lease = 0
@@ -254,6 +255,21 @@ class Session:
         self._last_work = time.monotonic()
         if self._revoked or not self._holding:
             self._checkpoint_slow()
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[Session]:
+        """GPU work with no safe point inside (a backward pass, say): a checkpoint at its
+        start, and, while it runs, an implicit burst is not ended for idleness."""
+        self.checkpoint()
+        with self._cond:
+            self._busy += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._last_work = time.monotonic()
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Release any lease and detach; the session's memory is freed."""
@@ -428,7 +444,7 @@ class Session:
         # Ends implicit bursts after idle_release seconds without a checkpoint.
         with self._cond:
             while not (self._closed or self._fatal or self._forked):
-                if not (self._implicit and self._holding and self._depth == 0):
+                if not (self._implicit and self._holding and self._depth == 0 and not self._busy):
                     self._cond.wait()
                     continue
                 idle = time.monotonic() - self._last_work

@@ -9,12 +9,15 @@ is a safe point: :meth:`Session.checkpoint` there opens a burst if none is open 
 for the lease, and for the session's memory to come back), and yields if the lease was
 revoked. The burst ends after the node's ``idle_release`` seconds without another call.
 
+Backward passes (``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``)
+start with a safe point and keep the burst open while they run, however long.
+
 What is not gated: other tensor operations outside any module's forward (``x @ w`` at
 the top level), factory functions with a CUDA device (``torch.zeros(..., device="cuda")``),
-backward passes by themselves (they follow a forward within the idle window in a
-training loop), custom kernels, and anything in processes forked from the workload
-(DataLoader workers). A program whose GPU work happens there should use
-``with session.gpu()`` explicitly: outside a lease its memory may be swapped out.
+custom kernels, and anything in processes forked from the workload (DataLoader
+workers). Nothing yields inside a CUDA graph capture. A program whose GPU work happens
+there should use ``with session.gpu()`` explicitly: outside a lease its memory may be
+swapped out.
 """
 
 from __future__ import annotations
@@ -29,17 +32,48 @@ from gpushare.client import Session
 
 def install(session: Session) -> list[Any]:
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
+    import torch
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     pid = os.getpid()
+    cuda = torch.cuda.is_available()
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
-        if os.getpid() == pid:  # a forked child is not this session
-            session.checkpoint()
+        if os.getpid() != pid:  # a forked child is not this session
+            return
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return  # inside a CUDA graph capture: no yielding (nor swapping) there
+        session.checkpoint()
 
     handles = [register_module_forward_pre_hook(gate), register_optimizer_step_pre_hook(gate)]
-    return [*handles, *_gate_tensor_methods(gate)]
+    return [*handles, *_gate_tensor_methods(gate), *_hold_through_backward(session, pid)]
+
+
+def _hold_through_backward(session: Session, pid: int) -> list[_Unpatch]:
+    """A backward pass has no safe point inside and may outlast ``idle_release``: it
+    starts with a checkpoint and keeps the burst open until it is done."""
+    import torch
+
+    handles = []
+    for owner, name in (
+        (torch.Tensor, "backward"),
+        (torch.autograd, "backward"),
+        (torch.autograd, "grad"),
+    ):
+        original = getattr(owner, name)
+
+        def held(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if os.getpid() != pid or (
+                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            ):
+                return _original(*args, **kwargs)
+            with session.working():
+                return _original(*args, **kwargs)
+
+        setattr(owner, name, functools.wraps(original)(held))
+        handles.append(_Unpatch(owner, name, original))
+    return handles
 
 
 # Tensor methods that move data between host and GPU: gated when CUDA is involved.
