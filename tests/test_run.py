@@ -217,9 +217,9 @@ def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
     assert r["seen"] == [1, 2, 3, 4, 5], r  # each CUDA move opened a burst of its own
 
 
-def test_a_long_backward_keeps_the_lease(node_factory):
-    # A backward pass longer than idle_release has no safe point inside: the burst stays
-    # open through it (and a revoke waits for the next safe point after it).
+def test_a_long_forward_or_backward_keeps_the_lease(node_factory):
+    # A forward or backward pass longer than idle_release: the burst stays open through
+    # it (a revoke would wait for the next safe point).
     code = textwrap.dedent("""
         import json, time, torch
         from gpushare import runner
@@ -241,11 +241,25 @@ def test_a_long_backward_keeps_the_lease(node_factory):
         loss = Slow.apply(m(torch.ones(2, 4))).sum()  # the forward opens a burst
         loss.backward()
         g = torch.autograd.grad(Slow.apply(m(torch.ones(2, 4))).sum(), m.weight)
-        print(json.dumps({"seen": seen, "grants": s.grants}))
+
+        class Big(torch.nn.Module):  # one module, one long forward
+            def forward(self, x):
+                time.sleep(1.0)
+                seen.append(s.holding)
+                return x
+
+        Big()(torch.ones(1))
+        try:
+            torch.nn.Sequential(Big(), torch.nn.Linear(3, 1))(torch.ones(2))  # raises
+        except RuntimeError:
+            pass
+        time.sleep(0.6)  # the forward hooks stayed balanced: idleness ends the burst
+        print(json.dumps({"seen": seen, "grants": s.grants, "after": s.holding}))
     """)
     node = node_factory(*sim("16GiB", idle_release="0.2"))
     pr = gs_run(node, "--", sys.executable, "-c", code)
     out, err = pr.communicate(timeout=60)
     assert pr.returncode == 0, err
     r = lines(out)[0]
-    assert r["seen"] == [True, True] and r["grants"] == 1, r
+    assert r["seen"] == [True, True, True, True] and r["grants"] == 1, r
+    assert r["after"] is False, r

@@ -261,15 +261,22 @@ class Session:
         """GPU work with no safe point inside (a backward pass, say): a checkpoint at its
         start, and, while it runs, an implicit burst is not ended for idleness."""
         self.checkpoint()
-        with self._cond:
-            self._busy += 1
+        self.begin_work()
         try:
             yield self
         finally:
-            with self._cond:
-                self._busy -= 1
-                self._last_work = time.monotonic()
-                self._cond.notify_all()
+            self.end_work()
+
+    def begin_work(self) -> None:
+        """:meth:`working` in two calls, for hooks that see a start and an end."""
+        with self._cond:
+            self._busy += 1
+
+    def end_work(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._last_work = time.monotonic()
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Release any lease and detach; the session's memory is freed."""

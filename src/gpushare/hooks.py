@@ -9,8 +9,9 @@ is a safe point: :meth:`Session.checkpoint` there opens a burst if none is open 
 for the lease, and for the session's memory to come back), and yields if the lease was
 revoked. The burst ends after the node's ``idle_release`` seconds without another call.
 
-Backward passes (``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``)
-start with a safe point and keep the burst open while they run, however long.
+A forward (from the outermost module's start to its end) and a backward pass
+(``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``, which start
+with a safe point) keep the burst open while they run, however long.
 
 What is not gated: other tensor operations outside any module's forward (``x @ w`` at
 the top level), factory functions with a CUDA device (``torch.zeros(..., device="cuda")``),
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +35,15 @@ from gpushare.client import Session
 def install(session: Session) -> list[Any]:
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
     import torch
-    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     pid = os.getpid()
     cuda = torch.cuda.is_available()
+    depth = threading.local()  # module forwards under way in this thread
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
         if os.getpid() != pid:  # a forked child is not this session
@@ -46,7 +52,29 @@ def install(session: Session) -> list[Any]:
             return  # inside a CUDA graph capture: no yielding (nor swapping) there
         session.checkpoint()
 
-    handles = [register_module_forward_pre_hook(gate), register_optimizer_step_pre_hook(gate)]
+    # A forward may outlast idle_release (one big module, a compiled model): from the
+    # outermost module's start to its end the burst is not ended for idleness.
+    def forward_pre(*_args: Any) -> None:
+        if os.getpid() != pid:
+            return
+        n = getattr(depth, "n", 0)
+        depth.n = n + 1  # first: the post hook runs even when this one raises
+        if n == 0:
+            session.begin_work()
+        gate()
+
+    def forward_post(*_args: Any) -> None:
+        if os.getpid() != pid:
+            return
+        depth.n -= 1
+        if depth.n == 0:
+            session.end_work()
+
+    handles = [
+        register_module_forward_pre_hook(forward_pre),
+        register_module_forward_hook(forward_post, always_call=True),
+        register_optimizer_step_pre_hook(gate),
+    ]
     return [*handles, *_gate_tensor_methods(gate), *_hold_through_backward(session, pid)]
 
 
