@@ -158,6 +158,45 @@ def run_checkpoint(tmp: Path, calls: int = 1_000_000) -> dict[str, float]:
     }
 
 
+def run_hooks(tmp: Path, modules: int = 200, reps: int = 200) -> dict[str, float] | None:
+    """A module call's cost with ``gpushare run``'s hooks installed, beside the same call
+    bare, measured in this process one after the other (CPU PyTorch; None without it)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from gpushare import hooks
+
+    m = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(modules)])
+    x = torch.ones(1)
+
+    def per_call() -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                m(x)
+            best = min(best, (time.perf_counter() - t0) / reps / modules)
+        return best
+
+    bare = per_call()
+    sock, admin = str(tmp / "hw.sock"), str(tmp / "ha.sock")
+    node = start_node(sock, admin, "--idle-release", "60")
+    try:
+        wait_for_socket(admin, node)
+        s = gpushare.attach("1GiB", socket=sock)
+        handles = hooks.install(s)
+        m(x)  # the first call opens the burst
+        hooked = per_call()
+        for h in handles:
+            h.remove()
+        s.close()
+    finally:
+        node.terminate()
+        node.wait(timeout=10)
+    return {"module_call_ns": bare * 1e9, "module_call_hooked_ns": hooked * 1e9}
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         client(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
@@ -178,6 +217,7 @@ def main() -> int:
         runs = [tuple(int(x) for x in r.split("/")) for r in a.runs]
         rows = [run_handoff(n, act, a.grants, tmp) for n, act in runs]
         cp = run_checkpoint(tmp)
+        hk = run_hooks(tmp)
     print(f"handoff on one simulated GPU, {os.cpu_count()} CPUs, real processes and sockets")
     print(
         f"{'sessions':>8} {'cycling':>8} {'handoffs':>8} {'p50 us':>8} {'p99 us':>8} {'max us':>9}"
@@ -191,7 +231,12 @@ def main() -> int:
         f"checkpoint() with nobody waiting: {cp['checkpoint_ns']:.0f} ns per call"
         f" (an empty method call: {cp['empty_method_ns']:.0f} ns; ratio {cp['ratio']:.1f})"
     )
-    result = {"handoff": rows, "checkpoint": cp, "cpus": os.cpu_count()}
+    if hk:
+        print(
+            f"a module call with gpushare run's hooks: {hk['module_call_hooked_ns']:.0f} ns"
+            f" (bare: {hk['module_call_ns']:.0f} ns)"
+        )
+    result = {"handoff": rows, "checkpoint": cp, "hooks": hk, "cpus": os.cpu_count()}
     print(json.dumps(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))

@@ -263,3 +263,30 @@ def test_a_long_forward_or_backward_keeps_the_lease(node_factory):
     r = lines(out)[0]
     assert r["seen"] == [True, True, True, True] and r["grants"] == 1, r
     assert r["after"] is False, r
+
+
+def test_a_forked_child_is_not_gated(node_factory):
+    # DataLoader workers are forked: the hooks they inherit must leave them alone.
+    code = textwrap.dedent("""
+        import json, os, torch
+        from gpushare import runner
+        m = torch.nn.Linear(4, 1)
+        m(torch.ones(1, 4)).sum().backward()  # the parent: a session, gated
+        pid = os.fork()
+        if pid == 0:
+            try:
+                m(torch.ones(1, 4)).sum().backward()
+                torch.ones(1).item()
+            except Exception as e:
+                print(json.dumps({"child_error": repr(e)}), flush=True)
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        m(torch.ones(1, 4)).sum().backward()
+        print(json.dumps({"child_status": status, "grants": runner.SESSION.grants}))
+    """)
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    assert lines(out)[-1]["child_status"] == 0, out

@@ -31,6 +31,19 @@ from typing import Any
 
 from gpushare.client import Session
 
+# Forks so far in this process's line: hooks installed before a fork are not the child's
+# session's (DataLoader workers). A counter, not os.getpid() on every call: a system call
+# per module call is slow in sandboxes.
+_forks = 0
+
+
+def _after_fork_in_child() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def install(session: Session) -> list[Any]:
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
@@ -41,12 +54,12 @@ def install(session: Session) -> list[Any]:
     )
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    pid = os.getpid()
     cuda = torch.cuda.is_available()
+    forks = _forks
     depth = threading.local()  # module forwards under way in this thread
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
-        if os.getpid() != pid:  # a forked child is not this session
+        if _forks != forks:  # a forked child is not this session
             return
         if cuda and torch.cuda.is_current_stream_capturing():
             return  # inside a CUDA graph capture: no yielding (nor swapping) there
@@ -55,16 +68,18 @@ def install(session: Session) -> list[Any]:
     # A forward may outlast idle_release (one big module, a compiled model): from the
     # outermost module's start to its end the burst is not ended for idleness.
     def forward_pre(*_args: Any) -> None:
-        if os.getpid() != pid:
+        if _forks != forks:
             return
         n = getattr(depth, "n", 0)
         depth.n = n + 1  # first: the post hook runs even when this one raises
         if n == 0:
             session.begin_work()
-        gate()
+            gate()
+        elif session._revoked:  # nested: a safe point only to yield (the flag checkpoint reads)
+            gate()
 
     def forward_post(*_args: Any) -> None:
-        if os.getpid() != pid:
+        if _forks != forks:
             return
         depth.n -= 1
         if depth.n == 0:
@@ -75,10 +90,10 @@ def install(session: Session) -> list[Any]:
         register_module_forward_hook(forward_post, always_call=True),
         register_optimizer_step_pre_hook(gate),
     ]
-    return [*handles, *_gate_tensor_methods(gate), *_hold_through_backward(session, pid)]
+    return [*handles, *_gate_tensor_methods(gate), *_hold_through_backward(session, forks)]
 
 
-def _hold_through_backward(session: Session, pid: int) -> list[_Unpatch]:
+def _hold_through_backward(session: Session, forks: int) -> list[_Unpatch]:
     """A backward pass has no safe point inside and may outlast ``idle_release``: it
     starts with a checkpoint and keeps the burst open until it is done."""
     import torch
@@ -92,7 +107,7 @@ def _hold_through_backward(session: Session, pid: int) -> list[_Unpatch]:
         original = getattr(owner, name)
 
         def held(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            if os.getpid() != pid or (
+            if _forks != forks or (
                 torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             ):
                 return _original(*args, **kwargs)
