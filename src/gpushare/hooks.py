@@ -79,10 +79,11 @@ def install(session: Session) -> list[Any]:
             gate()
 
     def forward_post(*_args: Any) -> None:
-        if _forks != forks:
+        n = getattr(depth, "n", 0)
+        if _forks != forks or n <= 0:  # its pre hook never ran (another one raised first)
             return
-        depth.n -= 1
-        if depth.n == 0:
+        depth.n = n - 1
+        if n == 1:
             session.end_work()
 
     handles = [
