@@ -178,15 +178,27 @@ def part_holder(sock: str, memory: int, fill: int, seconds: float) -> dict[str, 
 
 
 def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
-    """Train a small GPT on synthetic tokens; tokens/s over [warmup, warmup+seconds]."""
+    """Train a small GPT on synthetic tokens; tokens/s over [warmup, warmup+seconds].
+
+    ``GPUSHARE_BENCH_DEVICE=cpu GPUSHARE_BENCH_TINY=1`` runs a tiny one on the CPU, to
+    check this code where there is no GPU (no figure of it means anything)."""
     import torch
     from torch import nn
 
     from gpushare import runner
 
     session = runner.SESSION
-    vocab, d, layers, heads, seq, batch = 8192, 768, 8, 12, 512, 16
+    dev = os.environ.get("GPUSHARE_BENCH_DEVICE", "cuda")
+    cuda = dev == "cuda"
+    if os.environ.get("GPUSHARE_BENCH_TINY"):
+        vocab, d, layers, heads, seq, batch = 256, 64, 2, 4, 64, 4
+    else:
+        vocab, d, layers, heads, seq, batch = 8192, 768, 8, 12, 512, 16
     t_start = time.monotonic()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     class GPT(nn.Module):
         def __init__(self) -> None:
@@ -194,7 +206,7 @@ def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
             self.emb = nn.Embedding(vocab, d)
             self.pos = nn.Parameter(torch.zeros(seq, d))
             layer = nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True, norm_first=True)
-            self.blocks = nn.TransformerEncoder(layer, layers)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
             self.head = nn.Linear(d, vocab)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -204,23 +216,24 @@ def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
 
     # Set-up does GPU work outside any forward: inside a burst, as docs/run.md says.
     with session.gpu() if session else contextlib.nullcontext():
-        model = GPT().cuda()
+        model = GPT().to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        torch.cuda.synchronize()
-        ballast_n = max(0, target - torch.cuda.memory_reserved() - 6 * GiB)  # 6 GiB: work
-        ballast = torch.empty(ballast_n, dtype=torch.uint8, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+        sync()
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        ballast_n = max(0, target - reserved - 6 * GiB) if cuda else 0  # 6 GiB: the work
+        ballast = torch.empty(ballast_n, dtype=torch.uint8, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
     t_from, t_until = t_start + warmup, t_start + warmup + seconds
     tokens = steps = 0
     while True:
-        x = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        x = torch.randint(0, vocab, (batch, seq + 1), device=dev, generator=gen)
+        with torch.autocast(dev, dtype=torch.bfloat16):
             logits = model(x[:, :-1])
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         now = time.monotonic()
         if t_from <= now <= t_until:
             tokens += batch * seq
@@ -232,7 +245,8 @@ def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
         "tokens": tokens,
         "steps": steps,
         "tokens_per_s": tokens / seconds,
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "loss": float(loss.item()),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else 0,
         "target_bytes": target,
         "under_gpushare": session is not None,
     }
