@@ -194,11 +194,14 @@ def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
         t = torch.ones(4)
         t.to("cpu"); t.to(torch.float64); t.item() if t.numel() == 1 else t.sum().item()
         t.copy_(torch.zeros(4)); t.tolist(); t.cpu(); t.numpy()
+        torch.zeros(2); torch.zeros_like(t); torch.empty_like(input=t); torch.arange(3)
         quiet = s.grants
         seen = []
         for move in (lambda: t.to("cuda"), lambda: t.cuda(), lambda: t.to(0),
                      lambda: t.to(device=torch.device("cuda", 0)),
-                     lambda: torch.nn.Linear(2, 2).to("cuda")):
+                     lambda: torch.nn.Linear(2, 2).to("cuda"),
+                     lambda: torch.zeros(2, device="cuda"),
+                     lambda: torch.full_like(t, 1.0, device="cuda:0")):
             try:
                 move()
             except (AssertionError, RuntimeError):  # "Torch not compiled with CUDA enabled"
@@ -214,7 +217,7 @@ def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
     assert pr.returncode == 0, err
     r = lines(out)[0]
     assert r["quiet"] == 0  # CPU-only moves never asked for the GPU
-    assert r["seen"] == [1, 2, 3, 4, 5], r  # each CUDA move opened a burst of its own
+    assert r["seen"] == [1, 2, 3, 4, 5, 6, 7], r  # each opened a burst of its own
 
 
 def test_a_long_forward_or_backward_keeps_the_lease(node_factory):

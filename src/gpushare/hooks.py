@@ -13,9 +13,11 @@ A forward (from the outermost module's start to its end) and a backward pass
 (``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``, which start
 with a safe point) keep the burst open while they run, however long.
 
+Factory functions asked for CUDA memory (``torch.zeros(n, device="cuda")``,
+``torch.empty_like(cuda_tensor)``, and the others in :data:`FACTORIES`) are safe points too.
+
 What is not gated: other tensor operations outside any module's forward (``x @ w`` at
-the top level), factory functions with a CUDA device (``torch.zeros(..., device="cuda")``),
-custom kernels, and anything in processes forked from the workload (DataLoader
+the top level), custom kernels, and anything in processes forked from the workload (DataLoader
 workers). Nothing yields inside a CUDA graph capture. A program whose GPU work happens
 there should use ``with session.gpu()`` explicitly: outside a lease its memory may be
 swapped out.
@@ -91,7 +93,12 @@ def install(session: Session) -> list[Any]:
         register_module_forward_hook(forward_post, always_call=True),
         register_optimizer_step_pre_hook(gate),
     ]
-    return [*handles, *_gate_tensor_methods(gate), *_hold_through_backward(session, forks)]
+    return [
+        *handles,
+        *_gate_tensor_methods(gate),
+        *_gate_factories(gate),
+        *_hold_through_backward(session, forks),
+    ]
 
 
 def _hold_through_backward(session: Session, forks: int) -> list[_Unpatch]:
@@ -172,6 +179,43 @@ def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
 
         setattr(torch.Tensor, name, functools.wraps(original)(gated))
         handles.append(_Unpatch(torch.Tensor, name, original))
+    return handles
+
+
+# Factory functions: gated when asked for memory on a CUDA device (device=...).
+FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "linspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like", "ones_like",
+    "full_like", "rand_like", "randn_like",
+)  # fmt: skip
+
+
+def _gate_factories(gate: Callable[[], None]) -> list[_Unpatch]:
+    import torch
+
+    handles = []
+    for name in FACTORIES:
+        original = getattr(torch, name)
+
+        def gated(
+            *args: Any,
+            _original: Any = original,
+            _like: bool = name.endswith("_like"),
+            **kwargs: Any,
+        ) -> Any:
+            device = kwargs.get("device")
+            # A device asked for, or (the _like ones) the device of the tensor given.
+            on_cuda = (
+                _is_cuda(device)
+                if device is not None
+                else _like and bool(args) and _is_cuda(args[0])
+            )
+            if on_cuda:
+                gate()
+            return _original(*args, **kwargs)
+
+        setattr(torch, name, functools.wraps(original)(gated))
+        handles.append(_Unpatch(torch, name, original))
     return handles
 
 
