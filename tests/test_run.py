@@ -271,10 +271,12 @@ def test_a_long_forward_or_backward_keeps_the_lease(node_factory):
 def test_a_forked_child_is_not_gated(node_factory):
     # DataLoader workers are forked: the hooks they inherit must leave them alone.
     code = textwrap.dedent("""
-        import json, os, torch
+        import json, os, time, torch
         from gpushare import runner
         m = torch.nn.Linear(4, 1)
         m(torch.ones(1, 4)).sum().backward()  # the parent: a session, gated
+        while runner.SESSION.holding:  # idle: a gated call would have to ask the node
+            time.sleep(0.05)
         pid = os.fork()
         if pid == 0:
             try:
@@ -288,7 +290,7 @@ def test_a_forked_child_is_not_gated(node_factory):
         m(torch.ones(1, 4)).sum().backward()
         print(json.dumps({"child_status": status, "grants": runner.SESSION.grants}))
     """)
-    node = node_factory(*sim("16GiB"))
+    node = node_factory(*sim("16GiB", idle_release="0.2"))
     pr = gs_run(node, "--", sys.executable, "-c", code)
     out, err = pr.communicate(timeout=60)
     assert pr.returncode == 0, err
