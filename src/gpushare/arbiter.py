@@ -490,9 +490,7 @@ class Arbiter:
             plan = plan_grant(self.capacity, self._views(), head.id)
             if not plan.fits:
                 for sid, n in plan.swap_outs:
-                    v = self.sessions[sid]
-                    v.pending_out += n
-                    self._out.append(SwapOutAction(sid, n))
+                    self._ask_swap_out(sid, n)
                 room = self.capacity - others
                 if (
                     self.settings.overlap
@@ -587,15 +585,8 @@ class Arbiter:
             if free > s.room:
                 s.room = free
                 self._out.append(RoomAction(s.id, free))
-            views = [
-                MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
-                if v.id == s.id
-                else self._view(v)
-                for v in self.sessions.values()
-            ]
-            for vid, n in plan_grant(self.capacity, views, s.id).swap_outs:
-                self.sessions[vid].pending_out += n
-                self._out.append(SwapOutAction(vid, n))
+            for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
+                self._ask_swap_out(vid, n)
 
     def _revoke(self, s: SessionState, now: float) -> None:
         s.state = State.YIELDING
@@ -604,22 +595,14 @@ class Arbiter:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        head = self.queue[0]
-        views = [
-            MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
-            if v.id == s.id
-            else self._view(v)
-            for v in self.sessions.values()
-        ]
-        plan = plan_grant(self.capacity, views, head)
+        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
         if self.settings.mode == "exclusive" or len(self.holders) == 1:
             for sid, n in plan.swap_outs:
-                v = self.sessions[sid]
-                v.pending_out += n
-                if sid == s.id:
+                if sid == s.id:  # its own share goes with its answer to the revoke
+                    s.pending_out += n
                     swap_out = n
                 else:
-                    self._out.append(SwapOutAction(sid, n))
+                    self._ask_swap_out(sid, n)
         self._event("revoke", s.id, lease=s.lease, reason="quantum", swap_out_bytes=swap_out)
         self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
 
@@ -666,6 +649,20 @@ class Arbiter:
 
     def _views(self) -> list[MemoryView]:
         return [self._view(s) for s in self.sessions.values()]
+
+    def _views_released(self, sid: int) -> list[MemoryView]:
+        """The planner's view with holder ``sid`` counted as if it had released: at what
+        it has, and a possible victim (the revoked holder; a filling one, for itself)."""
+        return [
+            MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
+            if v.id == sid
+            else self._view(v)
+            for v in self.sessions.values()
+        ]
+
+    def _ask_swap_out(self, sid: int, n: int) -> None:
+        self.sessions[sid].pending_out += n
+        self._out.append(SwapOutAction(sid, n))
 
     def _get(self, sid: int) -> SessionState:
         try:
