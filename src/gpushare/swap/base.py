@@ -41,6 +41,13 @@ class SwapBackend(ABC):
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 
+    def room_for(self, resident: int) -> float:
+        """Wait until the node allows ``resident`` bytes on the GPU (:attr:`wait_room`);
+        returns the seconds waited, which a swap's timing leaves out."""
+        t0 = time.perf_counter()
+        self.wait_room(resident)
+        return time.perf_counter() - t0
+
     def progress(self) -> None:
         """A piece moved: tell the session (the node), unless it heard very recently;
         the swap's end is always told (SwapDone carries the figures)."""

@@ -291,9 +291,7 @@ class SimBackend(SwapBackend):
         for c in self._chunks:
             if c.data is not None:
                 continue
-            w0 = time.perf_counter()
-            self.wait_room(self.resident_bytes + c.nbytes)
-            t0 += time.perf_counter() - w0  # waiting for room is not transfer time
+            t0 += self.room_for(self.resident_bytes + c.nbytes)  # not transfer time
             done = self.link.book(IN, c.nbytes, self.bandwidth)
             real = -(-c.nbytes // self.scale)
             off = c.slot * self.chunk_real

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpushare.errors import OutOfMemoryError, SwapError
@@ -233,6 +234,12 @@ class VmmBackend(SwapBackend):
 
     # --- swapping -------------------------------------------------------------------
 
+    def _pieces(self, newest_first: bool = False) -> Iterator[_Piece]:
+        """Every piece, in allocation order (or the reverse)."""
+        segs = reversed(self._segments.values()) if newest_first else self._segments.values()
+        for seg in segs:
+            yield from reversed(seg.pieces) if newest_first else seg.pieces
+
     def synchronize(self) -> None:
         """The caller's GPU work is waited for by the torch backend; here, nothing."""
 
@@ -244,13 +251,12 @@ class VmmBackend(SwapBackend):
             t0 = time.perf_counter()
             victims: list[_Piece] = []
             want = 0
-            for seg in reversed(self._segments.values()):
-                for p in reversed(seg.pieces):
-                    if want >= nbytes:
-                        break
-                    if p.handle:
-                        victims.append(p)
-                        want += p.size
+            for p in self._pieces(newest_first=True):
+                if want >= nbytes:
+                    break
+                if p.handle:
+                    victims.append(p)
+                    want += p.size
             moved = 0
             inflight: deque[tuple[_Piece, int, int]] = deque()
             try:
@@ -291,34 +297,28 @@ class VmmBackend(SwapBackend):
         with self._lock:
             self.driver.make_current()
             t0 = time.perf_counter()
-            waited = 0.0
             moved = 0
             inflight: deque[tuple[_Piece, int]] = deque()
             try:
-                for seg in list(self._segments.values()):
-                    for p in seg.pieces:
-                        if p.handle:
-                            continue
-                        w0 = time.perf_counter()
-                        self.wait_room(self._resident + p.size)
-                        waited += time.perf_counter() - w0
-                        h = self.driver.create(p.size)
-                        try:
-                            self.driver.map(p.va, p.size, h)
-                        except BaseException:
-                            self.driver.release(h)
-                            raise
-                        p.handle = h
-                        self._resident += p.size
-                        self._swapped -= p.size
-                        try:
-                            self.driver.copy_htod(p.va, p.host, p.size, self._stream)
-                            inflight.append((p, self.driver.record(self._stream)))
-                        except BaseException:
-                            self._unback(p)
-                            raise
-                        if len(inflight) >= DEPTH:
-                            moved += self._retire_in(*inflight.popleft())
+                for p in [p for p in self._pieces() if not p.handle]:
+                    t0 += self.room_for(self._resident + p.size)  # not transfer time
+                    h = self.driver.create(p.size)
+                    try:
+                        self.driver.map(p.va, p.size, h)
+                    except BaseException:
+                        self.driver.release(h)
+                        raise
+                    p.handle = h
+                    self._resident += p.size
+                    self._swapped -= p.size
+                    try:
+                        self.driver.copy_htod(p.va, p.host, p.size, self._stream)
+                        inflight.append((p, self.driver.record(self._stream)))
+                    except BaseException:
+                        self._unback(p)
+                        raise
+                    if len(inflight) >= DEPTH:
+                        moved += self._retire_in(*inflight.popleft())
                 while inflight:
                     moved += self._retire_in(*inflight.popleft())
             except BaseException:
@@ -329,7 +329,7 @@ class VmmBackend(SwapBackend):
                         self._unback(p)
                 self.on_change()
                 raise
-            return SwapResult(moved, time.perf_counter() - t0 - waited)
+            return SwapResult(moved, time.perf_counter() - t0)
 
     def _retire_in(self, p: _Piece, ev: int) -> int:
         self.driver.wait(ev)
