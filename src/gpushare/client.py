@@ -462,6 +462,9 @@ class Session:
                 else:
                     self._cond.wait(self.idle_release_s - idle)
 
+    def _set_room(self, room: int) -> None:
+        self._room = room if room < self.memory_limit else 0  # its limit: no bound
+
     def _wait_room(self, resident: int) -> None:
         # Called by the backend's swap-in, under self._cond (from _await_grant): waiting
         # releases it, so the reader thread can deliver the Room that ends the wait.
@@ -593,7 +596,7 @@ class Session:
             with self._cond:
                 if self._acquiring:  # else it crossed a withdrawal, already released
                     self._lease = msg.lease
-                    self._room = msg.room if msg.room < self.memory_limit else 0
+                    self._set_room(msg.room)
                     self._grant = msg
                 elif self._holding:  # thawed, or resumed after a node restart: a new lease
                     self._lease = msg.lease
@@ -601,7 +604,7 @@ class Session:
                 self._cond.notify_all()
         elif isinstance(msg, p.Room):
             with self._cond:
-                self._room = msg.room if msg.room < self.memory_limit else 0
+                self._set_room(msg.room)
                 self._cond.notify_all()
         elif isinstance(msg, p.Revoke):
             if msg.lease == self._lease:

@@ -231,10 +231,10 @@ class Node:
                 pids = {sid: c.pid for sid, c in self.conns.items() if c.gpu == g.index}
                 att.credit(ratio, dt, list(arb.holders), procs, pids)
                 if sampler is not None:  # the GPU's own view of each session's memory
+                    allowance = parse_size(self.config.nvml_allowance)
                     for sid, pid in pids.items():
                         if pid in used and sid in arb.sessions:
-                            over = used[pid] - parse_size(self.config.nvml_allowance)
-                            self._apply(arb, arb.over_limit(sid, over))
+                            self._apply(arb, arb.over_limit(sid, used[pid] - allowance))
 
     def _read_config_text(self) -> bytes | None:
         try:
