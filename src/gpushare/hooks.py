@@ -60,12 +60,14 @@ def install(session: Session) -> list[Any]:
     forks = _forks
     depth = threading.local()  # module forwards under way in this thread
 
+    def ours() -> bool:
+        """This process's session (not a forked child), outside any CUDA graph capture
+        (no yielding, nor swapping, there)."""
+        return _forks == forks and not (cuda and torch.cuda.is_current_stream_capturing())
+
     def gate(*_args: Any, **_kwargs: Any) -> None:
-        if _forks != forks:  # a forked child is not this session
-            return
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return  # inside a CUDA graph capture: no yielding (nor swapping) there
-        session.checkpoint()
+        if ours():
+            session.checkpoint()
 
     # A forward may outlast idle_release (one big module, a compiled model): from the
     # outermost module's start to its end the burst is not ended for idleness.
@@ -97,48 +99,53 @@ def install(session: Session) -> list[Any]:
         *handles,
         *_gate_tensor_methods(gate),
         *_gate_factories(gate),
-        *_hold_through_backward(session, forks),
+        *_hold_through_backward(session, ours),
     ]
 
 
-def _hold_through_backward(session: Session, forks: int) -> list[_Unpatch]:
+class _Unpatch:
+    """A handle like PyTorch's hook handles: ``.remove()`` puts the original back."""
+
+    def __init__(self, owner: Any, name: str, original: Any) -> None:
+        self.owner, self.name, self.original = owner, name, original
+
+    def remove(self) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> _Unpatch:
+    """Replace ``owner.name`` by ``wrap(original)``; the handle puts the original back."""
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(wrap(original)))
+    return _Unpatch(owner, name, original)
+
+
+def _hold_through_backward(session: Session, ours: Callable[[], bool]) -> list[_Unpatch]:
     """A backward pass has no safe point inside and may outlast ``idle_release``: it
     starts with a checkpoint and keeps the burst open until it is done."""
     import torch
 
-    handles = []
-    for owner, name in (
-        (torch.Tensor, "backward"),
-        (torch.autograd, "backward"),
-        (torch.autograd, "grad"),
-    ):
-        original = getattr(owner, name)
-
-        def held(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            if _forks != forks or (
-                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            ):
-                return _original(*args, **kwargs)
+    def held(original: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not ours():
+                return original(*args, **kwargs)
             with session.working():
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
 
-        setattr(owner, name, functools.wraps(original)(held))
-        handles.append(_Unpatch(owner, name, original))
-    return handles
+        return call
+
+    return [
+        _patch(owner, name, held)
+        for owner, name in (
+            (torch.Tensor, "backward"),
+            (torch.autograd, "backward"),
+            (torch.autograd, "grad"),
+        )
+    ]
 
 
 # Tensor methods that move data between host and GPU: gated when CUDA is involved.
 TENSOR_METHODS = ("to", "cuda", "copy_", "item", "cpu", "tolist", "numpy")
-
-
-class _Unpatch:
-    """A handle like PyTorch's hook handles: ``.remove()`` puts the method back."""
-
-    def __init__(self, cls: Any, name: str, original: Any) -> None:
-        self.cls, self.name, self.original = cls, name, original
-
-    def remove(self) -> None:
-        setattr(self.cls, self.name, self.original)
 
 
 def _is_cuda(x: Any) -> bool:
@@ -156,30 +163,24 @@ def _is_cuda(x: Any) -> bool:
 def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
     import torch
 
-    handles = []
-    for name in TENSOR_METHODS:
-        original = getattr(torch.Tensor, name)
-
-        def gated(
-            self: Any,
-            *args: Any,
-            _original: Any = original,
-            _always: bool = name == "cuda",
-            **kwargs: Any,
-        ) -> Any:
+    def gated(original: Any, always: bool) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             # Cheap first: most calls are on CUDA tensors or name no CUDA device.
             if (
-                _always
+                always
                 or self.is_cuda
                 or any(_is_cuda(a) for a in args)
                 or any(_is_cuda(v) for v in kwargs.values())
             ):
                 gate()
-            return _original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
-        setattr(torch.Tensor, name, functools.wraps(original)(gated))
-        handles.append(_Unpatch(torch.Tensor, name, original))
-    return handles
+        return call
+
+    return [
+        _patch(torch.Tensor, name, functools.partial(gated, always=name == "cuda"))
+        for name in TENSOR_METHODS
+    ]
 
 
 # Factory functions: gated when asked for memory on a CUDA device (device=...).
@@ -193,30 +194,24 @@ FACTORIES = (
 def _gate_factories(gate: Callable[[], None]) -> list[_Unpatch]:
     import torch
 
-    handles = []
-    for name in FACTORIES:
-        original = getattr(torch, name)
-
-        def gated(
-            *args: Any,
-            _original: Any = original,
-            _like: bool = name.endswith("_like"),
-            **kwargs: Any,
-        ) -> Any:
+    def gated(original: Any, like: bool) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             device = kwargs.get("device")
             # A device asked for, or (the _like ones) the device of the tensor given.
-            on_cuda = (
-                _is_cuda(device)
-                if device is not None
-                else _like and bool(args) and _is_cuda(args[0])
-            )
+            if device is not None:
+                on_cuda = _is_cuda(device)
+            else:
+                on_cuda = like and bool(args) and _is_cuda(args[0])
             if on_cuda:
                 gate()
-            return _original(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        setattr(torch, name, functools.wraps(original)(gated))
-        handles.append(_Unpatch(torch, name, original))
-    return handles
+        return call
+
+    return [
+        _patch(torch, name, functools.partial(gated, like=name.endswith("_like")))
+        for name in FACTORIES
+    ]
 
 
 def limit_cuda_memory(session: Session) -> float | None:
@@ -225,10 +220,8 @@ def limit_cuda_memory(session: Session) -> float | None:
     the fraction set, or None without CUDA."""
     import torch
 
+    from gpushare.swap.torch import limit_process_memory
+
     if not torch.cuda.is_available():
         return None
-    dev = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(dev).total_memory
-    fraction = float(min(1.0, session.memory_limit / total))
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
-    return fraction
+    return limit_process_memory(torch, session.memory_limit, torch.cuda.current_device())

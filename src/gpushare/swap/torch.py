@@ -77,6 +77,15 @@ def find_device(torch: Any, uuid: str, index: int) -> int:
     )
 
 
+def limit_process_memory(torch: Any, limit: int, device: int) -> float:
+    """Cap this process's PyTorch memory on ``device`` at ``limit`` bytes: past it,
+    PyTorch raises its out-of-memory error here, and nowhere else. Returns the fraction."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = float(min(1.0, limit / total))
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def default_host_bytes(limit: int, proc: str = "/proc") -> int:
     """Pinned host memory to make at attach: ``GPUSHARE_HOST_MEMORY``, else the limit,
     but at most half the host's available memory (two sessions can then pin both)."""
@@ -103,8 +112,7 @@ class TorchBackend(VmmBackend):
         torch = _torch()
         self._torch = torch
         self.device = find_device(torch, gpu_uuid, gpu_index)
-        total = int(torch.cuda.get_device_properties(self.device).total_memory)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
+        limit_process_memory(torch, limit, self.device)
         super().__init__(
             CudaDriver(self.device),
             limit,
