@@ -40,6 +40,18 @@ def arb(clock, capacity=80 * GiB, **kw):
     return Arbiter(0, capacity, clock, GpuSettings(**kw))
 
 
+def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
+    """Session 1 holds ``limit`` bytes resident, session 2 (``swapped`` of its bytes in
+    host memory) waits, and the quantum ends: what the tick did (the revoke)."""
+    a.attach(1, "a", limit, fills=fills[0])
+    a.attach(2, "b", limit, swapped=swapped, fills=fills[1])
+    a.acquire(1)
+    a.report(1, limit, 0)
+    a.acquire(2)
+    clock.advance(a.settings.tq_s)
+    return a.tick()
+
+
 def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
     for i in (1, 2, 3):
@@ -122,13 +134,7 @@ def test_planner_swaps_least_recently_served_only_what_is_needed(clock):
 
 def test_revoke_carries_the_holders_share_of_swap_out(clock):
     a = arb(clock, capacity=50 * GiB, tq_s=1, mode="exclusive")
-    a.attach(1, "a", 30 * GiB)
-    a.attach(2, "b", 30 * GiB)
-    a.acquire(1)
-    a.report(1, 30 * GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    (r,) = actions_of(a.tick(), RevokeAction)
+    (r,) = actions_of(quantum_over(a, clock, 30 * GiB), RevokeAction)
     assert r.session == 1 and r.swap_out == 10 * GiB
     g = actions_of(a.release(1, 20 * GiB, 10 * GiB, again=True, swapped_out=10 * GiB), GrantAction)
     assert [x.session for x in g] == [2]
@@ -321,13 +327,7 @@ def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills,
 
 def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
     a = arb(clock, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
-    a.attach(1, "stuck", GiB)
-    a.attach(2, "next", GiB)
-    a.acquire(1)
-    a.report(1, GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    a.tick()  # revoke
+    quantum_over(a, clock, GiB)  # revoke
     clock.advance(1)
     out = a.tick()  # grace over: freeze
     assert actions_of(out, EscalateAction) == [EscalateAction(1, "freeze", "no_yield_within_grace")]
@@ -341,13 +341,7 @@ def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
 
 def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
     a = arb(clock, capacity=10 * GiB, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
-    a.attach(1, "stuck", 6 * GiB)
-    a.attach(2, "big", 6 * GiB)
-    a.acquire(1)
-    a.report(1, 6 * GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    a.tick()
+    quantum_over(a, clock, 6 * GiB)
     clock.advance(1)
     out = a.tick()
     # 2 does not fit beside the frozen 6 GiB, which cannot swap and would not yield if
@@ -401,13 +395,7 @@ def test_over_limit_seen_by_the_gpu_escalates_once(clock):
 
 def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
     a = arb(clock, tq_s=1, grace_s=1, mode="exclusive", escalation="freeze")
-    a.attach(1, "slow", 10 * GiB)
-    a.attach(2, "next", 10 * GiB)
-    a.acquire(1)
-    a.report(1, 10 * GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    a.tick()
+    quantum_over(a, clock, 10 * GiB)
     clock.advance(1)
     a.tick()  # frozen while its yield was on the way
     out = a.release(1, 6 * GiB, 4 * GiB, again=True, swapped_out=4 * GiB, seconds=0.1)
@@ -419,13 +407,8 @@ def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
 def _switch_setup(clock, **kw):
     """A holds 30 GiB of a 40 GiB GPU; B's 30 GiB are in host memory; A is revoked."""
     a = arb(clock, capacity=40 * GiB, tq_s=1, mode="exclusive", **kw)
-    a.attach(1, "a", 30 * GiB, fills=True)
-    a.attach(2, "b", 30 * GiB, swapped=30 * GiB, fills=True)
-    a.acquire(1)
-    a.report(1, 30 * GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    (r,) = actions_of(a.tick(), RevokeAction)
+    out = quantum_over(a, clock, 30 * GiB, swapped=30 * GiB, fills=(True, True))
+    (r,) = actions_of(out, RevokeAction)
     assert r.session == 1 and r.swap_out == 20 * GiB
     return a
 
@@ -463,13 +446,7 @@ def test_without_overlap_the_next_holder_waits_for_the_whole_swap_out(clock):
 
 def test_a_client_that_cannot_fill_gets_no_room(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=1, mode="exclusive")
-    a.attach(1, "a", 30 * GiB, fills=True)
-    a.attach(2, "old", 30 * GiB, swapped=30 * GiB)  # an older client: fills=False
-    a.acquire(1)
-    a.report(1, 30 * GiB, 0)
-    a.acquire(2)
-    clock.advance(1)
-    a.tick()
+    quantum_over(a, clock, 30 * GiB, swapped=30 * GiB, fills=(True, False))  # 2: an older client
     assert actions_of(a.release(1, 30 * GiB, 0, True, swapping_out=20 * GiB), GrantAction) == []
     (g,) = actions_of(a.report(1, 10 * GiB, 20 * GiB), GrantAction)
     assert g.room == 0

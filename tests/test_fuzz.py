@@ -124,19 +124,12 @@ fuzz = settings(
 )
 
 
+@pytest.mark.parametrize("which", ["socket", "admin"])
 @fuzz
 @given(data=st.binary(max_size=512))
-def test_random_bytes_on_the_workload_socket(fuzz_node, data):
+def test_random_bytes_on_either_socket(fuzz_node, which, data):
     node, by = fuzz_node
-    _send(node.socket, data)
-    _still_serving(node, by)
-
-
-@fuzz
-@given(data=st.binary(max_size=512))
-def test_random_bytes_on_the_admin_socket(fuzz_node, data):
-    node, by = fuzz_node
-    _send(node.admin, data)
+    _send(getattr(node, which), data)
     _still_serving(node, by)
 
 

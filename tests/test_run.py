@@ -64,6 +64,16 @@ def lines(out: str) -> list[dict]:
     return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
 
 
+def run_program(node_factory, code: str) -> list[dict]:
+    """Run ``python -c code`` under ``gpushare run`` against a simulated node whose
+    implicit bursts end after 0.2 s idle; the JSON lines it printed."""
+    node = node_factory(*sim("16GiB", idle_release="0.2"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    return lines(out)
+
+
 def test_an_unmodified_program_becomes_a_session(node_factory, script):
     node = node_factory(*sim("16GiB", idle_release="0.3"))
     pr = gs_run(
@@ -211,11 +221,7 @@ def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
                 time.sleep(0.05)
         print(json.dumps({"quiet": quiet, "seen": seen}))
     """)
-    node = node_factory(*sim("16GiB", idle_release="0.2"))
-    pr = gs_run(node, "--", sys.executable, "-c", code)
-    out, err = pr.communicate(timeout=60)
-    assert pr.returncode == 0, err
-    r = lines(out)[0]
+    r = run_program(node_factory, code)[0]
     assert r["quiet"] == 0  # CPU-only moves never asked for the GPU
     assert r["seen"] == [1, 2, 3, 4, 5, 6, 7], r  # each opened a burst of its own
 
@@ -259,11 +265,7 @@ def test_a_long_forward_or_backward_keeps_the_lease(node_factory):
         time.sleep(0.6)  # the forward hooks stayed balanced: idleness ends the burst
         print(json.dumps({"seen": seen, "grants": s.grants, "after": s.holding}))
     """)
-    node = node_factory(*sim("16GiB", idle_release="0.2"))
-    pr = gs_run(node, "--", sys.executable, "-c", code)
-    out, err = pr.communicate(timeout=60)
-    assert pr.returncode == 0, err
-    r = lines(out)[0]
+    r = run_program(node_factory, code)[0]
     assert r["seen"] == [True, True, True, True] and r["grants"] == 1, r
     assert r["after"] is False, r
 
@@ -290,8 +292,5 @@ def test_a_forked_child_is_not_gated(node_factory):
         m(torch.ones(1, 4)).sum().backward()
         print(json.dumps({"child_status": status, "grants": runner.SESSION.grants}))
     """)
-    node = node_factory(*sim("16GiB", idle_release="0.2"))
-    pr = gs_run(node, "--", sys.executable, "-c", code)
-    out, err = pr.communicate(timeout=60)
-    assert pr.returncode == 0, err
-    assert lines(out)[-1]["child_status"] == 0, out
+    out = run_program(node_factory, code)
+    assert out[-1]["child_status"] == 0, out
