@@ -278,48 +278,55 @@ def _gpu_bytes() -> int:
         pynvml.nvmlShutdown()
 
 
-class Node:
-    """``gpushare node`` on the real GPU, in a temporary folder."""
+RESERVE = 4 * GiB  # CUDA contexts and PyTorch's own bits live outside the sessions
 
-    def __init__(self, tmp: Path, *flags: str) -> None:
+
+class Node:
+    """``gpushare node`` on the real GPU, in a temporary folder, and programs run on it."""
+
+    def __init__(self, tmp: Path, tq: float, *flags: str) -> None:
         self.sock, self.admin = str(tmp / "w.sock"), str(tmp / "a.sock")
         self.events = tmp / f"events-{time.monotonic_ns()}.jsonl"
         cmd = [sys.executable, "-m", "gpushare", "node", "--socket", self.sock]
         cmd += ["--admin-socket", self.admin, "--metrics-port", "0", "--log-level", "warning"]
-        cmd += ["--event-log", str(self.events), "--mode", "exclusive", *flags]
+        cmd += ["--event-log", str(self.events), "--mode", "exclusive"]
+        cmd += ["--reserve", str(RESERVE), "--tq", str(tq), *flags]
         self.proc = subprocess.Popen(cmd)
         from gpushare.demo import wait_for_socket
 
         wait_for_socket(self.admin, self.proc)
 
-    def stop(self) -> list[dict[str, Any]]:
-        self.proc.terminate()
-        self.proc.wait(timeout=20)
-        return [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
+    def run(
+        self, cmds: list[list[str]], host_memory: int | None, timeout: float
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Run the commands at once, then stop the node: each one's last JSON line (or
+        its error), and the node's events. Their stderr goes to ours."""
+        env = dict(os.environ)
+        if host_memory is not None:
+            env["GPUSHARE_HOST_MEMORY"] = str(host_memory)
+        try:
+            procs = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True, env=env) for c in cmds]
+            outs = [_last_json(p.communicate(timeout=timeout)[0]) for p in procs]
+        finally:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+        events = [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
+        return outs, events
+
+    def gpushare_run(self, limit: int, *part: str) -> list[str]:
+        """This script's ``part`` as an unmodified program under ``gpushare run``."""
+        cmd = [sys.executable, "-m", "gpushare", "run", "--memory", str(limit)]
+        return [*cmd, "--socket", self.sock, "--", sys.executable, str(HERE), "--part", *part]
 
 
 def switch(tmp: Path, total: int, seconds: float, sequential: bool) -> dict[str, Any]:
-    reserve = 4 * GiB  # CUDA contexts and PyTorch's own bits live outside the sessions
-    cap = total - reserve
+    cap = total - RESERVE
     # Each switch moves fill + limit - cap (about 7% of the GPU) each way.
     limit, fill = int(cap * 0.54) // GiB * GiB, int(cap * 0.52) // GiB * GiB
-    flags = ["--reserve", str(reserve), "--tq", "1.5"]
-    node = Node(tmp, *flags, *(["--sequential-switches"] if sequential else []))
-    env = {"GPUSHARE_HOST_MEMORY": str(fill + limit - cap + 2 * GiB)}
-    sizes = [str(limit), str(fill), str(seconds)]
-    try:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(HERE), "--part", "holder", node.sock, *sizes],
-                stdout=subprocess.PIPE,
-                text=True,
-                env={**os.environ, **env},
-            )
-            for _ in range(2)
-        ]
-        outs = [_last_json(p.communicate(timeout=seconds + 120)[0]) for p in procs]
-    finally:
-        ev = node.stop()
+    node = Node(tmp, 1.5, *(["--sequential-switches"] if sequential else []))
+    holder = [sys.executable, str(HERE), "--part", "holder", node.sock]
+    holder += [str(limit), str(fill), str(seconds)]
+    outs, ev = node.run([holder, holder], fill + limit - cap + 2 * GiB, seconds + 120)
     from gpushare.report import switches
 
     sw = switches(ev).seconds
@@ -343,20 +350,12 @@ def _last_json(text: str) -> dict[str, Any]:
 
 
 def lm_pair(tmp: Path, tq: float, seconds: float, warmup: float, total: int) -> dict[str, Any]:
-    reserve = 4 * GiB
-    node = Node(tmp, "--reserve", str(reserve), "--tq", str(tq))
+    node = Node(tmp, tq)
     limit = int(total * 0.6)
     # What one session may be asked to swap out: the other's limit past the free part.
-    host = 2 * limit - (total - reserve) + 4 * GiB
-    env = {**os.environ, "GPUSHARE_HOST_MEMORY": str(host)}
-    try:
-        cmd = [sys.executable, "-m", "gpushare", "run", "--memory", str(limit)]
-        cmd += ["--socket", node.sock, "--", sys.executable, str(HERE), "--part", "lm"]
-        cmd += [str(seconds), str(warmup), str(limit)]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in (0, 1)]
-        outs = [_last_json(p.communicate(timeout=seconds + warmup + 180)[0]) for p in procs]
-    finally:
-        ev = node.stop()
+    host = 2 * limit - (total - RESERVE) + 4 * GiB
+    lm = node.gpushare_run(limit, "lm", str(seconds), str(warmup), str(limit))
+    outs, ev = node.run([lm, lm], host, seconds + warmup + 180)
     if any("error" in o for o in outs):
         return {"tq_s": tq, "error": [o.get("error") for o in outs]}
     return {
@@ -371,14 +370,9 @@ def lm_alone(tmp: Path, seconds: float, warmup: float, target: int, gs: bool) ->
     args = ["lm", str(seconds), str(warmup), str(target)]
     if not gs:
         return _run_part(args, timeout=seconds + warmup + 180)
-    node = Node(tmp, "--reserve", str(4 * GiB), "--tq", "30")
-    try:
-        cmd = [sys.executable, "-m", "gpushare", "run", "--memory", str(target)]
-        cmd += ["--socket", node.sock, "--", sys.executable, str(HERE), "--part", *args]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + warmup + 180)
-    finally:
-        node.stop()
-    return _last_json(out.stdout) if out.returncode == 0 else {"error": out.stderr[-500:]}
+    node = Node(tmp, 30)
+    outs, _ = node.run([node.gpushare_run(target, *args)], None, seconds + warmup + 180)
+    return outs[0]
 
 
 def main() -> None:
