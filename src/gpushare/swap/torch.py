@@ -33,6 +33,7 @@ from gpushare.errors import GpushareError, OutOfMemoryError
 from gpushare.swap.base import SwapResult
 from gpushare.swap.cuda import CudaDriver
 from gpushare.swap.vmm import VmmBackend, mem_available
+from gpushare.units import parse_size
 
 log = logging.getLogger("gpushare.swap")
 
@@ -89,8 +90,6 @@ def limit_process_memory(torch: Any, limit: int, device: int) -> float:
 def default_host_bytes(limit: int, proc: str = "/proc") -> int:
     """Pinned host memory to make at attach: ``GPUSHARE_HOST_MEMORY``, else the limit,
     but at most half the host's available memory (two sessions can then pin both)."""
-    from gpushare.units import parse_size
-
     env = os.environ.get("GPUSHARE_HOST_MEMORY")
     if env:
         return parse_size(env)
