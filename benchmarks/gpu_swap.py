@@ -92,7 +92,7 @@ def part_copy(size: int) -> dict[str, Any]:
 def part_swap(size: int, cycles: int) -> dict[str, Any]:
     import torch
 
-    from gpushare.swap.torch import TorchBackend
+    from gpushare.client.swap.torch import TorchBackend
 
     t0 = time.perf_counter()
     b = TorchBackend(size + GiB, host_bytes=size + GiB)  # room for small-pool segments too
@@ -185,7 +185,7 @@ def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from gpushare import runner
+    from gpushare.client import runner
 
     session = runner.SESSION
     dev = os.environ.get("GPUSHARE_BENCH_DEVICE", "cuda")
@@ -292,7 +292,7 @@ class Node:
         cmd += ["--event-log", str(self.events), "--mode", "exclusive"]
         cmd += ["--reserve", str(RESERVE), "--tq", str(tq), *flags]
         self.proc = subprocess.Popen(cmd)
-        from gpushare.demo import wait_for_socket
+        from gpushare.tools.demo import wait_for_socket
 
         wait_for_socket(self.admin, self.proc)
 
@@ -327,7 +327,7 @@ def switch(tmp: Path, total: int, seconds: float, sequential: bool) -> dict[str,
     holder = [sys.executable, str(HERE), "--part", "holder", node.sock]
     holder += [str(limit), str(fill), str(seconds)]
     outs, ev = node.run([holder, holder], fill + limit - cap + 2 * GiB, seconds + 120)
-    from gpushare.report import switches
+    from gpushare.tools.report import switches
 
     sw = switches(ev).seconds
     moved = [e["bytes"] for e in ev if e["event"] == "swap_out" and e["bytes"]]

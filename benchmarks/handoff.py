@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import gpushare
-from gpushare.demo import wait_for_socket
+from gpushare.tools.demo import wait_for_socket
 from handoffs import handoffs, percentile
 
 
@@ -96,7 +96,7 @@ def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
             )
             for i, o in enumerate(outs)
         ]
-        from gpushare.admin import AdminClient
+        from gpushare.tools.admin import AdminClient
 
         with AdminClient(admin) as c:
             while len(c.status()["gpus"][0]["sessions"]) < n:
@@ -165,7 +165,7 @@ def run_hooks(tmp: Path, modules: int = 200, reps: int = 200) -> dict[str, float
         import torch
     except ImportError:
         return None
-    from gpushare import hooks
+    from gpushare.client import hooks
 
     m = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(modules)])
     x = torch.ones(1)

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import gpushare
-from gpushare.admin import AdminClient
-from gpushare.demo import wait_for_socket
-from gpushare.swap.sim import SimBackend
+from gpushare.client.swap.sim import SimBackend
+from gpushare.tools.admin import AdminClient
+from gpushare.tools.demo import wait_for_socket
 from handoffs import handoffs, percentile
 
 PER_PROCESS = 16

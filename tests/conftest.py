@@ -1,110 +1,21 @@
-"""Fixtures: a real node daemon process on simulated GPUs, over real Unix sockets."""
+"""Fixtures: a real node daemon process on simulated GPUs, over real Unix sockets
+(helpers in :mod:`tests.support`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from gpushare.admin import AdminClient
-from gpushare.demo import wait_for_socket
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import NodeProcess
 
 # In CI the property tests draw the same examples every run (reproducible verdicts);
 # elsewhere they explore new ones each time.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-
-def sim(memory: str, gpus: int | str = 1, **flags: object) -> list[str]:
-    """Node arguments for simulated GPUs: ``sim("16GiB", mode="exclusive", tq=0.3)``."""
-    args = ["--sim-gpus", str(gpus), "--sim-memory", memory]
-    for key, value in flags.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
-
-
-class NodeProcess:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        # Socket paths must stay short (108 bytes): pytest's tmp paths can be long.
-        self.dir = tmp
-        self.socket = str(tmp / "w.sock")
-        self.admin = str(tmp / "a.sock")
-        self.events = tmp / "events.jsonl"
-        self.log = tmp / "node.log"
-        self.args = list(args)
-        # The exporter is on by default: tests that want it pass --metrics-port.
-        self.metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, *extra: str) -> NodeProcess:
-        cmd = [
-            sys.executable,
-            "-m",
-            "gpushare",
-            "node",
-            "--socket",
-            self.socket,
-            "--admin-socket",
-            self.admin,
-            "--event-log",
-            str(self.events),
-            *self.args,
-            *extra,
-        ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stderr=log)
-        wait_for_socket(self.admin, self.proc)
-        return self
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-    def restart(self, *extra: str) -> NodeProcess:
-        self.stop()
-        return self.start(*extra)
-
-    def status(self) -> dict:
-        with AdminClient(self.admin) as c:
-            return c.status()
-
-    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run(
-            [sys.executable, "-m", "gpushare", "ctl", "--socket", self.admin, *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if check and r.returncode != 0:
-            raise AssertionError(f"ctl {args} failed: {r.stderr}")
-        return r
-
-    def event_list(self) -> list[dict]:
-        return [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
-
-    def workload(self, kind: str, *args: str, **kw) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gpushare.workloads", kind, "--socket", self.socket, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            **kw,
-        )
 
 
 @pytest.fixture
@@ -129,16 +40,6 @@ def node_factory(short_tmp):
         if n.proc and n.proc.poll() is None:
             n.proc.kill()
             n.proc.wait()
-
-
-def wait_until(pred, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(autouse=True)

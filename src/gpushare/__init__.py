@@ -6,7 +6,8 @@
 ...     s.checkpoint()
 """
 
-from gpushare.client import Session, attach
+from gpushare._version import __version__
+from gpushare.client.session import Session, attach
 from gpushare.errors import (
     DaemonUnavailableError,
     GpushareError,
@@ -16,7 +17,6 @@ from gpushare.errors import (
 )
 from gpushare.units import format_size, parse_size
 
-__version__ = "0.1.0"
 __all__ = [
     "DaemonUnavailableError",
     "GpushareError",

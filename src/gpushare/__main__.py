@@ -1,5 +1,5 @@
 import sys
 
-from gpushare.cli import main
+from gpushare.tools.cli import main
 
 sys.exit(main())

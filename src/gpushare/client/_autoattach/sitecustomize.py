@@ -1,0 +1,21 @@
+"""Loaded by Python at start-up in a command run by ``gpushare run`` (this folder is
+first on its PYTHONPATH): attach the process as a session, then run the sitecustomize
+this one shadows, if there is one."""
+
+import importlib.util
+import os
+import sys
+
+if os.environ.get("GPUSHARE_AUTOATTACH") == "1":
+    from gpushare.client.runner import child_start
+
+    child_start()
+
+_here = os.path.dirname(os.path.abspath(__file__))
+for _entry in sys.path:
+    _path = os.path.join(_entry or os.getcwd(), "sitecustomize.py")
+    if os.path.abspath(_entry or os.getcwd()) != _here and os.path.isfile(_path):
+        _spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", _path)
+        if _spec and _spec.loader:
+            _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        break

@@ -1,0 +1,227 @@
+"""Gating an unmodified PyTorch program on the lease, at PyTorch's global hooks.
+
+What is gated: every ``nn.Module`` forward call (a global forward pre-hook, so nested
+modules too), every ``Optimizer.step`` (a global step pre-hook), and the tensor methods
+that move data to or from the GPU when a CUDA tensor or device is involved: ``to``,
+``cuda``, ``copy_``, ``item``, ``cpu``, ``tolist``, ``numpy`` (so ``Module.to("cuda")``,
+``batch.cuda()`` before a forward and ``loss.item()`` after a step are gated too). Each
+is a safe point: :meth:`Session.checkpoint` there opens a burst if none is open (waiting
+for the lease, and for the session's memory to come back), and yields if the lease was
+revoked. The burst ends after the node's ``idle_release`` seconds without another call.
+
+A forward (from the outermost module's start to its end) and a backward pass
+(``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``, which start
+with a safe point) keep the burst open while they run, however long.
+
+Factory functions asked for CUDA memory (``torch.zeros(n, device="cuda")``,
+``torch.empty_like(cuda_tensor)``, and the others in :data:`FACTORIES`) are safe points too.
+
+What is not gated: other tensor operations outside any module's forward (``x @ w`` at
+the top level), custom kernels, and anything in processes forked from the workload (DataLoader
+workers). Nothing yields inside a CUDA graph capture. A program whose GPU work happens
+there should use ``with session.gpu()`` explicitly: outside a lease its memory may be
+swapped out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpushare.client.session import Session
+
+# Forks so far in this process's line: hooks installed before a fork are not the child's
+# session's (DataLoader workers). A counter, not os.getpid() on every call: a system call
+# per module call is slow in sandboxes.
+_forks = 0
+
+
+def _after_fork_in_child() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def install(session: Session) -> list[Any]:
+    """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
+    import torch
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    cuda = torch.cuda.is_available()
+    forks = _forks
+    depth = threading.local()  # module forwards under way in this thread
+
+    def ours() -> bool:
+        """This process's session (not a forked child), outside any CUDA graph capture
+        (no yielding, nor swapping, there)."""
+        return _forks == forks and not (cuda and torch.cuda.is_current_stream_capturing())
+
+    def gate(*_args: Any, **_kwargs: Any) -> None:
+        if ours():
+            session.checkpoint()
+
+    # A forward may outlast idle_release (one big module, a compiled model): from the
+    # outermost module's start to its end the burst is not ended for idleness.
+    def forward_pre(*_args: Any) -> None:
+        if _forks != forks:
+            return
+        n = getattr(depth, "n", 0)
+        depth.n = n + 1  # first: the post hook runs even when this one raises
+        if n == 0:
+            session.begin_work()
+            gate()
+        elif session._revoked:  # nested: a safe point only to yield (the flag checkpoint reads)
+            gate()
+
+    def forward_post(*_args: Any) -> None:
+        n = getattr(depth, "n", 0)
+        if _forks != forks or n <= 0:  # its pre hook never ran (another one raised first)
+            return
+        depth.n = n - 1
+        if n == 1:
+            session.end_work()
+
+    handles = [
+        register_module_forward_pre_hook(forward_pre),
+        register_module_forward_hook(forward_post, always_call=True),
+        register_optimizer_step_pre_hook(gate),
+    ]
+    return [
+        *handles,
+        *_gate_tensor_methods(gate),
+        *_gate_factories(gate),
+        *_hold_through_backward(session, ours),
+    ]
+
+
+class _Unpatch:
+    """A handle like PyTorch's hook handles: ``.remove()`` puts the original back."""
+
+    def __init__(self, owner: Any, name: str, original: Any) -> None:
+        self.owner, self.name, self.original = owner, name, original
+
+    def remove(self) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> _Unpatch:
+    """Replace ``owner.name`` by ``wrap(original)``; the handle puts the original back."""
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(wrap(original)))
+    return _Unpatch(owner, name, original)
+
+
+def _hold_through_backward(session: Session, ours: Callable[[], bool]) -> list[_Unpatch]:
+    """A backward pass has no safe point inside and may outlast ``idle_release``: it
+    starts with a checkpoint and keeps the burst open until it is done."""
+    import torch
+
+    def held(original: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not ours():
+                return original(*args, **kwargs)
+            with session.working():
+                return original(*args, **kwargs)
+
+        return call
+
+    return [
+        _patch(owner, name, held)
+        for owner, name in (
+            (torch.Tensor, "backward"),
+            (torch.autograd, "backward"),
+            (torch.autograd, "grad"),
+        )
+    ]
+
+
+# Tensor methods that move data between host and GPU: gated when CUDA is involved.
+TENSOR_METHODS = ("to", "cuda", "copy_", "item", "cpu", "tolist", "numpy")
+
+
+def _is_cuda(x: Any) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return bool(x.is_cuda)
+    if isinstance(x, torch.device):
+        return x.type == "cuda"
+    if isinstance(x, int) and not isinstance(x, bool):  # a device index: .to(0)
+        return True
+    return isinstance(x, str) and x.startswith("cuda")
+
+
+def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
+    import torch
+
+    def gated(original: Any, always: bool) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Cheap first: most calls are on CUDA tensors or name no CUDA device.
+            if (
+                always
+                or self.is_cuda
+                or any(_is_cuda(a) for a in args)
+                or any(_is_cuda(v) for v in kwargs.values())
+            ):
+                gate()
+            return original(self, *args, **kwargs)
+
+        return call
+
+    return [
+        _patch(torch.Tensor, name, functools.partial(gated, always=name == "cuda"))
+        for name in TENSOR_METHODS
+    ]
+
+
+# Factory functions: gated when asked for memory on a CUDA device (device=...).
+FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "linspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like", "ones_like",
+    "full_like", "rand_like", "randn_like",
+)  # fmt: skip
+
+
+def _gate_factories(gate: Callable[[], None]) -> list[_Unpatch]:
+    import torch
+
+    def gated(original: Any, like: bool) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            device = kwargs.get("device")
+            # A device asked for, or (the _like ones) the device of the tensor given.
+            if device is not None:
+                on_cuda = _is_cuda(device)
+            else:
+                on_cuda = like and bool(args) and _is_cuda(args[0])
+            if on_cuda:
+                gate()
+            return original(*args, **kwargs)
+
+        return call
+
+    return [
+        _patch(torch, name, functools.partial(gated, like=name.endswith("_like")))
+        for name in FACTORIES
+    ]
+
+
+def limit_cuda_memory(session: Session) -> float | None:
+    """Enforce the session's memory limit inside this process, where CUDA is there:
+    going past it raises PyTorch's out-of-memory error in this workload only. Returns
+    the fraction set, or None without CUDA."""
+    import torch
+
+    from gpushare.client.swap.torch import limit_process_memory
+
+    if not torch.cuda.is_available():
+        return None
+    return limit_process_memory(torch, session.memory_limit, torch.cuda.current_device())

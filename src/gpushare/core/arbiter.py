@@ -1,0 +1,678 @@
+"""The arbiter: who holds each GPU, who waits, when a quantum ends, who swaps what.
+
+Pure logic with no I/O: every input is a method call, every decision comes back as a
+list of actions (messages for workloads, events for the log), and time is read from an
+injected :class:`~gpushare.core.clock.Clock`. The daemon, the tests and the simulators drive
+this same code. The rules are those of DESIGN.md "Arbitration rules".
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from gpushare.core.clock import Clock
+from gpushare.core.planner import MemoryView, plan_grant
+
+Mode = Literal["auto", "exclusive"]
+Policy = Literal["equal", "weighted"]
+Escalation = Literal["log", "freeze", "kill"]
+MODES: tuple[Mode, ...] = ("auto", "exclusive")
+POLICIES: tuple[Policy, ...] = ("equal", "weighted")
+ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
+SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
+# A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
+# (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
+SWAP_FLOOR_BPS = 1e9
+# Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
+WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ArbiterError(ValueError):
+    """An input that is not valid in the session's current state."""
+
+
+class State(StrEnum):
+    IDLE = "idle"
+    WAITING = "waiting"
+    HOLDING = "holding"
+    YIELDING = "yielding"
+
+
+@dataclass
+class GpuSettings:
+    tq_s: float = 30.0
+    mode: Mode = "auto"
+    policy: Policy = "equal"
+    grace_s: float = 5.0
+    escalation: Escalation = "log"
+    overlap: bool = True  # the next holder swaps in while the last one swaps out
+
+
+@dataclass
+class SessionState:
+    id: int
+    name: str
+    limit: int
+    weight: float
+    state: State = State.IDLE
+    resident: int = 0
+    swapped: int = 0
+    pending_out: int = 0
+    fills: bool = False  # its client can swap in chunk by chunk within a room
+    room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
+    swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
+    lease: int = 0
+    lease_start: float = 0.0
+    quantum_end: float = 0.0
+    revoke_deadline: float = 0.0
+    escalated: bool = False
+    wait_start: float = 0.0
+    attached: float = 0.0  # monotonic
+    frozen: bool = False  # stopped by the freeze escalation until its next grant
+    swap_failed_until: float = 0.0
+    over_limit: bool = False
+    last_served: float = -math.inf
+    # totals
+    lease_s: float = 0.0
+    wait_s: float = 0.0  # completed waits
+    wait_max_s: float = 0.0
+    grants: int = 0
+    bursts: int = 0
+    revokes: int = 0
+    escalations: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_out_s: float = 0.0
+    swap_in_s: float = 0.0
+    wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=128))
+
+    @property
+    def holding(self) -> bool:
+        return self.state in (State.HOLDING, State.YIELDING)
+
+
+@dataclass(frozen=True)
+class GrantAction:
+    session: int
+    lease: int
+    swap_in: int
+    quantum_s: float
+    shared: bool
+    thaw: bool = False  # the process was frozen: continue it before telling it
+    room: int = 0  # swap in only up to this many resident bytes until a RoomAction
+
+
+@dataclass(frozen=True)
+class RoomAction:
+    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
+
+    session: int
+    room: int
+
+
+@dataclass(frozen=True)
+class RevokeAction:
+    session: int
+    lease: int
+    swap_out: int
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class SwapOutAction:
+    session: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class EscalateAction:
+    session: int
+    escalation: Escalation
+    reason: str
+
+
+@dataclass(frozen=True)
+class EventAction:
+    record: dict[str, Any] = field(hash=False)
+
+
+Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction
+
+
+def _used(s: SessionState) -> int:
+    """What a session may have on the GPU: a holder its limit (its room while filling),
+    anyone else what is there now."""
+    if s.state in (State.HOLDING, State.YIELDING):
+        return s.room or s.limit
+    if s.swapping_in:  # frozen mid swap-in: all of it may have landed
+        return s.resident + s.swapped
+    return s.resident
+
+
+class Arbiter:
+    """Decisions for one GPU of ``capacity`` usable bytes."""
+
+    def __init__(
+        self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError("GPU capacity must be positive")
+        self.gpu = gpu
+        self.capacity = capacity
+        self.clock = clock
+        self.settings = settings or GpuSettings()
+        self.sessions: dict[int, SessionState] = {}
+        self.queue: deque[int] = deque()
+        self.holders: list[int] = []
+        self._lease_seq = 0
+        self.grants_total = 0  # on this GPU since the node started, sessions gone included
+        self._out: list[Action] = []
+
+    # --- inputs ---------------------------------------------------------------------
+
+    def attach(
+        self,
+        sid: int,
+        name: str,
+        limit: int,
+        weight: float = 1.0,
+        resident: int = 0,
+        swapped: int = 0,
+        holding: bool = False,
+        fills: bool = False,
+    ) -> list[Action]:
+        """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
+        outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
+        its client can swap in within a room, so its swap-in may overlap another's
+        swap-out."""
+        if sid in self.sessions:
+            raise ArbiterError(f"session {sid} is already attached")
+        if limit <= 0:
+            raise ArbiterError("memory limit must be positive")
+        if limit > self.capacity:
+            raise ArbiterError(
+                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
+                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+            )
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ArbiterError("weight must be a positive number")
+        if resident < 0 or swapped < 0 or resident + swapped > limit:
+            raise ArbiterError("re-registered memory must be within the memory limit")
+        s = SessionState(
+            id=sid,
+            name=name,
+            limit=limit,
+            weight=weight,
+            attached=self.clock.monotonic(),
+            fills=fills,
+        )
+        self._set_memory(s, resident, swapped)
+        self.sessions[sid] = s
+        resumed = bool(resident or swapped or holding)
+        self._event(
+            "attach",
+            sid,
+            name=name,
+            limit_bytes=limit,
+            weight=weight,
+            resumed=resumed,
+            resident_bytes=resident,
+            swapped_bytes=swapped,
+        )
+        if holding:  # it was working when the node went away: it holds a lease again
+            s.bursts += 1
+            self._enqueue(s)
+            self.queue.remove(sid)
+            self.queue.appendleft(sid)
+            self._grant(s)
+        return self._advance()
+
+    def detach(self, sid: int, reason: str = "closed") -> list[Action]:
+        s = self._get(sid)
+        now = self.clock.monotonic()
+        if s.holding:
+            s.lease_s += now - s.lease_start
+            self.holders.remove(sid)
+        elif s.state is State.WAITING:
+            self._end_wait(s, now)
+            self.queue.remove(sid)
+        del self.sessions[sid]
+        self._event("detach", sid, reason=reason, freed_bytes=s.resident)
+        return self._advance()
+
+    def acquire(self, sid: int) -> list[Action]:
+        s = self._get(sid)
+        if s.state is not State.IDLE:
+            raise ArbiterError(f"session {sid} already has a burst open ({s.state})")
+        s.bursts += 1
+        self._enqueue(s)
+        return self._advance()
+
+    def release(
+        self,
+        sid: int,
+        resident: int,
+        swapped: int,
+        again: bool = False,
+        swapped_out: int = 0,
+        seconds: float = 0.0,
+        swapping_out: int = 0,
+    ) -> list[Action]:
+        """The burst ended, or the holder yielded (``again``). ``swapped_out`` bytes went
+        on the way (older clients); ``swapping_out`` bytes are going now, after the release,
+        reported as they go (:meth:`report`) and when done (:meth:`swap_done`): the GPU work
+        has stopped, so the next holder's swap-in may overlap that swap-out."""
+        s = self._get(sid)
+        now = self.clock.monotonic()
+        if swapping_out < 0:
+            raise ArbiterError("swapping_out must not be negative")
+        if s.state is State.WAITING and not again:
+            # The burst ended before it was granted (the workload gave up waiting).
+            self.queue.remove(sid)
+            self._end_wait(s, now)
+            s.state = State.IDLE
+            self._set_memory(s, resident, swapped)
+            return self._advance()
+        if s.state is State.WAITING and s.frozen:
+            # The answer to a revoke that crossed the freeze: it waits already; keep the
+            # figures of what it swapped out on the way.
+            if swapped_out:
+                self._count_swap(s, "out", swapped_out, seconds)
+            self._set_memory(s, resident, swapped)
+            return self._advance()
+        if not s.holding:
+            raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
+        revoked = s.state is State.YIELDING
+        held = now - s.lease_start
+        s.lease_s += held
+        self.holders.remove(sid)
+        if swapped_out:
+            self._count_swap(s, "out", swapped_out, seconds)
+        # The release answers the revoke's ask, whatever was done: what is still missing
+        # is planned anew, so a short answer cannot leave the queue waiting on bytes.
+        s.pending_out = 0
+        s.room = 0
+        s.swapping_in = False  # what it has is what it says now
+        self._set_memory(s, resident, swapped)
+        s.pending_out = min(swapping_out, s.resident)
+        reason = "revoked" if revoked else ("yield" if again else "burst_end")
+        self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
+        s.lease = 0
+        s.escalated = False
+        if again:
+            self._enqueue(s)
+        else:
+            s.state = State.IDLE
+        return self._advance()
+
+    def swap_done(
+        self,
+        sid: int,
+        direction: Literal["in", "out"],
+        nbytes: int,
+        seconds: float,
+        resident: int,
+        swapped: int,
+        error: str = "",
+    ) -> list[Action]:
+        s = self._get(sid)
+        if error:
+            if direction == "out":
+                s.pending_out = 0  # the planner will look for another way
+                s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
+            self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
+        else:
+            self._count_swap(s, direction, nbytes, seconds)
+        if direction == "in":
+            s.swapping_in = False
+            if s.state is State.HOLDING:
+                # The quantum is GPU time: it starts once the memory is back (or the
+                # swap-in failed, and the workload gives the lease back).
+                s.quantum_end = self.clock.monotonic() + self.quantum(s)
+        self._set_memory(s, resident, swapped)
+        return self._advance()
+
+    def report(self, sid: int, resident: int, swapped: int) -> list[Action]:
+        s = self._get(sid)
+        self._set_memory(s, resident, swapped)
+        self._check_limit(s, resident, "resident_bytes")
+        return self._advance()
+
+    def over_limit(self, sid: int, used: int) -> list[Action]:
+        """The GPU itself (NVML) says the session uses ``used`` bytes."""
+        self._check_limit(self._get(sid), used, "used_bytes")
+        return self._advance()
+
+    def _check_limit(self, s: SessionState, used: int, what: str) -> None:
+        """Escalate once per stretch over the limit."""
+        if used > s.limit and not s.over_limit:
+            s.over_limit = True
+            self._escalate(s, "over_memory_limit", {what: used, "limit_bytes": s.limit})
+        elif used <= s.limit:
+            s.over_limit = False
+
+    def _escalate(
+        self,
+        s: SessionState,
+        reason: str,
+        fields: dict[str, Any],
+        action: Escalation | None = None,
+    ) -> Escalation:
+        esc = action or self.settings.escalation
+        s.escalations += 1
+        self._event("escalate", s.id, reason=reason, action=esc, **fields)
+        self._out.append(EscalateAction(s.id, esc, reason))
+        return esc
+
+    def configure(
+        self,
+        tq_s: float | None = None,
+        mode: Mode | None = None,
+        policy: Policy | None = None,
+        escalation: Escalation | None = None,
+    ) -> list[Action]:
+        """Change TQ, mode or policy; quanta already running keep their length."""
+        changes: dict[str, Any] = {}
+        if tq_s is not None:
+            if not (tq_s > 0 and math.isfinite(tq_s)):
+                raise ArbiterError("TQ must be a positive number of seconds")
+            self.settings.tq_s = float(tq_s)
+            changes["tq_s"] = float(tq_s)
+        if mode is not None:
+            if mode not in MODES:
+                raise ArbiterError(f"mode must be one of {', '.join(MODES)}")
+            self.settings.mode = mode
+            changes["mode"] = mode
+        if policy is not None:
+            if policy not in POLICIES:
+                raise ArbiterError(f"policy must be one of {', '.join(POLICIES)}")
+            self.settings.policy = policy
+            changes["policy"] = policy
+        if escalation is not None:
+            if escalation not in ESCALATIONS:
+                raise ArbiterError(f"escalation must be one of {', '.join(ESCALATIONS)}")
+            self.settings.escalation = escalation
+            changes["escalation"] = escalation
+        if changes:
+            self._event("config", None, **changes)
+        return self._advance()
+
+    def tick(self) -> list[Action]:
+        """Let time pass: quanta end, grace periods run out."""
+        return self._advance()
+
+    # --- queries --------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = []
+        for sid in self.holders:
+            s = self.sessions[sid]
+            if s.state is State.HOLDING:
+                if not math.isinf(s.quantum_end):  # a filling holder's quantum waits
+                    times.append(s.quantum_end)
+            elif not s.escalated:
+                times.append(s.revoke_deadline)
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
+            now = self.clock.monotonic()
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
+        return min(times, default=None)
+
+    def quantum(self, s: SessionState) -> float:
+        tq = self.settings.tq_s
+        if self.settings.policy == "weighted":
+            top = max(x.weight for x in self.sessions.values())
+            return tq * s.weight / top
+        return tq
+
+    def lease_seconds(self, s: SessionState) -> float:
+        live = self.clock.monotonic() - s.lease_start if s.holding else 0.0
+        return s.lease_s + live
+
+    def wait_seconds(self, s: SessionState) -> float:
+        live = self.clock.monotonic() - s.wait_start if s.state is State.WAITING else 0.0
+        return s.wait_s + live
+
+    def used_bytes(self) -> int:
+        """Bytes the GPU must be able to hold now (holders at their limits, or at their
+        rooms while filling)."""
+        return sum(_used(v) for v in self.sessions.values())
+
+    # --- the rules ------------------------------------------------------------------
+
+    def _advance(self) -> list[Action]:
+        now = self.clock.monotonic()
+        self._grant_what_fits()
+        self._fill_rooms()
+        for sid in list(self.holders):
+            s = self.sessions[sid]
+            if s.state is State.HOLDING and s.quantum_end <= now:
+                if self.queue:
+                    self._revoke(s, now)
+                else:  # nobody waits: a new quantum, no needless switch
+                    s.quantum_end = now + self.quantum(s)
+            elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
+                s.escalated = True
+                esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
+                if esc == "freeze":
+                    self._freeze(s, now)
+                    self._grant_what_fits()
+        out, self._out = self._out, []
+        return out
+
+    def _may_join_holders(self) -> bool:
+        if not self.holders:
+            return True
+        if self.settings.mode == "exclusive":
+            return False
+        wanting = [*self.holders, *self.queue]
+        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+
+    def _grant_what_fits(self) -> None:
+        while self.queue and self._may_join_holders():
+            head = self.sessions[self.queue[0]]
+            # Fast path (the common case, on every handoff): it fits as things are.
+            others = self.used_bytes() - _used(head)
+            if others + head.limit <= self.capacity:
+                self._grant(head)
+                continue
+            plan = plan_grant(self.capacity, self._views(), head.id)
+            if not plan.fits:
+                for sid, n in plan.swap_outs:
+                    self._ask_swap_out(sid, n)
+                room = self.capacity - others
+                if (
+                    self.settings.overlap
+                    and head.fills
+                    and head.swapped
+                    and not plan.shortfall
+                    and room > head.resident
+                ):
+                    # Enough is on its way out: the head swaps in now, into what is free
+                    # and then into what the swap-outs free (RoomActions), at once.
+                    self._grant(head, room)
+                    continue
+                if plan.shortfall and not plan.swap_outs and not self.holders:
+                    # A frozen session's memory (a stopped process cannot swap) blocks the
+                    # head, and thawing it would not help (it ignores revokes): the
+                    # escalation goes one step further, or the queue waits forever.
+                    for sid in self.queue:
+                        v = self.sessions[sid]
+                        if v.frozen and not v.escalated:
+                            v.escalated = True
+                            self._escalate(
+                                v, "frozen_memory_needed", {"resident_bytes": v.resident}, "kill"
+                            )
+                return
+            self._grant(head)
+
+    def _freeze(self, s: SessionState, now: float) -> None:
+        """The freeze escalation: the process is stopped; its lease goes to the next, and
+        it waits for its turn (its memory stays where it is: a stopped process cannot
+        swap)."""
+        s.lease_s += now - s.lease_start
+        self.holders.remove(s.id)
+        self._event("release", s.id, lease=s.lease, seconds=now - s.lease_start, reason="frozen")
+        s.lease = 0
+        s.frozen = True
+        s.escalated = False
+        s.pending_out = 0
+        s.room = 0
+        self._enqueue(s)
+
+    def _grant(self, s: SessionState, room: int = 0) -> None:
+        now = self.clock.monotonic()
+        self.queue.popleft()
+        waited = self._end_wait(s, now)
+        shared = bool(self.holders)
+        self._lease_seq += 1
+        s.lease = self._lease_seq
+        s.state = State.HOLDING
+        s.grants += 1
+        self.grants_total += 1
+        s.lease_start = now
+        q = self.quantum(s)
+        s.room = room
+        s.swapping_in = bool(s.swapped)
+        # The quantum starts when the swap-in is done (swap_done); a filling holder's
+        # bound waits for its room too.
+        s.quantum_end = math.inf if room else self._quantum_end(s)
+        s.last_served = now
+        self.holders.append(s.id)
+        thaw, s.frozen = s.frozen, False
+        s.escalated = False
+        self._event(
+            "grant",
+            s.id,
+            lease=s.lease,
+            wait_seconds=waited,
+            swap_in_bytes=s.swapped,
+            quantum_s=q,
+            shared=shared,
+            **({"room_bytes": room} if room else {}),
+        )
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+
+    def _quantum_end(self, s: SessionState) -> float:
+        """A quantum from now, after the swap-in at no less than the floor rate."""
+        return self.clock.monotonic() + self.quantum(s) + s.swapped / SWAP_FLOOR_BPS
+
+    def _fill_rooms(self) -> None:
+        """Grow each filling holder's room into what swap-outs have freed, and ask for
+        more swap-outs where those under way will not do (one failed, say)."""
+        for sid in self.holders:
+            s = self.sessions[sid]
+            if not s.room:
+                continue
+            free = self.capacity - (self.used_bytes() - s.room)
+            if free >= s.limit:
+                s.room = 0
+                self._out.append(RoomAction(s.id, s.limit))
+                if math.isinf(s.quantum_end):  # bounded again, even if it never reports
+                    s.quantum_end = self._quantum_end(s)
+                continue
+            if free > s.room:
+                s.room = free
+                self._out.append(RoomAction(s.id, free))
+            for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
+                self._ask_swap_out(vid, n)
+
+    def _revoke(self, s: SessionState, now: float) -> None:
+        s.state = State.YIELDING
+        s.revoke_deadline = now + self.settings.grace_s
+        s.revokes += 1
+        # Plan the next grant as if this holder had already yielded, so that its swap-out
+        # and everyone else's start now, in parallel with its wind-down.
+        swap_out = 0
+        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
+        if self.settings.mode == "exclusive" or len(self.holders) == 1:
+            for sid, n in plan.swap_outs:
+                if sid == s.id:  # its own share goes with its answer to the revoke
+                    s.pending_out += n
+                    swap_out = n
+                else:
+                    self._ask_swap_out(sid, n)
+        self._event("revoke", s.id, lease=s.lease, reason="quantum", swap_out_bytes=swap_out)
+        self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _enqueue(self, s: SessionState) -> None:
+        s.state = State.WAITING
+        s.wait_start = self.clock.monotonic()
+        self.queue.append(s.id)
+
+    def _end_wait(self, s: SessionState, now: float) -> float:
+        waited = now - s.wait_start
+        s.wait_s += waited
+        s.wait_max_s = max(s.wait_max_s, waited)
+        s.wait_counts[bisect.bisect_left(WAIT_BUCKETS, waited)] += 1
+        s.recent_waits.append(waited)
+        return waited
+
+    def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:
+        if direction == "out":  # pending_out went down with resident (_set_memory)
+            s.swap_outs += 1
+            s.swap_out_bytes += nbytes
+            s.swap_out_s += seconds
+        else:
+            s.swap_ins += 1
+            s.swap_in_bytes += nbytes
+            s.swap_in_s += seconds
+        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds)
+
+    @staticmethod
+    def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
+        if resident < 0 or swapped < 0:
+            raise ArbiterError("memory figures must not be negative")
+        # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
+        # bytes no longer pending: a swap-out counts down as it goes.
+        s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
+        s.resident = resident
+        s.swapped = swapped
+
+    def _view(self, s: SessionState) -> MemoryView:
+        pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
+        resident = s.resident if s.holding else _used(s)
+        return MemoryView(s.id, s.limit, resident, s.holding, s.last_served, s.pending_out, pinned)
+
+    def _views(self) -> list[MemoryView]:
+        return [self._view(s) for s in self.sessions.values()]
+
+    def _views_released(self, sid: int) -> list[MemoryView]:
+        """The planner's view with holder ``sid`` counted as if it had released: at what
+        it has, and a possible victim (the revoked holder; a filling one, for itself)."""
+        return [
+            MemoryView(v.id, v.limit, v.resident, False, v.last_served, v.pending_out)
+            if v.id == sid
+            else self._view(v)
+            for v in self.sessions.values()
+        ]
+
+    def _ask_swap_out(self, sid: int, n: int) -> None:
+        self.sessions[sid].pending_out += n
+        self._out.append(SwapOutAction(sid, n))
+
+    def _get(self, sid: int) -> SessionState:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise ArbiterError(f"no session {sid} on GPU {self.gpu}") from None
+
+    def _event(self, kind: str, sid: int | None, **fields: Any) -> None:
+        rec: dict[str, Any] = {"ts": self.clock.wall(), "gpu": self.gpu, "event": kind}
+        if sid is not None:
+            rec["session"] = sid
+        rec.update(fields)
+        self._out.append(EventAction(rec))

@@ -1,0 +1,160 @@
+"""The node's configuration: a config file, a state file, command-line flags (TOML).
+
+Precedence, lowest first: built-in defaults, the config file (``--config``: in
+Kubernetes the mounted ConfigMap, watched and applied live), the state file (``--state``:
+what ``ctl ... --persist`` wrote on this node; without ``--state``, ``--persist`` writes
+the config file itself), then command-line flags. Within the merged result a
+``[gpu.N]`` table overrides TQ, mode, policy or escalation for GPU N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gpushare.core.arbiter import Escalation, Mode, Policy
+
+
+class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    tq: float | None = None
+    mode: Mode | None = None
+    policy: Policy | None = None
+    escalation: Escalation | None = None
+
+
+class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tq: float = 30.0
+    mode: Mode = "auto"
+    policy: Policy = "equal"
+    grace: float = 5.0
+    escalation: Escalation = "log"
+    idle_release: float = 0.5
+    overlap: bool = True  # a switch's swap-in runs while the swap-out frees memory
+    reserve: str | int = 0
+    # NVML counts a process's CUDA context and libraries' workspaces beside the memory
+    # its session accounts for: a process is over its limit only past this much more.
+    nvml_allowance: str | int = "1GiB"
+    socket: str = "/run/gpushare/gpushare.sock"
+    admin_socket: str = "/run/gpushare/admin.sock"
+    event_log: str = ""
+    proc_root: str = "/proc"
+    kubernetes: bool = False  # resolve pod UIDs to names through the Kubernetes API
+    node_name: str = ""  # this node's name in Kubernetes (default: $NODE_NAME, hostname)
+    admin_group: str = ""  # a group whose members may administer (socket mode 0660)
+    max_sessions_per_uid: int = 64
+    max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
+    hello_timeout: float = 10.0
+    metrics_port: int = 9423  # 0: no exporter
+    metrics_address: str = "0.0.0.0"
+    sim_gpus: int = 0
+    sim_memory: str | int = "80GiB"
+    sim_bandwidth: float = 55e9
+    sim_scale: int = 1024
+    sim_swap_failure_rate: float = 0.0  # each swap-out fails with this probability
+    gpu: dict[str, GpuOverride] = {}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def read_raw(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """A file's TOML as a dict; a path that does not exist yet gives ``{}``."""
+    if not path or not Path(path).exists():
+        return {}
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+        msgspec.convert(raw, NodeConfig)  # each file must be valid on its own
+        return raw
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def merge(*layers: dict[str, Any]) -> NodeConfig:
+    """Later layers win; ``[gpu.N]`` tables merge key by key."""
+    out: dict[str, Any] = {}
+    gpu: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if k == "gpu":
+                for idx, table in v.items():
+                    gpu.setdefault(str(idx), {}).update(table)
+            elif v is not None:
+                out[k] = v
+    if gpu:
+        out["gpu"] = gpu
+    try:
+        return msgspec.convert(out, NodeConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"configuration: {e}") from None
+
+
+def load(
+    path: str | os.PathLike[str] | None,
+    state: str | os.PathLike[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> NodeConfig:
+    """Defaults, then the config file, the state file and the flags."""
+    return merge(read_raw(path), read_raw(state), flags or {})
+
+
+def gpu_settings(cfg: NodeConfig, index: int) -> dict[str, Any]:
+    """TQ, mode, policy and escalation for one GPU, its ``[gpu.N]`` table applied."""
+    o = cfg.gpu.get(str(index))
+    return {
+        "tq_s": o.tq if o and o.tq is not None else cfg.tq,
+        "mode": o.mode if o and o.mode else cfg.mode,
+        "policy": o.policy if o and o.policy else cfg.policy,
+        "escalation": o.escalation if o and o.escalation else cfg.escalation,
+    }
+
+
+def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> None:
+    """Write ``values`` (``tq``, ``mode``, ``policy``, ``escalation``) into the file,
+    atomically.
+
+    For one GPU they go to its ``[gpu.N]`` table; for all, to the top level, and the
+    same keys are dropped from every ``[gpu.N]`` table so that they apply everywhere.
+    Other keys are kept (comments are not: the file is rewritten).
+    """
+    import tomli_w  # daemon-only dependency
+
+    p = Path(path)
+    raw: dict[str, Any] = tomllib.loads(p.read_text()) if p.exists() else {}
+    tables: dict[str, Any] = raw.setdefault("gpu", {})
+    if gpu is None:
+        raw.update(values)
+        for t in tables.values():
+            for k in values:
+                t.pop(k, None)
+    else:
+        tables.setdefault(str(gpu), {}).update(values)
+    raw["gpu"] = {k: v for k, v in tables.items() if v}
+    if not raw["gpu"]:
+        del raw["gpu"]
+    try:  # never write a file the node could not read back
+        msgspec.convert(raw, NodeConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"not persisted: {e}") from None
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            tomli_w.dump(raw, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

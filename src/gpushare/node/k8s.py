@@ -1,0 +1,162 @@
+"""Pod names for the kernel's pod UIDs: this node's pods, listed and watched through the
+Kubernetes API (the official client, a field selector on ``spec.nodeName``), cached.
+
+The cache is what answers; the watch only keeps it fresh. When the API server is
+unreachable the cache goes on answering with what it knew, and the watcher re-lists with
+backoff until it is back. Container names come from ``status.containerStatuses``, whose
+``containerID`` (``containerd://<id>``, ``cri-o://<id>``, ``docker://<id>``) matches the
+container ID the kernel's cgroup path gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger("gpushare.node.k8s")
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    namespace: str
+    name: str
+    containers: Mapping[str, str]  # container ID (hex) -> container name
+
+
+def pod_info(obj: Mapping[str, Any]) -> PodInfo:
+    """From a Pod as the API serves it (JSON, camelCase)."""
+    meta = obj["metadata"]
+    status = obj.get("status") or {}
+    containers: dict[str, str] = {}
+    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for cs in status.get(key) or []:
+            cid = cs.get("containerID") or ""
+            if "://" in cid:
+                containers[cid.split("://", 1)[1]] = cs["name"]
+    return PodInfo(meta["uid"], meta["namespace"], meta["name"], containers)
+
+
+class PodCache:
+    def __init__(self) -> None:
+        self._pods: dict[str, PodInfo] = {}
+        self._lock = threading.Lock()
+        self.synced = False  # a full list arrived at least once
+
+    def replace(self, objs: Sequence[Mapping[str, Any]]) -> None:
+        pods = {p.uid: p for p in map(pod_info, objs)}
+        with self._lock:
+            self._pods = pods
+            self.synced = True
+
+    def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """A watch event: ADDED, MODIFIED, DELETED."""
+        p = pod_info(obj)
+        with self._lock:
+            if kind == "DELETED":
+                self._pods.pop(p.uid, None)
+            else:
+                self._pods[p.uid] = p
+
+    def resolve(self, pod_uid: str, container_id: str = "") -> tuple[str, str, str] | None:
+        """(namespace, pod, container) for a pod UID (and container ID), if known."""
+        with self._lock:
+            p = self._pods.get(pod_uid)
+        if p is None:
+            return None
+        return p.namespace, p.name, p.containers.get(container_id, "")
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+
+class PodSource(Protocol):
+    def list(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        """This node's pods and the list's resourceVersion."""
+        ...
+
+    def watch(self, node: str, resource_version: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(event type, pod) from that version on; ends when the server closes it."""
+        ...
+
+
+class KubernetesApi:
+    """:class:`PodSource` through the official client, in-cluster or from KUBECONFIG."""
+
+    def __init__(self) -> None:
+        from kubernetes import client, config  # the k8s extra
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.v1 = client.CoreV1Api()
+        self.api = client.ApiClient()
+
+    def list(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        r = self.v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}")
+        items: list[dict[str, Any]] = [self.api.sanitize_for_serialization(x) for x in r.items]
+        return items, str(r.metadata.resource_version)
+
+    def watch(self, node: str, resource_version: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        from kubernetes import watch
+
+        w = watch.Watch()
+        for ev in w.stream(
+            self.v1.list_pod_for_all_namespaces,
+            field_selector=f"spec.nodeName={node}",
+            resource_version=resource_version,
+            timeout_seconds=300,
+        ):
+            yield ev["type"], ev["raw_object"]
+
+
+class PodWatcher:
+    """Keeps a :class:`PodCache` fresh from a :class:`PodSource`, on its own thread."""
+
+    def __init__(
+        self, cache: PodCache, node: str, source: PodSource | None = None, max_backoff: float = 30.0
+    ) -> None:
+        self.cache, self.node, self._source = cache, node, source
+        self.max_backoff = max_backoff
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpushare-pods", daemon=True)
+
+    def start(self) -> PodWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                source = self._source = self._source or KubernetesApi()
+                items, rv = source.list(self.node)
+                self.cache.replace(items)
+                log.info("pods on node %s: %d known", self.node, len(items))
+                delay = 0.5
+                for kind, obj in source.watch(self.node, rv):
+                    if self._stop.is_set():
+                        return
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        self.cache.apply(kind, obj)
+            except Exception as e:  # API away: keep the cache, try again later
+                self.failures += 1
+                log.warning(
+                    "Kubernetes API: %s; pod names from the cache (%d pods), retrying in %.1f s",
+                    e,
+                    len(self.cache),
+                    delay,
+                )
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.max_backoff)
+            else:
+                time.sleep(0)  # the watch ended by itself (timeout): list again

@@ -1,0 +1,80 @@
+"""The PCIe link of a simulated GPU, shared by the node (which makes its file) and the
+workloads' ``sim`` backends (which book its lanes). Its timing model is described in
+:mod:`gpushare.client.swap.sim`."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+DUPLEX = 92 / 110  # each direction's share of the full rate while both are busy
+OUT, IN = 0, 1  # the link's lanes: device to host, host to device
+_LANES = struct.Struct("=dd")  # per lane: CLOCK_MONOTONIC time it is booked until
+
+
+class SimLink:
+    """The PCIe link of one simulated GPU: when each lane is booked until.
+
+    With ``path`` (a file the node made), every session's process books the same lanes,
+    under an fcntl lock; without, the lanes are this process's own. Times are
+    CLOCK_MONOTONIC, which all processes share; a process killed mid-swap leaves a
+    booking that simply runs out.
+    """
+
+    SIZE = _LANES.size
+
+    def __init__(self, path: str = "") -> None:
+        self._lock = threading.Lock()
+        self._fd = -1
+        if path:
+            self._fd = os.open(path, os.O_RDWR)
+            self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, self.SIZE)
+        else:
+            self._mem = bytearray(self.SIZE)
+
+    @staticmethod
+    def create(path: str) -> None:
+        """Make the shared file (the node, once per simulated GPU)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.fchmod(fd, 0o666)  # any workload's user may book the link
+            os.write(fd, bytes(SimLink.SIZE))
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            if self._fd < 0:
+                yield
+                return
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def book(self, lane: int, nbytes: int, bandwidth: float) -> float:
+        """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done."""
+        with self._locked():
+            booked = list(_LANES.unpack_from(self._mem))
+            now = time.monotonic()
+            start = max(now, booked[lane])
+            rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
+            end: float = start + nbytes / rate
+            booked[lane] = end
+            _LANES.pack_into(self._mem, 0, *booked)
+            return end
+
+    def close(self) -> None:
+        if isinstance(self._mem, mmap.mmap):
+            self._mem.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

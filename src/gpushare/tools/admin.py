@@ -1,0 +1,93 @@
+"""A small synchronous client for the admin socket (used by ``ctl`` and ``demo``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from gpushare import protocol as p
+from gpushare.client.env import DEFAULT_ADMIN_SOCKET
+from gpushare.errors import DaemonUnavailableError, GpushareError
+
+
+def default_admin_socket() -> str:
+    return os.environ.get("GPUSHARE_ADMIN_SOCKET") or DEFAULT_ADMIN_SOCKET
+
+
+class AdminClient:
+    def __init__(self, path: str | None = None, timeout: float | None = 10.0) -> None:
+        self.path = path or default_admin_socket()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except PermissionError:
+            self._sock.close()
+            raise DaemonUnavailableError(
+                f"permission denied on {self.path}: administration needs root or the node's user"
+            ) from None
+        except OSError as e:
+            self._sock.close()
+            raise DaemonUnavailableError(
+                f"cannot reach the node's admin socket {self.path} ({e.strerror or e}):"
+                " is 'gpushare node' running? Name its admin socket with --socket"
+            ) from None
+        self._buf = p.FrameBuffer()
+        self._pending: list[p.Message] = []
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _recv(self) -> p.Message:
+        while not self._pending:
+            data = self._sock.recv(65536)
+            if not data:
+                raise DaemonUnavailableError("the node closed the admin connection")
+            self._pending.extend(self._buf.feed(data))
+        msg = self._pending.pop(0)
+        if isinstance(msg, p.Error):
+            raise GpushareError(msg.message)
+        return msg
+
+    def request(self, msg: p.Message) -> p.Message:
+        self._sock.sendall(p.encode(msg))
+        return self._recv()
+
+    def status(self) -> dict[str, Any]:
+        r = self.request(p.StatusRequest())
+        assert isinstance(r, p.StatusReply)
+        return r.status
+
+    def configure(self, **kw: Any) -> p.ConfigReply:
+        r = self.request(p.SetConfig(**kw))
+        assert isinstance(r, p.ConfigReply)
+        return r
+
+    def events(
+        self, follow: bool = False, since_s: float | None = None, session: int | None = None
+    ) -> Iterator[dict[str, Any] | None]:
+        """Events; ``None`` marks the end of the backlog (then live ones, if following)."""
+        self._sock.sendall(
+            p.encode(p.EventsRequest(follow=follow, since_s=since_s, session=session))
+        )
+        if follow:
+            self._sock.settimeout(None)
+        while True:
+            try:
+                msg = self._recv()
+            except DaemonUnavailableError:
+                return
+            if isinstance(msg, p.EventsEnd):
+                yield None
+                if not follow:
+                    return
+            elif isinstance(msg, p.EventMsg):
+                yield msg.event

@@ -1,0 +1,394 @@
+"""The ``gpushare`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from gpushare._version import __version__
+from gpushare.errors import GpushareError
+from gpushare.units import parse_duration, parse_size
+
+log = logging.getLogger("gpushare")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="gpushare",
+        description="Share one GPU safely and fairly: exclusive time quanta, swap to host "
+        "memory, fraction-weighted shares, per-session figures.",
+    )
+    ap.add_argument("--version", action="version", version=f"gpushare {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    n = sub.add_parser(
+        "node",
+        help="run the node daemon (one per machine)",
+        description="Run the node daemon: one arbiter per GPU, a workload socket "
+        "and a root-only admin socket. Flags override the config file.",
+    )
+    n.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config file; may not exist yet (ctl --persist creates it); watched, live",
+    )
+    n.add_argument(
+        "--state",
+        metavar="FILE",
+        help="where ctl --persist writes (default: the config file); read after it",
+    )
+    n.add_argument(
+        "--socket", metavar="PATH", help="workload socket (default /run/gpushare/gpushare.sock)"
+    )
+    n.add_argument(
+        "--admin-socket",
+        metavar="PATH",
+        help="admin socket, mode 0600 (default /run/gpushare/admin.sock)",
+    )
+    n.add_argument("--tq", type=_seconds, metavar="SECONDS", help="time quantum (default 30)")
+    n.add_argument("--mode", choices=["auto", "exclusive"], help="default auto")
+    n.add_argument("--policy", choices=["equal", "weighted"], help="default equal")
+    n.add_argument(
+        "--grace",
+        type=_seconds,
+        metavar="SECONDS",
+        help="how long a revoked holder has to yield (default 5)",
+    )
+    n.add_argument(
+        "--escalation",
+        choices=["log", "freeze", "kill"],
+        help="what happens to a holder that does not yield in time (default log)",
+    )
+    n.add_argument(
+        "--idle-release",
+        type=_seconds,
+        metavar="SECONDS",
+        help="an implicit burst ends after this long without GPU work (default 0.5)",
+    )
+    n.add_argument(
+        "--reserve",
+        type=_size,
+        metavar="SIZE",
+        help="GPU memory kept free of sessions, per GPU (default 0)",
+    )
+    n.add_argument("--sim-gpus", type=int, metavar="N", help="run N simulated GPUs")
+    n.add_argument(
+        "--sim-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory of each simulated GPU (default 80GiB)",
+    )
+    n.add_argument(
+        "--sim-bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
+    )
+    n.add_argument(
+        "--sim-swap-failure-rate",
+        type=float,
+        metavar="P",
+        help="simulated GPUs: each swap-out fails with probability P (fault drills)",
+    )
+    n.add_argument(
+        "--sequential-switches",
+        dest="overlap",
+        action="store_false",
+        default=None,
+        help="swap the next holder in only after the last one swapped out (default: overlap"
+        " the two, the link is full duplex)",
+    )
+    n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
+    n.add_argument(
+        "--proc-root",
+        metavar="PATH",
+        help="where the host's /proc is mounted "
+        "(default /proc; /host/proc in a container without hostPID)",
+    )
+    n.add_argument(
+        "--kubernetes",
+        action="store_true",
+        default=None,
+        help="resolve pod UIDs to pod names through the Kubernetes API (node: $NODE_NAME)",
+    )
+    n.add_argument(
+        "--admin-group", metavar="GROUP", help="members may administer (admin socket mode 0660)"
+    )
+    n.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="Prometheus exporter port (default 9423; 0: off)",
+    )
+    n.add_argument(
+        "--metrics-address",
+        metavar="ADDR",
+        help="address the exporter listens on (default 0.0.0.0)",
+    )
+    n.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    c = sub.add_parser(
+        "ctl",
+        help="administer a running node",
+        description="Administer a running node over its admin socket.",
+    )
+    c.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the node's admin socket (default $GPUSHARE_ADMIN_SOCKET or /run/gpushare/admin.sock)",
+    )
+    cs = c.add_subparsers(dest="ctl_cmd", required=True, metavar="ACTION")
+    st = cs.add_parser("status", help="GPUs, holders, queues and sessions")
+    st.add_argument("--json", action="store_true", help="one JSON object (see DESIGN.md)")
+    tq = cs.add_parser("tq", help="set the time quantum, live")
+    tq.add_argument("seconds", type=_seconds, metavar="SECONDS")
+    tq.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
+    tq.add_argument(
+        "--persist",
+        action="store_true",
+        help="also write it to the node's state file (--state) or config file: a restart keeps it",
+    )
+    for name, choices, what in [
+        ("mode", ["auto", "exclusive"], "how sessions share a GPU"),
+        ("policy", ["equal", "weighted"], "how quanta are sized"),
+        ("escalation", ["log", "freeze", "kill"], "what happens to a holder that ignores a revoke"),
+    ]:
+        sp = cs.add_parser(name, help=f"set the {name}: {what}, live")
+        sp.add_argument("value", choices=choices)
+        sp.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
+        sp.add_argument(
+            "--persist", action="store_true", help="also write it down (state or config file)"
+        )
+    end = cs.add_parser("end", help="end a session (its lease and memory are freed)")
+    end.add_argument("session", type=int, metavar="ID")
+    end.add_argument("--reason", default="ended by an administrator")
+    ev = cs.add_parser("events", help="the event stream as JSON lines")
+    ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
+    ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
+
+    r = sub.add_parser(
+        "run",
+        help="run an unmodified PyTorch program as a session",
+        description="Run COMMAND with its Python attached as a session: GPU work is gated "
+        "on the lease at PyTorch's module-forward and optimizer-step hooks, which are also "
+        "its safe points; the lease is released after idle_release without GPU work. "
+        "See docs/run.md for what is gated and what is not.",
+    )
+    r.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="memory limit (default GPUSHARE_MEMORY, else KAI's GPU_PORTION of the GPU)",
+    )
+    r.add_argument("--weight", type=float, metavar="W", help="weight under policy weighted")
+    r.add_argument("--name", help="the session's name (default the program's)")
+    r.add_argument("--socket", metavar="PATH", help="the node's workload socket")
+    r.add_argument("--gpu", type=int, metavar="INDEX")
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    t = sub.add_parser(
+        "top",
+        help="live view of GPUs and sessions (q quits)",
+        description="A live view over the admin socket, refreshed twice a "
+        "second. SHARE is each session's share of GPU time over the last "
+        "minute (since it attached, when younger); q quits.",
+    )
+    t.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    t.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
+    t.add_argument("--interval", type=_seconds, default=0.5, help="seconds between frames")
+
+    tl = sub.add_parser(
+        "timeline",
+        help="draw who held each GPU when, as a PNG",
+        description="A Gantt chart of leases and swaps from the event log: "
+        "a file written with --event-log, or the node's own events.",
+    )
+    tl.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    tl.add_argument(
+        "--events",
+        metavar="FILE",
+        help="a JSON-lines event log (default: ask the node over its admin socket)",
+    )
+    tl.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    tl.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h")
+
+    d = sub.add_parser(
+        "demo",
+        help="a node on a simulated GPU, three workloads, a report",
+        description="Start a node on a simulated 80 GiB GPU and three 30 GiB "
+        "workloads (two batch jobs, one interactive), show progress, then a "
+        "table per workload.",
+    )
+    d.add_argument("--seconds", type=_seconds, default=20.0, help="how long (default 20)")
+    d.add_argument("--tq", type=_seconds, default=2.0, help="time quantum (default 2)")
+    d.add_argument("--workdir", metavar="DIR", help="keep sockets, logs and events here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "node":
+            return _node(args)
+        if args.cmd == "ctl":
+            return _ctl(args)
+        if args.cmd == "run":
+            from gpushare.client.runner import run
+
+            cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if args.memory is not None:
+                try:
+                    parse_size(args.memory)  # a clear error before anything starts
+                except ValueError as e:
+                    print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
+                    return 2
+            return run(cmd, args.memory, args.weight, args.name, args.socket, args.gpu)
+        if args.cmd == "top":
+            from gpushare.tools.top import run_top
+
+            return run_top(args.socket, args.once, args.interval)
+        if args.cmd == "timeline":
+            return _timeline(args)
+        if args.cmd == "demo":
+            from gpushare.tools.demo import run_demo
+
+            return run_demo(args.seconds, args.tq, args.workdir)
+    except GpushareError as e:
+        print(f"gpushare {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    import time
+
+    from gpushare.tools.admin import AdminClient
+    from gpushare.tools.report import read_events
+    from gpushare.tools.timeline import plot
+
+    if args.events:
+        try:
+            events = read_events(args.events)
+        except OSError as e:
+            raise GpushareError(f"cannot read {args.events}: {e.strerror}") from None
+        if args.since:
+            events = [e for e in events if e["ts"] >= time.time() - args.since]
+    else:
+        with AdminClient(args.socket) as c:
+            events = [e for e in c.events(since_s=args.since) if e is not None]
+    if not events:
+        raise GpushareError("no events to draw (is the node busy? try a longer --since)")
+    w, h = plot(events, args.output)
+    print(f"wrote {args.output} ({w}x{h} px, {len(events)} events)")
+    return 0
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from gpushare.tools import ctl
+
+    if args.ctl_cmd == "status":
+        return ctl.status(args.socket, args.json)
+    if args.ctl_cmd == "tq":
+        return ctl.configure(args.socket, args.gpu, args.persist, tq_s=args.seconds)
+    if args.ctl_cmd in ("mode", "policy", "escalation"):
+        return ctl.configure(args.socket, args.gpu, args.persist, **{args.ctl_cmd: args.value})
+    if args.ctl_cmd == "end":
+        return ctl.end_session(args.socket, args.session, args.reason)
+    return ctl.events(args.socket, args.follow, args.since, args.session)
+
+
+def _node(args: argparse.Namespace) -> int:
+
+    from gpushare.node.config import ConfigError, load
+    from gpushare.node.daemon import Node
+    from gpushare.node.gpus import find_gpus, simulated_gpus
+    from gpushare.units import format_size
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    flags = {
+        "socket": args.socket,
+        "admin_socket": args.admin_socket,
+        "tq": args.tq,
+        "mode": args.mode,
+        "policy": args.policy,
+        "grace": args.grace,
+        "escalation": args.escalation,
+        "idle_release": args.idle_release,
+        "reserve": args.reserve,
+        "sim_gpus": args.sim_gpus,
+        "sim_memory": args.sim_memory,
+        "sim_bandwidth": args.sim_bandwidth,
+        "event_log": args.event_log,
+        "metrics_port": args.metrics_port,
+        "proc_root": args.proc_root,
+        "sim_swap_failure_rate": args.sim_swap_failure_rate,
+        "admin_group": args.admin_group,
+        "kubernetes": args.kubernetes,
+        "metrics_address": args.metrics_address,
+        "overlap": args.overlap,
+    }
+    flags = {k: v for k, v in flags.items() if v is not None}
+    try:
+        cfg = load(args.config, args.state, flags)
+    except ConfigError as e:
+        print(f"gpushare node: error: {e}", file=sys.stderr)
+        return 2
+    sim_memory = parse_size(cfg.sim_memory)
+    if cfg.sim_gpus < 0 or (cfg.sim_gpus and sim_memory <= 0):
+        print(
+            "gpushare node: error: --sim-gpus needs N >= 1 and a positive --sim-memory",
+            file=sys.stderr,
+        )
+        return 2
+    nvml = None
+    if cfg.sim_gpus:
+        gpus = simulated_gpus(cfg.sim_gpus, sim_memory)
+    else:
+        gpus, why, nvml = find_gpus()
+        if not gpus:
+            log.warning(
+                "%s: running 1 SIMULATED GPU of %s instead (choose with --sim-gpus N "
+                "--sim-memory SIZE)",
+                why,
+                format_size(sim_memory),
+            )
+            gpus = simulated_gpus(1, sim_memory)
+    try:
+        node = Node(
+            cfg,
+            gpus,
+            config_path=args.config or "",
+            nvml=nvml,
+            state_path=args.state or "",
+            flags=flags,
+        )
+        asyncio.run(node.run())
+    except (OSError, ValueError) as e:
+        print(f"gpushare node: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,133 @@
+"""Simulated workloads for the demo, the tests and the benchmarks.
+
+Each is a real process with a real session on a simulated GPU: its memory is real bytes
+with a known pattern, verified after every grant, so a swap that lost or mixed up bytes
+shows. Run one with ``python -m gpushare.tools.workloads batch|interactive ...``; it prints one
+JSON line with its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from gpushare.client.session import Session, attach
+from gpushare.client.swap.sim import SimBackend, SimMemory
+from gpushare.units import parse_size
+
+STEP_S = 0.01  # one simulated GPU step
+
+
+def _memory(s: Session, nbytes: int, seed: int) -> SimMemory:
+    assert isinstance(s.backend, SimBackend), "simulated workloads need the sim backend"
+    with s.gpu():
+        m = s.backend.allocate(nbytes)
+        m.fill(seed)
+    return m
+
+
+class _Checker:
+    """Verifies the pattern whenever the session got a new lease (others ran meanwhile)."""
+
+    def __init__(self, s: Session, m: SimMemory, seed: int) -> None:
+        self.s, self.m, self.seed = s, m, seed
+        self.seen = s.grants
+        self.checks = 0
+        self.failures = 0
+
+    def __call__(self) -> None:
+        if self.s.grants != self.seen:
+            self.seen = self.s.grants
+            self.checks += 1
+            if not self.m.verify(self.seed):
+                self.failures += 1
+
+
+def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
+    """One long burst of steps until time is up, yielding at checkpoints when revoked."""
+    m = _memory(s, memory, seed)
+    check = _Checker(s, m, seed)
+    steps = 0
+    end = time.monotonic() + seconds
+    with s.gpu():
+        while time.monotonic() < end:
+            check()
+            time.sleep(STEP_S)
+            steps += 1
+            s.checkpoint()
+    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+
+
+def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
+    """Short bursts (a notebook cell) with think time between them."""
+    rng = random.Random(seed)
+    m = _memory(s, memory, seed)
+    check = _Checker(s, m, seed)
+    steps = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with s.gpu():
+            check()
+            for _ in range(rng.randint(10, 30)):
+                time.sleep(STEP_S)
+                steps += 1
+                s.checkpoint()
+        time.sleep(rng.uniform(0.5, 1.5))
+    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+
+
+def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100) -> dict[str, Any]:
+    """Many short bursts back to back: every grant after another session's is a swap cycle."""
+    m = _memory(s, memory, seed)
+    check = _Checker(s, m, seed)
+    end = time.monotonic() + seconds
+    for _ in range(bursts):
+        if time.monotonic() > end:
+            break
+        with s.gpu():
+            check()
+    return {"steps": 0, "checks": check.checks, "failures": check.failures}
+
+
+KINDS = {"batch": batch, "interactive": interactive, "cycles": cycles}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpushare.tools.workloads")
+    ap.add_argument("kind", choices=sorted(KINDS))
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--memory", default="30GiB")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--name", default="")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
+    a = ap.parse_args(argv)
+    memory = parse_size(a.memory)
+    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind)
+    try:
+        if a.kind == "cycles":
+            out = cycles(s, a.seconds, memory, a.seed, a.bursts)
+        else:
+            out = KINDS[a.kind](s, a.seconds, memory, a.seed)
+    finally:
+        s.close()
+    waits = s.waits[1:] or [0.0]  # the first grant is the allocation's
+    out.update(
+        name=s.name,
+        session=s.id,
+        kind=a.kind,
+        bursts=s.bursts,
+        grants=s.grants,
+        wait_mean_s=sum(waits) / len(waits),
+        wait_max_s=max(waits),
+    )
+    print(json.dumps(out), flush=True)
+    return 1 if out["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

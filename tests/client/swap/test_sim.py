@@ -1,0 +1,96 @@
+import time
+
+import pytest
+
+from gpushare.client.swap.sim import SimBackend
+from gpushare.errors import GpushareError, OutOfMemoryError, SwapError, SwapIntegrityError
+
+G = 2**30
+
+
+@pytest.fixture
+def backend():
+    b = SimBackend(10 * G, scale=1024, bandwidth=1e15)
+    yield b
+    b.close()
+
+
+def test_bytes_survive_swap_out_and_in(backend):
+    m = backend.allocate(3 * G + 12345)
+    m.fill(42)
+    r = backend.swap_out(2 * G)
+    assert r.bytes >= 2 * G and backend.swapped_bytes == r.bytes
+    assert backend.resident_bytes + backend.swapped_bytes == 3 * G + 12345
+    with pytest.raises(SwapError, match="outside a lease"):
+        m.verify(42)  # part of it is off the "device"
+    r = backend.swap_in()
+    assert backend.swapped_bytes == 0 and m.verify(42)
+
+
+def test_writes_persist_across_swaps(backend):
+    m = backend.allocate(G)
+    m.fill(1)
+    m.write(100, b"hello")
+    backend.swap_out(G)
+    backend.swap_in()
+    assert m.read(100, 5) == b"hello" and not m.verify(1)
+
+
+def test_corruption_in_host_memory_is_detected(backend):
+    m = backend.allocate(G)
+    m.fill(7)
+    backend.swap_out(G)
+    backend._host[10] ^= 0xFF  # a bit flip while swapped out
+    with pytest.raises(SwapIntegrityError, match="checksum"):
+        backend.swap_in()
+
+
+def test_limit_is_enforced(backend):
+    backend.allocate(8 * G)
+    with pytest.raises(OutOfMemoryError, match="memory limit"):
+        backend.allocate(3 * G)
+
+
+def test_access_outside_a_lease_is_refused(backend):
+    def refuse():
+        raise GpushareError("outside a lease")
+
+    backend.check_access = refuse
+    with pytest.raises(GpushareError):
+        backend.allocate(G)
+
+
+def test_swap_time_follows_the_model():
+    b = SimBackend(4 * G, scale=1024, bandwidth=20e9)
+    m = b.allocate(2 * G)
+    m.fill(3)
+    r = b.swap_out(2 * G)
+    assert r.seconds >= 2 * G / 20e9  # never faster than the modelled link
+    assert r.seconds < 10 * (2 * G / 20e9)
+
+
+def test_freed_memory_returns_its_host_slots(backend):
+    for _ in range(100):  # would run out of host slots if they leaked
+        m = backend.allocate(9 * G)
+        m.free()
+    assert backend.resident_bytes == 0
+
+
+def test_the_link_serializes_a_lane_and_slows_both_when_both_are_busy(tmp_path):
+    from gpushare.simlink import DUPLEX, IN, OUT, SimLink
+
+    path = str(tmp_path / "link0")
+    SimLink.create(path)
+    a, b = SimLink(path), SimLink(path)  # two sessions' processes, one link
+    bw, n = 1e9, 100_000_000  # 0.1 s per booking at the full rate
+    t = time.monotonic()
+    first = a.book(OUT, n, bw)
+    assert first == pytest.approx(t + 0.1, abs=0.01)
+    second = b.book(OUT, n, bw)  # the same lane: after the first, sharing the rate
+    assert second == pytest.approx(first + 0.1, abs=0.01)
+    both = b.book(IN, n, bw)  # the other lane is busy: the duplex rate
+    assert both == pytest.approx(t + 0.1 / DUPLEX, abs=0.01)
+    lone = SimLink()  # not shared: this process's own lanes
+    assert lone.book(OUT, n, bw) == pytest.approx(time.monotonic() + 0.1, abs=0.01)
+    for link in (a, b, lone):
+        link.close()

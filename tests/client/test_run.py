@@ -1,0 +1,296 @@
+"""``gpushare run``: unmodified PyTorch programs (the CPU build) gated on the lease at
+PyTorch's global hooks, against a real node on a simulated GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.support import sim, wait_until
+
+torch = pytest.importorskip(
+    "torch",
+    reason="PyTorch is not installed (make test installs the CPU build where its wheel is on disk)",
+)
+
+TRAIN = textwrap.dedent("""
+    import sys, time, torch
+    from gpushare.client import runner
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    s = runner.SESSION
+    print(json.dumps({"session": s.id, "limit": s.memory_limit, "weight": s.weight}), flush=True)
+    end, steps = time.time() + float(sys.argv[1]), 0
+    while time.time() < end:
+        loss = ((m(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        time.sleep(0.002)
+    idle = float(sys.argv[2]) if len(sys.argv) > 2 else 0
+    print(json.dumps({"steps": steps, "grants": s.grants, "holding": s.holding}), flush=True)
+    time.sleep(idle)  # no GPU work: the lease goes back after idle_release
+""").replace("import sys,", "import json, sys,")
+
+
+@pytest.fixture
+def script(short_tmp):
+    p = short_tmp / "train.py"
+    p.write_text(TRAIN)
+    return p
+
+
+def gs_run(node, *args, extra_env=None, **kw) -> subprocess.Popen[str]:
+    import os
+
+    env = {**os.environ, **(extra_env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "run", "--socket", node.socket, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+def lines(out: str) -> list[dict]:
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+def run_program(node_factory, code: str) -> list[dict]:
+    """Run ``python -c code`` under ``gpushare run`` against a simulated node whose
+    implicit bursts end after 0.2 s idle; the JSON lines it printed."""
+    node = node_factory(*sim("16GiB", idle_release="0.2"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    return lines(out)
+
+
+def test_an_unmodified_program_becomes_a_session(node_factory, script):
+    node = node_factory(*sim("16GiB", idle_release="0.3"))
+    pr = gs_run(
+        node,
+        "--memory",
+        "2GiB",
+        "--name",
+        "trainer",
+        "--",
+        sys.executable,
+        str(script),
+        "1.0",
+        "1.5",
+    )
+    first = json.loads(pr.stdout.readline())
+    assert first["limit"] == 2 * 2**30
+    assert json.loads(pr.stdout.readline())["steps"] > 10  # trained; now 1.5 s without work
+
+    def idle() -> bool:
+        return any(
+            s["state"] == "idle" and s["name"] == "trainer"
+            for s in node.status()["gpus"][0]["sessions"]
+        )
+
+    wait_until(idle, timeout=10, what="the lease to go back after idle_release")
+    _, err = pr.communicate(timeout=30)
+    assert pr.returncode == 0, err
+    ev = [e for e in node.event_list() if e.get("session") == first["session"]]
+    kinds = [e["event"] for e in ev]
+    assert kinds[0] == "attach" and "grant" in kinds and kinds[-1] == "detach"
+    assert any(e["event"] == "release" and e["reason"] == "burst_end" for e in ev)
+
+
+def test_two_programs_take_turns_at_the_hooks(node_factory, script):
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
+    procs = [
+        gs_run(
+            node, "--memory", "4GiB", "--name", f"job{i}", "--", sys.executable, str(script), "3.0"
+        )
+        for i in range(2)
+    ]
+    results = []
+    for pr in procs:
+        out, err = pr.communicate(timeout=60)
+        assert pr.returncode == 0, err
+        results.append(lines(out))
+    ids = [r[0]["session"] for r in results]
+    assert all(r[1]["steps"] > 10 and r[1]["grants"] >= 2 for r in results), results
+    ev = node.event_list()
+    revoked = {e["session"] for e in ev if e["event"] == "release" and e["reason"] == "revoked"}
+    assert set(ids) <= revoked  # each was revoked and yielded at a hook
+    # and never held together: grants and releases alternate on the GPU
+    holder = None
+    for e in ev:
+        if e["event"] == "grant":
+            assert holder is None, "two holders in exclusive mode"
+            holder = e["session"]
+        elif e["event"] in ("release", "detach") and e.get("session") == holder:
+            holder = None
+
+
+def test_gpu_portion_sets_the_limit(node_factory, script):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, str(script), "0.1", extra_env={"GPU_PORTION": "0.25"})
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    first = lines(out)[0]
+    assert first["limit"] == 4 * 2**30 and first["weight"] == 0.25
+
+
+def test_a_shadowed_sitecustomize_still_runs(node_factory, short_tmp):
+    other = short_tmp / "site"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
+    node = node_factory(*sim("16GiB"))
+    code = (
+        "import os; from gpushare.client import runner; print(os.environ.get('SHADOWED_RAN'), "
+        "runner.SESSION is not None)"
+    )
+    pr = gs_run(node, "--", sys.executable, "-c", code, extra_env={"PYTHONPATH": str(other)})
+    out, err = pr.communicate(timeout=60)
+    assert out.split() == ["1", "True"], err
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ([], 2, "no command"),
+        (["--memory", "lots", "--", "true"], 2, "write it like"),
+        (["--", "no-such-program-xyz"], 127, "command not found"),
+    ],
+)
+def test_bad_invocations(node_factory, args, code, message):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, *args)
+    _, err = pr.communicate(timeout=30)
+    assert pr.returncode == code and message in err
+
+
+def test_no_node_is_a_clear_error(short_tmp, script):
+    pr = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "run",
+            "--socket",
+            str(short_tmp / "none.sock"),
+            "--",
+            sys.executable,
+            str(script),
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert pr.returncode == 3 and "start it with 'gpushare node'" in pr.stderr
+
+
+def test_moves_to_and_from_the_gpu_are_gated_too(node_factory):
+    # The CPU build cannot reach a GPU, but the gate runs first: a move that names CUDA
+    # opens a burst (waiting for the lease) before PyTorch says it has no CUDA.
+    code = textwrap.dedent("""
+        import json, time, torch
+        from gpushare.client import runner
+        s = runner.SESSION
+        t = torch.ones(4)
+        t.to("cpu"); t.to(torch.float64); t.item() if t.numel() == 1 else t.sum().item()
+        t.copy_(torch.zeros(4)); t.tolist(); t.cpu(); t.numpy()
+        torch.zeros(2); torch.zeros_like(t); torch.empty_like(input=t); torch.arange(3)
+        quiet = s.grants
+        seen = []
+        for move in (lambda: t.to("cuda"), lambda: t.cuda(), lambda: t.to(0),
+                     lambda: t.to(device=torch.device("cuda", 0)),
+                     lambda: torch.nn.Linear(2, 2).to("cuda"),
+                     lambda: torch.zeros(2, device="cuda"),
+                     lambda: torch.full_like(t, 1.0, device="cuda:0")):
+            try:
+                move()
+            except (AssertionError, RuntimeError):  # "Torch not compiled with CUDA enabled"
+                pass
+            seen.append(s.grants)
+            while s.holding:  # idle_release hands the lease back before the next move
+                time.sleep(0.05)
+        print(json.dumps({"quiet": quiet, "seen": seen}))
+    """)
+    r = run_program(node_factory, code)[0]
+    assert r["quiet"] == 0  # CPU-only moves never asked for the GPU
+    assert r["seen"] == [1, 2, 3, 4, 5, 6, 7], r  # each opened a burst of its own
+
+
+def test_a_long_forward_or_backward_keeps_the_lease(node_factory):
+    # A forward or backward pass longer than idle_release: the burst stays open through
+    # it (a revoke would wait for the next safe point).
+    code = textwrap.dedent("""
+        import json, time, torch
+        from gpushare.client import runner
+        s = runner.SESSION
+        seen = []
+
+        class Slow(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                time.sleep(1.0)  # five times idle_release
+                seen.append(s.holding)
+                return g * 2
+
+        m = torch.nn.Linear(4, 1)
+        loss = Slow.apply(m(torch.ones(2, 4))).sum()  # the forward opens a burst
+        loss.backward()
+        g = torch.autograd.grad(Slow.apply(m(torch.ones(2, 4))).sum(), m.weight)
+
+        class Big(torch.nn.Module):  # one module, one long forward
+            def forward(self, x):
+                time.sleep(1.0)
+                seen.append(s.holding)
+                return x
+
+        Big()(torch.ones(1))
+        try:
+            torch.nn.Sequential(Big(), torch.nn.Linear(3, 1))(torch.ones(2))  # raises
+        except RuntimeError:
+            pass
+        time.sleep(0.6)  # the forward hooks stayed balanced: idleness ends the burst
+        print(json.dumps({"seen": seen, "grants": s.grants, "after": s.holding}))
+    """)
+    r = run_program(node_factory, code)[0]
+    assert r["seen"] == [True, True, True, True] and r["grants"] == 1, r
+    assert r["after"] is False, r
+
+
+def test_a_forked_child_is_not_gated(node_factory):
+    # DataLoader workers are forked: the hooks they inherit must leave them alone.
+    code = textwrap.dedent("""
+        import json, os, time, torch
+        from gpushare.client import runner
+        m = torch.nn.Linear(4, 1)
+        m(torch.ones(1, 4)).sum().backward()  # the parent: a session, gated
+        while runner.SESSION.holding:  # idle: a gated call would have to ask the node
+            time.sleep(0.05)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                m(torch.ones(1, 4)).sum().backward()
+                torch.ones(1).item()
+            except Exception as e:
+                print(json.dumps({"child_error": repr(e)}), flush=True)
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        m(torch.ones(1, 4)).sum().backward()
+        print(json.dumps({"child_status": status, "grants": runner.SESSION.grants}))
+    """)
+    out = run_program(node_factory, code)
+    assert out[-1]["child_status"] == 0, out

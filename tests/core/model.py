@@ -1,0 +1,319 @@
+"""A discrete-event model of workloads driving a real Arbiter on a ManualClock.
+
+Model clients obey the protocol as the real client does (swap in after a grant, answer
+a revoke after a delay, swap out when asked), with swap times from a bandwidth. Clients
+that ``fill`` (the current client) release first and then swap out chunk by chunk,
+reporting each, and swap in chunk by chunk within the room the arbiter gives; the others
+(older clients) swap out before releasing and swap in all at once. The model tracks the
+bytes each client really has on the GPU, in flight included, so tests can check the
+arbiter's invariants against what would physically be there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpushare.core.arbiter import (
+    Action,
+    Arbiter,
+    EscalateAction,
+    EventAction,
+    GpuSettings,
+    GrantAction,
+    RevokeAction,
+    RoomAction,
+    SwapOutAction,
+)
+from gpushare.core.clock import ManualClock
+
+GiB = 2**30
+CHUNK = 4 * GiB  # the fill clients' swap granularity (coarse: the test runs many)
+Task = Callable[[Callable[[], None]], None]  # runs, then calls its argument when done
+
+
+@dataclass
+class Client:
+    sid: int
+    limit: int
+    weight: float = 1.0
+    kind: str = "batch"  # batch: always wants; bursty: bursts then think time
+    burst_s: float = 1.0
+    think_s: float = 1.0
+    yield_delay: float = 0.01
+    stuck: bool = False  # never answers a revoke (the escalation must deal with it)
+    on_gpu: int = 0  # bytes physically on the GPU now (swap-outs in flight count)
+    in_host: int = 0
+    holding: bool = False
+    swapping_in: bool = False
+    fills: bool = False
+    room: int = 0  # while filling: the most it may have on the GPU
+    parked: Callable[[], None] | None = None  # a fill waiting for room
+    busy: bool = False  # the real client does one swap at a time, under its lock
+    tasks: deque[Task] = field(default_factory=deque)
+    wants: bool = False
+    lease: int = 0
+    grant_times: list[float] = field(default_factory=list)
+    want_since: float = 0.0
+    waits: list[float] = field(default_factory=list)
+
+
+class Model:
+    def __init__(
+        self,
+        capacity: int,
+        settings: GpuSettings | None = None,
+        bandwidth: float = 55e9,
+        check: Callable[[Model], None] | None = None,
+    ) -> None:
+        self.clock = ManualClock()
+        self.arb = Arbiter(0, capacity, self.clock, settings or GpuSettings())
+        self.capacity = capacity
+        self.bw = bandwidth
+        self.clients: dict[int, Client] = {}
+        self.heap: list[tuple[float, int, Callable[[], None]]] = []
+        self.seq = itertools.count()
+        self.events: list[dict[str, object]] = []
+        self.grants: list[int] = []
+        self.check = check
+        self.max_holders = 0
+        self.max_on_gpu = 0
+
+    # --- plumbing -------------------------------------------------------------------
+    def at(self, delay: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self.heap, (self.clock.monotonic() + delay, next(self.seq), fn))
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, EventAction):
+                self.events.append(a.record)
+            elif isinstance(a, GrantAction):
+                self._on_grant(self.clients[a.session], a)
+            elif isinstance(a, RevokeAction):
+                c = self.clients[a.session]
+                if not c.stuck:
+                    self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
+            elif isinstance(a, EscalateAction):
+                if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
+                    self.clients[a.session].holding = False
+                elif a.escalation == "kill":
+                    self.at(
+                        0.0, lambda sid=a.session: self.kill(sid) if sid in self.clients else None
+                    )
+            elif isinstance(a, SwapOutAction):
+                c = self.clients[a.session]
+                assert not c.holding, "the planner asked a holder to swap out"
+                self._swap_out(c, a.bytes)
+            elif isinstance(a, RoomAction):
+                c = self.clients[a.session]
+                assert a.room > c.room or not c.room, "a room shrank"
+                c.room = 0 if a.room >= c.limit else a.room
+                if c.parked:
+                    go, c.parked = c.parked, None
+                    self.at(0.0, go)
+        self._observe()
+
+    def _observe(self) -> None:
+        exclusive = sum(1 for c in self.clients.values() if c.holding)
+        self.max_holders = max(self.max_holders, exclusive)
+        on_gpu = sum(c.on_gpu for c in self.clients.values())
+        self.max_on_gpu = max(self.max_on_gpu, on_gpu)
+        assert on_gpu <= self.capacity, f"GPU over capacity: {on_gpu} > {self.capacity}"
+        if self.check:
+            self.check(self)
+
+    def run(self, until: float) -> None:
+        end = self.clock.monotonic() + until
+        while True:
+            t_ev = self.heap[0][0] if self.heap else float("inf")
+            t_dl = self.arb.next_deadline() or float("inf")
+            t = min(t_ev, t_dl)
+            if t > end:
+                self.clock.set(end)
+                return
+            self.clock.set(max(t, self.clock.monotonic()))
+            if t_ev <= t_dl:
+                _, _, fn = heapq.heappop(self.heap)
+                fn()
+            else:
+                self.apply(self.arb.tick())
+
+    # --- clients --------------------------------------------------------------------
+    def add(self, c: Client, start: float = 0.0) -> Client:
+        self.clients[c.sid] = c
+        self.apply(self.arb.attach(c.sid, f"s{c.sid}", c.limit, c.weight, fills=c.fills))
+        self.at(start, lambda: self._want(c))
+        return c
+
+    def _want(self, c: Client) -> None:
+        if c.sid not in self.clients:
+            return
+        c.wants = True
+        c.want_since = self.clock.monotonic()
+        self.apply(self.arb.acquire(c.sid))
+
+    def _on_grant(self, c: Client, a: GrantAction) -> None:
+        now = self.clock.monotonic()
+        c.lease = a.lease
+        c.grant_times.append(now)
+        c.waits.append(now - c.want_since)
+        self.grants.append(c.sid)
+        c.holding = True
+        c.swapping_in = True
+        assert not a.room or c.fills, "a room for a client that cannot fill"
+        c.room = a.room
+
+        def swap_in(done: Callable[[], None]) -> None:
+            back = c.in_host
+            t0 = self.clock.monotonic()
+
+            def finished() -> None:
+                if c.room and c.sid in self.clients:  # as the real client: the burst
+                    c.parked = finished  # waits until its whole limit has room
+                    return
+                c.swapping_in = False
+                done()
+                if c.sid not in self.clients:
+                    return
+                secs = self.clock.monotonic() - t0
+                self.apply(self.arb.swap_done(c.sid, "in", back, secs, c.on_gpu, c.in_host))
+                if c.holding:  # the workload grows to its limit while it holds
+                    assert not c.room, "grew past its room"
+                    c.on_gpu = c.limit
+                    self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+
+            if not c.fills:  # all at once: the bytes land as the copy starts
+                c.on_gpu += back
+                c.in_host = 0
+                self._observe()
+                self.at(back / self.bw, finished)
+                return
+
+            def chunk() -> None:
+                if c.sid not in self.clients:
+                    return done()
+                if not c.in_host:
+                    return finished()
+                k = min(CHUNK, c.in_host)
+                if c.room and c.on_gpu + k > c.room:
+                    c.parked = chunk  # until a RoomAction
+                    return
+                c.on_gpu += k
+                c.in_host -= k
+                self._observe()
+
+                def landed() -> None:
+                    if c.sid in self.clients:
+                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                    chunk()
+
+                self.at(k / self.bw, landed)
+
+            chunk()
+
+        self.serial(c, swap_in)
+        if c.kind == "bursty":
+            lease = c.lease
+            self.at(c.burst_s, lambda: self._burst_end(c, lease))
+
+    def _burst_end(self, c: Client, lease: int) -> None:
+        if c.sid not in self.clients or not c.holding or c.lease != lease:
+            return
+        if c.swapping_in:  # as the real client: the burst begins once the memory is back
+            self.at(0.001, lambda: self._burst_end(c, lease))
+            return
+        c.holding = False
+        c.wants = False
+        self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host))
+        self.at(c.think_s, lambda: self._want(c))
+
+    def _yield(self, c: Client, a: RevokeAction) -> None:
+        if c.sid not in self.clients or c.lease != a.lease or not c.holding:
+            return
+        if c.swapping_in:  # as the real client: no checkpoint before the swap-in is done
+            self.at(0.001, lambda: self._yield(c, a))
+            return
+        moved = min(a.swap_out, c.on_gpu)
+        c.holding = False
+        c.want_since = self.clock.monotonic()
+        again = c.kind == "batch"
+        if not again:
+            c.wants = False
+        if c.fills:  # release first, then swap out chunk by chunk
+            self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, swapping_out=moved))
+            self._swap_out(c, moved)
+            if not again:
+                self.at(c.think_s, lambda: self._want(c))
+            return
+
+        # the copy takes moved/bw; the release is sent when it is done
+        def done() -> None:
+            if c.sid not in self.clients:
+                return
+            c.on_gpu -= moved
+            c.in_host += moved
+            self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, moved, moved / self.bw))
+            if not again:
+                self.at(c.think_s, lambda: self._want(c))
+
+        self.at(moved / self.bw, done)
+
+    def _swap_out(self, c: Client, n: int) -> None:
+        def swap_out(done: Callable[[], None]) -> None:
+            moved = min(n, c.on_gpu)
+            t0 = self.clock.monotonic()
+            left = [moved]
+
+            def finished() -> None:
+                done()
+                if c.sid in self.clients:
+                    secs = self.clock.monotonic() - t0
+                    self.apply(self.arb.swap_done(c.sid, "out", moved, secs, c.on_gpu, c.in_host))
+
+            def chunk() -> None:
+                if c.sid not in self.clients:
+                    return done()
+                if not left[0]:
+                    return finished()
+                k = min(CHUNK if c.fills else left[0], left[0])
+
+                def freed() -> None:  # bytes leave the GPU when their copy is done
+                    if c.sid not in self.clients:
+                        return done()
+                    left[0] -= k
+                    c.on_gpu -= k
+                    c.in_host += k
+                    if c.fills and left[0]:
+                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                    chunk()
+
+                self.at(k / self.bw, freed)
+
+            chunk()
+
+        self.serial(c, swap_out)
+
+    def serial(self, c: Client, task: Task) -> None:
+        """Run ``task`` once the client's earlier swaps are done."""
+        c.tasks.append(task)
+        if not c.busy:
+            self._next_task(c)
+
+    def _next_task(self, c: Client) -> None:
+        if not c.tasks:
+            c.busy = False
+            return
+        c.busy = True
+        task = c.tasks.popleft()
+        task(lambda: self._next_task(c))
+
+    def kill(self, sid: int) -> None:
+        c = self.clients.pop(sid)
+        c.on_gpu = 0
+        self.apply(self.arb.detach(sid, "killed"))
+
+    def lease_seconds(self) -> dict[int, float]:
+        return {sid: self.arb.lease_seconds(s) for sid, s in self.arb.sessions.items()}

@@ -1,0 +1,107 @@
+"""The Kubernetes manifests render (kustomize) and validate against the Kubernetes
+OpenAPI schema offline; the examples too; the ConfigMap's TOML is a valid node config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import msgspec
+import pytest
+import yaml
+
+from gpushare.node.config import NodeConfig
+from tests.support import REPO
+
+ROOT = REPO
+K8S = ROOT / "deploy" / "kubernetes"
+KUBECTL = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
+VERSION = "1.33.0"
+
+
+def render(overlay: str) -> list[dict]:
+    r = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return [o for o in yaml.safe_load_all(r.stdout) if o]
+
+
+def by_kind(objs: list[dict]) -> dict[str, dict]:
+    return {o["kind"]: o for o in objs}
+
+
+@pytest.mark.parametrize("overlay", ["plain", "kai"])
+def test_overlay_renders_and_validates(overlay):
+    objs = render(overlay)
+    for o in objs:
+        if o["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD (checked below), not in the Kubernetes schema
+        kubernetes_validate.validate(o, VERSION, strict=True)
+    kinds = by_kind(objs)
+    assert {
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+        "Service",
+    } <= set(kinds)
+    assert all(o["metadata"].get("namespace", "gpushare-system") == "gpushare-system" for o in objs)
+
+
+def test_daemonset_has_what_a_node_agent_needs():
+    ds = by_kind(render("plain"))["DaemonSet"]["spec"]["template"]["spec"]
+    assert ds["hostPID"] is True
+    assert ds["runtimeClassName"] == "nvidia"
+    assert ds["priorityClassName"] == "system-node-critical"
+    paths = {v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
+    assert paths == {"/run/gpushare", "/var/lib/gpushare"}
+    (c,) = ds["containers"]
+    assert c["readinessProbe"] and c["livenessProbe"] and c["resources"]["requests"]
+    assert "--kubernetes" in c["args"] and any(a.startswith("--state=/var/lib") for a in c["args"])
+
+
+def test_rbac_is_read_pods_only():
+    role = by_kind(render("plain"))["ClusterRole"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
+@pytest.mark.parametrize("overlay", ["plain", "kai"])
+def test_configmap_is_a_valid_node_config(overlay):
+    cm = by_kind(render(overlay))["ConfigMap"]
+    cfg = msgspec.convert(tomllib.loads(cm["data"]["node.toml"]), NodeConfig)
+    assert cfg.socket == "/run/gpushare/gpushare.sock"
+    if overlay == "kai":
+        assert cfg.policy == "weighted"
+
+
+def test_kai_overlay_servicemonitor_selects_the_metrics_service():
+    kinds = by_kind(render("kai"))
+    sm, svc = kinds["ServiceMonitor"], kinds["Service"]
+    sel = sm["spec"]["selector"]["matchLabels"]
+    assert all(svc["metadata"]["labels"].get(k) == v for k, v in sel.items())
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert "ServiceMonitor" not in by_kind(render("plain"))
+
+
+@pytest.mark.parametrize(
+    "example", sorted((ROOT / "deploy" / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_examples_validate_and_mount_the_socket(example):
+    for o in yaml.safe_load_all(example.read_text()):
+        kubernetes_validate.validate(o, VERSION, strict=True)
+        spec = o["spec"]["template"]["spec"] if o["kind"] == "Deployment" else o["spec"]
+        assert any(v.get("hostPath", {}).get("path") == "/run/gpushare" for v in spec["volumes"])
+        env = {e["name"] for e in spec["containers"][0]["env"]}
+        assert {"POD_NAME", "POD_NAMESPACE", "POD_UID"} <= env

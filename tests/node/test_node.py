@@ -1,0 +1,350 @@
+"""The node daemon with real workload processes over its real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import statistics
+import struct
+import time
+from typing import Any
+
+import pytest
+
+import gpushare
+from gpushare import protocol as p
+from gpushare.tools.report import switches
+from tests.support import sim, wait_until
+
+G = 2**30
+
+
+def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
+    # Two sessions of 6 GiB on a 10 GiB GPU: every handoff swaps. Fast modelled link.
+    node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
+    procs = [
+        node.workload(
+            "cycles",
+            "--memory",
+            "6GiB",
+            "--bursts",
+            "520",
+            "--seconds",
+            "240",
+            "--seed",
+            str(i),
+            "--name",
+            f"c{i}",
+        )
+        for i in (1, 2)
+    ]
+    outs = [json.loads(pr.communicate(timeout=280)[0].strip().splitlines()[-1]) for pr in procs]
+    assert all(pr.returncode == 0 for pr in procs)
+    assert all(o["failures"] == 0 for o in outs), outs
+    ev = node.event_list()
+    swap_ins = [e for e in ev if e["event"] == "swap_in" and e["bytes"] > 0]
+    assert len(swap_ins) >= 1000
+    assert sum(o["checks"] for o in outs) >= 1000  # each a full pattern check after a swap-in
+    assert not [e for e in ev if e.get("error")]
+
+
+def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
+    procs = [
+        node.workload(
+            "batch", "--memory", "30GiB", "--seconds", "9", "--name", f"job{i}", "--seed", str(i)
+        )
+        for i in range(3)
+    ]
+    cap = 80 * G
+    samples = []
+    while any(pr.poll() is None for pr in procs):
+        st = node.status()["gpus"][0]
+        samples.append(st)
+        time.sleep(0.05)
+    outs = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
+    assert all(o["failures"] == 0 for o in outs)
+    # exclusive access and no capacity overrun, as status showed it all along
+    assert all(len(s["holders"]) <= 1 for s in samples)
+    assert all(s["used_bytes"] <= cap for s in samples)
+    assert any(s["simulated"] for s in samples)
+    assert max(sum(x["swapped_bytes"] for x in s["sessions"]) for s in samples) > 0
+    # the events: revokes at quantum ends, swaps, and fair shares
+    ev = node.event_list()
+    kinds = {e["event"] for e in ev}
+    assert {"attach", "grant", "revoke", "release", "swap_out", "swap_in", "detach"} <= kinds
+    # Round-robin shares over the whole rounds while all three contend: the quanta revoked
+    # one after another, once each has filled its memory (its first burst) and until a
+    # burst ends (over 9 s, a partial last round would weigh one quantum against none).
+    releases = [e for e in ev if e["event"] == "release"]
+    start = 1 + max(next(i for i, e in enumerate(releases) if e["session"] == s) for s in (1, 2, 3))
+    leases = []
+    for e in releases[start:]:
+        if e["reason"] != "revoked":
+            break
+        leases.append(e)
+    leases = leases[: len(leases) // 3 * 3]
+    assert len(leases) >= 3, [(e["session"], e["reason"]) for e in releases]
+    for i in range(0, len(leases), 3):  # each round serves each session once
+        assert {e["session"] for e in leases[i : i + 3]} == {1, 2, 3}, leases
+    held = {s: sum(e["seconds"] for e in leases if e["session"] == s) for s in (1, 2, 3)}
+    assert min(held.values()) > 0.7 * max(held.values()), held
+
+
+def test_killed_holder_lease_goes_to_next_waiter(node_factory):
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="60"))
+    holder = node.workload("batch", "--memory", "10GiB", "--seconds", "60", "--name", "holder")
+    wait_until(lambda: node.status()["gpus"][0]["holders"], what="a holder")
+    waiter = node.workload("batch", "--memory", "10GiB", "--seconds", "1", "--name", "waiter")
+    wait_until(lambda: node.status()["gpus"][0]["queue"], what="a waiter")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    out, _ = waiter.communicate(timeout=20)
+    assert waiter.returncode == 0 and json.loads(out.strip().splitlines()[-1])["steps"] > 0
+    ev = node.event_list()
+    det = next(e for e in ev if e["event"] == "detach" and e["reason"] == "disconnected")
+    grant = next(e for e in ev if e["event"] == "grant" and e["ts"] >= det["ts"])
+    assert grant["ts"] - det["ts"] < 1.0  # at once, not after the 60 s quantum
+
+
+def test_ctl_tq_live_and_persist_across_restart(node_factory, short_tmp):
+    cfg = short_tmp / "conf" / "node.toml"  # does not exist yet
+    node = node_factory(*sim("16GiB", gpus="2", config=str(cfg)))
+    r = node.ctl("tq", "7")
+    assert "GPU 0: TQ 7 s" in r.stdout and "GPU 1: TQ 7 s" in r.stdout
+    assert [g["tq_s"] for g in node.status()["gpus"]] == [7, 7]
+    assert "TQ 7 s" in node.log.read_text()  # the node logs the new value
+    assert not cfg.exists()
+    node.restart()
+    assert [g["tq_s"] for g in node.status()["gpus"]] == [30, 30]  # not persisted
+    r = node.ctl("tq", "5", "--gpu", "1", "--persist")
+    assert "persisted to" in r.stdout and cfg.exists()
+    node.restart()
+    assert [g["tq_s"] for g in node.status()["gpus"]] == [30, 5]
+    ev = node.event_list()
+    assert any(e["event"] == "config" and e.get("tq_s") == 5 and e["gpu"] == 1 for e in ev)
+
+
+def test_ctl_errors_are_one_clear_line(node_factory, short_tmp):
+    node = node_factory(*sim("16GiB"))
+    r = node.ctl("tq", "5", "--persist", check=False)
+    assert r.returncode == 1 and "without --config" in r.stderr
+    r = node.ctl("tq", "5", "--gpu", "3", check=False)
+    assert r.returncode == 1 and "no GPU 3" in r.stderr
+    r = node.ctl("tq", "-1", check=False)
+    assert r.returncode == 2 and "duration" in r.stderr
+    r = node.ctl("--socket", str(short_tmp / "none.sock"), "status", check=False)
+    assert r.returncode == 1 and "is 'gpushare node' running" in r.stderr
+
+
+def test_status_json_has_the_contract_fields(node_factory):
+    node = node_factory(*sim("16GiB"))
+    with gpushare.attach("4GiB", socket=node.socket, name="probe") as s, s.gpu():
+        st = json.loads(node.ctl("status", "--json").stdout)
+    g = st["gpus"][0]
+    for k in (
+        "index",
+        "name",
+        "simulated",
+        "memory_bytes",
+        "tq_s",
+        "mode",
+        "policy",
+        "holders",
+        "queue",
+        "sessions",
+    ):
+        assert k in g
+    (sess,) = g["sessions"]
+    for k in (
+        "id",
+        "name",
+        "pid",
+        "pod",
+        "namespace",
+        "container",
+        "state",
+        "memory_limit_bytes",
+        "resident_bytes",
+        "swapped_bytes",
+        "lease_seconds_total",
+        "wait_seconds_total",
+        "grants_total",
+        "swap_out_bytes_total",
+        "swap_in_bytes_total",
+    ):
+        assert k in sess
+    assert sess["pid"] == os.getpid() and sess["state"] == "holding" and g["simulated"] is True
+    assert sess["memory_limit_bytes"] == 4 * G
+
+
+def test_events_follow_streams_new_events(node_factory):
+    node = node_factory(*sim("16GiB"))
+    import subprocess
+    import sys
+
+    f = subprocess.Popen(
+        [sys.executable, "-m", "gpushare", "ctl", "--socket", node.admin, "events", "--follow"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.5)
+        with gpushare.attach("1GiB", socket=node.socket, name="followed") as s, s.gpu():
+            pass
+        lines = []
+        while len(lines) < 4:
+            lines.append(json.loads(f.stdout.readline()))
+        assert [e["event"] for e in lines] == ["attach", "grant", "release", "detach"]
+        assert lines[0]["name"] == "followed" and all("ts" in e and "gpu" in e for e in lines)
+    finally:
+        f.kill()
+        f.wait()
+    r = node.ctl("events", "--since", "1h", "--session", str(lines[0]["session"]))
+    assert len(r.stdout.splitlines()) == 4
+
+
+def _raw(path: str, data: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    s.sendall(data)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except OSError:
+        pass
+    s.close()
+    return out
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (os.urandom(64), b"protocol"),
+        (struct.pack(">I", p.MAX_FRAME + 1) + b"x" * 16, b"protocol"),
+        (_frame(b"\x81\xa1t\xa5bogus"), b"protocol"),
+        (p.encode(p.Acquire()), b"protocol"),  # not a hello
+        (p.encode(p.Hello(version=99)), b"version"),
+        (p.encode(p.Hello(version=1, gpu=7)), b"gpu"),
+        (p.encode(p.Hello(version=1, memory_limit=10**15)), b"attach"),
+        (p.encode(p.Hello(version=1)) + p.encode(p.StatusRequest()), b"denied"),
+    ],
+)
+def test_garbage_gets_an_error_and_harms_no_one(node_factory, data, code):
+    node = node_factory(*sim("16GiB", mode="exclusive"))
+    with gpushare.attach("2GiB", socket=node.socket, name="bystander") as s:
+        reply = _raw(node.socket, data)
+        assert code in reply  # an error frame came back, then the connection closed
+        with s.gpu():  # the bystander is served as before
+            assert s.holding
+        assert node.proc.poll() is None
+        assert [x["name"] for x in node.status()["gpus"][0]["sessions"]] == ["bystander"]
+
+
+def test_garbage_on_the_admin_socket(node_factory):
+    node = node_factory(*sim("16GiB"))
+    assert b"protocol" in _raw(node.admin, os.urandom(100))
+    assert b"protocol" in _raw(node.admin, p.encode(p.Acquire()))
+    assert node.status()["gpus"][0]["index"] == 0
+
+
+def test_admin_socket_is_owner_only(node_factory):
+    node = node_factory(*sim("16GiB"))
+    assert stat.S_IMODE(os.stat(node.admin).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(node.socket).st_mode) == 0o666
+
+
+def test_bad_config_file_is_one_line_exit_2(node_factory, short_tmp):
+    cfg = short_tmp / "bad.toml"
+    cfg.write_text("tq = [unclosed")
+    node = node_factory("--sim-gpus", "1", "--config", str(cfg), start=False)
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "node",
+            "--socket",
+            node.socket,
+            "--admin-socket",
+            node.admin,
+            "--config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "not valid TOML" in r.stderr and str(cfg) in r.stderr
+
+
+def test_second_node_on_same_socket_is_refused(node_factory):
+    node = node_factory(*sim("16GiB"))
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare",
+            "node",
+            "--socket",
+            node.socket,
+            "--admin-socket",
+            node.admin + "2",
+            "--sim-gpus",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and "another gpushare node" in r.stderr
+    assert node.status()  # the first one is untouched
+
+
+def _switch_seconds(node_factory, *extra: str) -> tuple[list[float], list[dict[str, Any]]]:
+    """Two 30 GiB batch sessions on a 40 GiB simulated GPU: every switch moves 20 GiB
+    each way. Returns each switch's revoke-to-swapped-in time, and the events."""
+    node = node_factory(*sim("40GiB", mode="exclusive", tq="0.5"), *extra)
+    procs = [
+        node.workload("batch", "--memory", "30GiB", "--seconds", "6", "--name", f"j{i}")
+        for i in (1, 2)
+    ]
+    outs = [json.loads(pr.communicate(timeout=60)[0].strip().splitlines()[-1]) for pr in procs]
+    assert all(o["failures"] == 0 for o in outs), outs
+    ev = node.event_list()
+    node.stop()
+    node.events.unlink()
+    out = switches(ev).seconds
+    assert len(out) >= 3, ev
+    return out, ev
+
+
+def test_a_switch_overlaps_swap_out_and_swap_in(node_factory):
+    over, ev = _switch_seconds(node_factory)
+    seq, ev_seq = _switch_seconds(node_factory, "--sequential-switches")
+    rooms = [e for e in ev if e["event"] == "grant" and e.get("room_bytes")]
+    assert rooms, "no switch overlapped"
+    assert not [e for e in ev_seq if e["event"] == "grant" and e.get("room_bytes")]
+    # The overlapped grant comes before the last holder's swap-out is done.
+    g = rooms[0]
+    out = next(e for e in ev if e["event"] == "swap_out" and e["ts"] >= g["ts"])
+    assert out["session"] != g["session"] and out["bytes"] > 0
+    # Side by side in this run: full duplex makes a switch ~0.5 of one after the other.
+    ratio = statistics.median(over) / statistics.median(seq)
+    assert ratio < 0.85, (over, seq)
