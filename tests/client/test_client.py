@@ -36,8 +36,9 @@ def test_no_daemon_names_the_fix(short_tmp):
 
 
 def test_limit_beyond_the_gpu_is_refused(node):
-    with pytest.raises(GpushareError, match="exceeds GPU 0"):
+    with pytest.raises(gpushare.AttachRefusedError, match="exceeds GPU 0") as e:
         gpushare.attach("17GiB", socket=node.socket)
+    assert e.value.code == "attach" and isinstance(e.value, GpushareError)
 
 
 def test_memory_from_environment(node, monkeypatch):

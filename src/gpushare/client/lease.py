@@ -88,6 +88,7 @@ class Lease:
         self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
         self.resume = False  # a grant for the lease a reconnect hello claimed is due
         self.swap_gen = -1  # the connection whose grant the swap-in follows
+        self.told = (0, 0)  # the resident and swapped bytes this connection heard last
         self.depth = 0  # threads inside gpu()
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
         self.busy = 0  # threads inside working(): no release for idleness meanwhile
@@ -234,10 +235,10 @@ class Lease:
         """ACQUIRING (or YIELDING to ask again) until HOLDING; withdraws if interrupted."""
         try:
             while True:
-                while self.phase is Phase.YIELDING or self.grant is None:
-                    self.usable()
+                self.usable()  # may wait for a reconnect: look at the grant after it
+                if self.grant is None:
                     self.cond.wait()
-                if self._swap_in():
+                elif self._swap_in():
                     break
         except BaseException:
             self._withdraw()
@@ -275,7 +276,8 @@ class Lease:
         what the session has and ask again; if still away, the reconnect asks."""
         self.phase, self.lease, self.revoke, self.room = Phase.ACQUIRING, 0, None, 0
         if self.link.state is Link.CONNECTED:
-            self.link.send(self._report_msg())
+            if self._figures() != self.told:
+                self.link.send(self._report_msg())
             self.link.send(p.Acquire())
         self._update()
 
@@ -383,15 +385,28 @@ class Lease:
 
     # --- messages -------------------------------------------------------------------
 
+    def _figures(self) -> tuple[int, int]:
+        return self.backend.resident_bytes, self.backend.swapped_bytes
+
     def _report_msg(self) -> p.Report:
-        return p.Report(resident=self.backend.resident_bytes, swapped=self.backend.swapped_bytes)
+        self.told = resident, swapped = self._figures()
+        return p.Report(resident=resident, swapped=swapped)
 
     def _release_msg(self, again: bool = False, swapping_out: int = 0) -> p.Release:
-        return p.Release(
-            resident=self.backend.resident_bytes,
-            swapped=self.backend.swapped_bytes,
-            again=again,
-            swapping_out=swapping_out,
+        self.told = resident, swapped = self._figures()
+        return p.Release(resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
+
+    def _swap_done_msg(
+        self, direction: Literal["in", "out"], nbytes: int, seconds: float, error: str = ""
+    ) -> p.SwapDone:
+        self.told = resident, swapped = self._figures()
+        return p.SwapDone(
+            direction=direction,
+            bytes=nbytes,
+            seconds=seconds,
+            resident=resident,
+            swapped=swapped,
+            error=error,
         )
 
     def _swap(self, direction: Literal["in", "out"], nbytes: int) -> None:
@@ -403,29 +418,12 @@ class Lease:
         except NodeLost:
             raise  # the node that asked is gone; the next hears the figures
         except SwapError as e:
-            self.link.send(
-                p.SwapDone(
-                    direction=direction,
-                    bytes=0,
-                    seconds=0.0,
-                    resident=b.resident_bytes,
-                    swapped=b.swapped_bytes,
-                    error=str(e),
-                )
-            )
+            self.link.send(self._swap_done_msg(direction, 0, 0.0, str(e)))
             raise
         if self.link.generation != gen:  # asked by a node that went away since
             self.link.send(self._report_msg())
             return
-        self.link.send(
-            p.SwapDone(
-                direction=direction,
-                bytes=r.bytes,
-                seconds=r.seconds,
-                resident=b.resident_bytes,
-                swapped=b.swapped_bytes,
-            )
-        )
+        self.link.send(self._swap_done_msg(direction, r.bytes, r.seconds))
 
     def on_message(self, msg: p.Message) -> None:
         if isinstance(msg, p.SwapOut):
@@ -471,16 +469,7 @@ class Lease:
         with self.cond:
             granted = self.phase in (Phase.HOLDING, Phase.SWAPPING_IN) or self.grant is not None
             if granted:  # a holder's memory is not for taking: the node plans anew
-                self.link.send(
-                    p.SwapDone(
-                        direction="out",
-                        bytes=0,
-                        seconds=0.0,
-                        resident=self.backend.resident_bytes,
-                        swapped=self.backend.swapped_bytes,
-                        error="session holds the GPU",
-                    )
-                )
+                self.link.send(self._swap_done_msg("out", 0, 0.0, "session holds the GPU"))
                 return
         with self.swap_lock, contextlib.suppress(SwapError):
             self._swap("out", msg.bytes)
@@ -510,20 +499,13 @@ class Lease:
     def on_reconnected(self, hello: p.Hello) -> None:
         """Tell a new node what changed since ``hello`` and what this session asks."""
         self.resume, self.revoke, self.room, self.lease = hello.holding, None, 0, 0
-        sent_figures = False
+        self.told = hello.resident, hello.swapped
         if hello.holding and self.phase is not Phase.HOLDING:
             # The burst ended after the hello: give back the lease the node grants for it.
             self.link.send(self._release_msg())
-            sent_figures = True
+        elif self._figures() != self.told:  # memory moved after the hello
+            self.link.send(self._report_msg())
         if self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin):
             self.grant = None
-            if not sent_figures and self._moved_since(hello):
-                self.link.send(self._report_msg())
             self.link.send(p.Acquire())
-        elif not sent_figures and self._moved_since(hello):
-            self.link.send(self._report_msg())
         self._update()
-
-    def _moved_since(self, hello: p.Hello) -> bool:
-        b = self.backend
-        return (b.resident_bytes, b.swapped_bytes) != (hello.resident, hello.swapped)

@@ -36,6 +36,7 @@ RECONNECT_BACKOFF = (0.05, 2.0)  # seconds: first and longest pause between reco
 BUSY_BACKOFF = (0.002, 0.1)  # seconds: the same for a socket whose listen backlog is full
 RECONNECT_TIMEOUT = 10.0  # seconds for one reconnect try (connect and handshake)
 
+_sleep = time.sleep  # a module attribute, so a test can see the retries
 _FIX = "start it with 'gpushare node' or point GPUSHARE_SOCKET at its socket"
 
 
@@ -70,7 +71,7 @@ def connect(path: str, timeout: float) -> _socket.socket:
             left = deadline - time.monotonic()
             if left <= 0 or not os.path.exists(path):
                 raise DaemonUnavailableError(_busy(path, e, timeout)) from None
-            time.sleep(min(delay * random.uniform(0.5, 1.5), left))
+            _sleep(min(delay * random.uniform(0.5, 1.5), left))
             delay = min(delay * 2, BUSY_BACKOFF[1])
         except OSError as e:
             sock.close()
@@ -117,7 +118,12 @@ def open_connection(
     """Connect, say hello, read the welcome; returns what followed it too. A refusal is
     :class:`AttachRefusedError`; anything else that fails, :class:`DaemonUnavailableError`."""
     deadline = time.monotonic() + timeout
-    sock = connector(timeout)
+    try:
+        sock = connector(timeout)
+    except OSError as e:
+        raise DaemonUnavailableError(
+            f"cannot reach the gpushare node at {connector.where} ({e.strerror or e}): {_FIX}"
+        ) from None
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.sendall(p.encode(hello))
@@ -276,6 +282,7 @@ class Transport:
                 self.away_since = time.monotonic()
                 assert self.peer is not None
                 self.peer.on_link_change()
+                self.cond.notify_all()  # a swap-in waiting for room stops now
             log.warning("gpushare node went away (%s): reconnecting", reason)
             if not self._reconnect():
                 return
