@@ -143,6 +143,8 @@ def fake_session(**kw: float) -> Iterator[tuple[Session, FakeNode]]:
     try:
         yield s, node
     finally:
+        if node.gate is not None:
+            node.gate.set()
         s.close()
         node.close()
 

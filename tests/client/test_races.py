@@ -343,3 +343,23 @@ def test_a_burst_ending_while_reconnecting_gives_back_the_lease_it_claimed():
         node.sync(s)
         assert not s.holding and s._lease.phase is Phase.IDLE
         assert node.said(s) == []
+
+
+def test_a_burst_goes_on_while_the_node_is_away_and_a_new_one_waits():
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=1)
+        node.gate = threading.Event()  # the node stays away until the test says
+        node.dialing.clear()
+        node.drop()
+        assert node.dialing.wait(10) and s._link.state is Link.AWAY
+        with s.gpu():  # a nested burst joins at once
+            s.checkpoint()
+            s.backend.allocate(G)
+        b.exit()  # the release reaches no one
+        s.reconnect_timeout = 0.2
+        with pytest.raises(DaemonUnavailableError, match=r"away for 0\.2 s"), s.gpu():
+            pass
+        node.gate.set()
+        hello = node.take()  # made as the node went: holding, nothing allocated yet
+        assert (hello.resident, hello.holding) == (0, True)
+        assert node.said(s) == [p.Release(resident=G, swapped=0)]  # what changed since

@@ -108,7 +108,8 @@ class Lease:
         """``gpu()``'s entry: join the burst, or wait for it to be granted."""
         self._not_forked()
         with self.cond:
-            self.usable()
+            if not self.holding:  # a burst in progress goes on while the node is away
+                self.usable()
             self.depth += 1
             try:
                 self._hold(implicit=False)
