@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import pytest
 
@@ -363,3 +364,21 @@ def test_a_burst_goes_on_while_the_node_is_away_and_a_new_one_waits():
         hello = node.take()  # made as the node went: holding, nothing allocated yet
         assert (hello.resident, hello.holding) == (0, True)
         assert node.said(s) == [p.Release(resident=G, swapped=0)]  # what changed since
+
+
+def test_an_implicit_burst_granted_after_a_long_wait_is_not_ended_at_once():
+    # idle_release counts from the grant, not from the checkpoint that asked: else a
+    # burst that waited longer than idle_release would be ended as it begins, and the
+    # GPU work after that checkpoint would run outside a lease.
+    with fake_session(idle_release_s=1.0) as (s, node):
+        t = threading.Thread(target=s.checkpoint)  # GPU work outside gpu(): asks
+        t.start()
+        assert node.recv() == p.Acquire()
+        time.sleep(1.5)  # others hold the GPU longer than idle_release
+        node.send(grant(1))
+        t.join(10)
+        assert s.holding
+        time.sleep(0.3)
+        assert s.holding and node.said(s) == []
+        wait_until(lambda: not s.holding, what="the idle release")
+        assert node.said(s) == [p.Release(resident=0, swapped=0)]

@@ -3,13 +3,17 @@ yielding, and what each message from the node means in each state.
 
 ::
 
-    IDLE --acquire--> ACQUIRING --grant--> SWAPPING_IN --memory back, room--> HOLDING
-      ^                 ^  |                  |  (the node went away: stop at the next
-      |                 |  | interrupted:     |   piece, re-register, ask again)
-      |                 |  v withdraw         v
-      +-----------------+--+------ burst ends or yield (revoked) <-----------+
-                        |                       |
-                        +------- YIELDING <-----+   (swapping out what the revoke asked)
+             ask                grant               memory back
+    IDLE ----------> ACQUIRING ------> SWAPPING_IN -------------> HOLDING
+     ^ ^                 ^  ^              |                      |    |
+     | |  withdraw       |  +--------------+ node gone            |    |
+     | +-----------------+    (stop, re-register, ask again)      |    |
+     |                   |                                        |    |
+     |                   +--------- YIELDING <---- yield ---------+    |
+     |                              (swapping out                      |
+     +------------------------------ what the revoke asked) <-- end ---+
+
+(docs/client.md has the table of transitions.)
 
 The connection (:class:`~gpushare.client.transport.Link`) is apart: while it is AWAY a
 burst in progress goes on and a new one waits; ENDED, CLOSED and FORKED end every burst
@@ -20,8 +24,8 @@ can say the node went away while memory moves) and :attr:`Lease.ready`, the one 
 
 Invariants: memory moves into the GPU only within a grant of the node the link is
 connected to now (checked before every piece); at most one request of this session is
-outstanding at the node; a grant that is not the answer to one (it crossed a withdrawal
-or a release) is never taken, and the release already sent gives it back.
+outstanding at the node; a grant that comes when none is asked for (it crossed a
+withdrawal or a release) is never taken, and the release already sent gives it back.
 """
 
 from __future__ import annotations
