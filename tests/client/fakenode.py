@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from gpushare import protocol as p
 from gpushare.client.session import Session, open_session
+from gpushare.client.transport import Link
 from tests.support import wait_until
 
 G = 2**30
@@ -44,6 +45,7 @@ class FakeNode:
         self._buf = p.FrameBuffer()
         self._msgs: deque[p.Message] = deque()
         self.sent = 0  # messages sent to the client after welcomes, over every connection
+        self.taken = 0  # connections taken by the test
 
     # --- the session's connector ----------------------------------------------------
 
@@ -85,6 +87,7 @@ class FakeNode:
     def take(self) -> p.Hello:
         """The next connection the client made: it is the current one; returns its hello."""
         self.conn = self._ends.get(timeout=10)
+        self.taken += 1
         self.conn.settimeout(10)
         self._buf, self._msgs = p.FrameBuffer(), deque()
         hello = self.recv()
@@ -118,6 +121,10 @@ class FakeNode:
     def said(self, s: Session) -> list[p.Message]:
         """What the client sent that was not read yet, up to now: it is made to send a
         marked report from this thread, and everything before the mark is returned."""
+        wait_until(
+            lambda: s._link.state is Link.CONNECTED and s._link.generation == self.taken - 1,
+            what="the client to be connected on the connection taken last",
+        )
         s._link.send(p.Report(resident=0, swapped=MARK))
         out = []
         while not isinstance(m := self.recv(), p.Report) or m.swapped != MARK:
