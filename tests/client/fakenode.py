@@ -114,6 +114,14 @@ class FakeNode:
         self.conn.close()
         self.conn = None
 
+    def go_away(self) -> None:
+        """The node goes and stays away: the client's next connect waits (its hello is
+        made by then) until the test sets :attr:`gate`."""
+        self.gate = threading.Event()
+        self.dialing.clear()
+        self.drop()
+        assert self.dialing.wait(10)
+
     def sync(self, s: Session) -> None:
         """Until the client has handled every message sent to it."""
         wait_until(lambda: s._link.received >= self.sent, what="the client to read")

@@ -331,12 +331,9 @@ def test_a_holder_reconnecting_takes_the_resumed_lease_only():
 def test_a_burst_ending_while_reconnecting_gives_back_the_lease_it_claimed():
     with fake_session() as (s, node):
         b = hold(s, node, lease=5)
-        node.gate = threading.Event()  # the reconnect waits once its hello is made
-        node.dialing.clear()
-        node.drop()
-        assert node.dialing.wait(10)
+        node.go_away()  # its reconnect waits once its hello is made
         b.exit()  # the release cannot be sent: no node
-        node.gate.set()
+        node.gate.set()  # it comes back
         hello = node.take()
         assert hello.holding  # made before the burst ended
         assert node.recv() == p.Release(resident=0, swapped=0)  # so it gives that lease back
@@ -349,10 +346,8 @@ def test_a_burst_ending_while_reconnecting_gives_back_the_lease_it_claimed():
 def test_a_burst_goes_on_while_the_node_is_away_and_a_new_one_waits():
     with fake_session() as (s, node):
         b = hold(s, node, lease=1)
-        node.gate = threading.Event()  # the node stays away until the test says
-        node.dialing.clear()
-        node.drop()
-        assert node.dialing.wait(10) and s._link.state is Link.AWAY
+        node.go_away()
+        assert s._link.state is Link.AWAY
         with s.gpu():  # a nested burst joins at once
             s.checkpoint()
             s.backend.allocate(G)
@@ -360,7 +355,7 @@ def test_a_burst_goes_on_while_the_node_is_away_and_a_new_one_waits():
         s.reconnect_timeout = 0.2
         with pytest.raises(DaemonUnavailableError, match=r"away for 0\.2 s"), s.gpu():
             pass
-        node.gate.set()
+        node.gate.set()  # it comes back
         hello = node.take()  # made as the node went: holding, nothing allocated yet
         assert (hello.resident, hello.holding) == (0, True)
         assert node.said(s) == [p.Release(resident=G, swapped=0)]  # what changed since

@@ -88,6 +88,16 @@ def attach_in_thread(path: str, **kw) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def attached(srv: socket.socket, t: threading.Thread, out: dict) -> None:
+    """The node answers the attach in ``t``, which succeeds."""
+    conn = serve_hello(srv)
+    t.join(10)
+    assert "error" not in out, out.get("error")
+    out["session"].close()
+    conn.close()
+    srv.close()
+
+
 def test_a_busy_node_is_tried_again_within_the_timeout(short_tmp, retries):
     path = str(short_tmp / "w.sock")
     srv = listening(path)
@@ -97,12 +107,7 @@ def test_a_busy_node_is_tried_again_within_the_timeout(short_tmp, retries):
     assert retries.wait(10)  # its first try met the full backlog
     for _ in waiting:  # the node catches up with the others
         srv.accept()[0].close()
-    conn = serve_hello(srv)
-    t.join(10)
-    assert "error" not in out, out.get("error")
-    out["session"].close()
-    conn.close()
-    srv.close()
+    attached(srv, t, out)
 
 
 def test_a_node_that_stays_busy_is_a_clear_error(short_tmp):
@@ -136,12 +141,7 @@ def test_a_node_starting_during_the_attach_is_reached(short_tmp, retries):
     assert retries.wait(10)  # refused: tried again
     os.unlink(path)  # the node (re)starts: a fresh socket at the same path
     srv = listening(path)
-    conn = serve_hello(srv)
-    t.join(10)
-    assert "error" not in out, out.get("error")
-    out["session"].close()
-    conn.close()
-    srv.close()
+    attached(srv, t, out)
 
 
 def test_a_refused_attach_is_a_public_error_with_a_code():
