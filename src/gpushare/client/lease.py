@@ -260,6 +260,10 @@ class Lease:
         assert g is not None
         self.phase = Phase.SWAPPING_IN
         self.swap_gen = self.link.generation
+        if not (g.swap_in or self.backend.swapped_bytes or self.room):
+            self.phase = Phase.HOLDING  # nothing to move, no room to wait for: the fast way
+            self._update()
+            return True
         try:
             with self._unlocked(), self.swap_lock:
                 if g.swap_in or self.backend.swapped_bytes:

@@ -195,6 +195,7 @@ class Transport:
         self._hello = hello
         self._send_lock = threading.Lock()
         self._reading = False  # the reader has taken bytes it has not handled yet
+        self._catching_up = 0  # threads in catch_up(): the reader wakes them
         self._reader = threading.Thread(target=self._run, name="gpushare-reader", daemon=True)
         self._first: list[p.Message] = []
 
@@ -232,11 +233,15 @@ class Transport:
             poller.register(self._sock, select.POLLIN)
         # Bytes in the socket first, then the reader's flag: it is set before the reader
         # takes bytes, so no message slips between the two looks.
-        while self.state is Link.CONNECTED and (poller.poll(0) or self._reading):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self.cond.wait(min(left, 0.05))
+        self._catching_up += 1
+        try:
+            while self.state is Link.CONNECTED and (poller.poll(0) or self._reading):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.05))
+        finally:
+            self._catching_up -= 1
 
     def end(self, state: Link, reason: str) -> None:
         """Mark the link ended or closed (condition held); closing also ends an ended one."""
@@ -299,9 +304,10 @@ class Transport:
                 if not data:
                     return "connection closed by the node"
                 self._dispatch(buf.feed(data))
-                with self.cond:
-                    self._reading = False
-                    self.cond.notify_all()
+                self._reading = False
+                if self._catching_up:  # read after the flag is cleared: see catch_up
+                    with self.cond:
+                        self.cond.notify_all()
         except (OSError, ValueError, p.ProtocolError) as e:
             return str(e) or type(e).__name__
 
