@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -348,34 +349,51 @@ class VmmBackend(SwapBackend):
     def synchronize(self) -> None:
         """The caller's GPU work is waited for by the torch backend; here, nothing."""
 
+    def _pipeline(
+        self,
+        todo: deque[Piece],
+        inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]],
+        issue: Callable[[Piece, deque[tuple[Piece, int]]], None],
+        retire: Callable[[deque[tuple[Piece, int]], list[int]], int],
+    ) -> int:
+        """Copies in batches (one piece, or small ones up to a piece's size), DEPTH
+        batches in flight, one event each: ``issue`` puts a piece in its batch and starts
+        its copy, ``retire`` finishes a batch whose copies are done. A failure leaves the
+        batches in ``inflight`` and the pieces not started in ``todo`` for the caller."""
+        moved = 0
+        while todo or inflight:
+            if not todo or len(inflight) >= DEPTH:
+                moved += retire(*inflight[0])
+                inflight.popleft()
+                continue
+            batch: deque[tuple[Piece, int]] = deque()
+            ev: list[int] = []
+            inflight.append((batch, ev))
+            size = 0
+            while todo and (not batch or size + todo[0].size <= self.piece_bytes):
+                size += todo[0].size
+                issue(todo[0], batch)
+                todo.popleft()
+            ev.append(self._event())
+            self.driver.record(ev[0], self._stream)
+        return moved
+
     def swap_out(self, nbytes: int) -> SwapResult:
         """Move pieces (the most recently allocated first) to host memory until at least
         ``nbytes`` went, freeing each on the GPU as its copy is done."""
+
+        def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
+            buf = self.host.take(p.size)
+            batch.append((p, buf))
+            self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
+
         with self._lock, self.driver.context():
             self._take_back_host()
             t0 = time.perf_counter()
             todo = deque(self.store.claim_out(nbytes))
             inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
-            moved = 0
             try:
-                while todo or inflight:
-                    if not todo or len(inflight) >= DEPTH:
-                        moved += self._retire_out(*inflight[0])  # a failure leaves it there
-                        inflight.popleft()
-                        continue
-                    batch: deque[tuple[Piece, int]] = deque()
-                    ev: list[int] = []
-                    inflight.append((batch, ev))
-                    size = 0
-                    while todo and (not batch or size + todo[0].size <= self.piece_bytes):
-                        p = todo[0]
-                        buf = self.host.take(p.size)
-                        batch.append((p, buf))
-                        todo.popleft()
-                        self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
-                        size += p.size
-                    ev.append(self._event())
-                    self.driver.record(ev[0], self._stream)
+                moved = self._pipeline(todo, inflight, issue, self._retire_out)
             except BaseException:
                 self._drain_stream()  # copies issued are done before their buffers go back
                 for batch, _ in inflight:  # not freed: they stay resident
@@ -406,41 +424,28 @@ class VmmBackend(SwapBackend):
     def swap_in(self) -> SwapResult:
         """Bring every swapped piece back to its address, in allocation order, each
         once the node has room for it."""
+        inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
+        waited = 0.0
+
+        def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
+            nonlocal waited
+            pending = sum(q.size for b, _ in inflight for q, _ in b)  # mapped, not settled
+            waited += self.room_for(self.store.resident + pending + p.size)
+            h = self.driver.create(p.size)
+            try:
+                self.driver.map(p.va, p.size, h)
+            except BaseException:
+                self.driver.release(h)
+                raise
+            batch.append((p, h))
+            self.driver.copy_htod(p.va, p.host, p.size, self._stream)
+
         with self._lock, self.driver.context():
             self._take_back_host()
             t0 = time.perf_counter()
             todo = deque(self.store.claim_in())
-            inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
-            pending = 0  # bytes mapped whose copies are not retired yet
-            moved = 0
             try:
-                while todo or inflight:
-                    if not todo or len(inflight) >= DEPTH:
-                        n = self._retire_in(*inflight[0])
-                        inflight.popleft()
-                        pending -= n
-                        moved += n
-                        continue
-                    batch: deque[tuple[Piece, int]] = deque()
-                    ev: list[int] = []
-                    inflight.append((batch, ev))
-                    size = 0
-                    while todo and (not batch or size + todo[0].size <= self.piece_bytes):
-                        p = todo[0]
-                        t0 += self.room_for(self.store.resident + pending + p.size)
-                        h = self.driver.create(p.size)
-                        try:
-                            self.driver.map(p.va, p.size, h)
-                        except BaseException:
-                            self.driver.release(h)
-                            raise
-                        batch.append((p, h))
-                        todo.popleft()
-                        pending += p.size
-                        self.driver.copy_htod(p.va, p.host, p.size, self._stream)
-                        size += p.size
-                    ev.append(self._event())
-                    self.driver.record(ev[0], self._stream)
+                moved = self._pipeline(todo, inflight, issue, self._retire_in)
             except BaseException:
                 # Copies done are kept; the others go back to being only on the host.
                 self._drain_stream()
@@ -460,7 +465,7 @@ class VmmBackend(SwapBackend):
                     self.store.settle(p, 0, p.host)
                 self.on_change()
                 raise
-            return SwapResult(moved, time.perf_counter() - t0)
+            return SwapResult(moved, time.perf_counter() - t0 - waited)  # not transfer time
 
     def _retire_in(self, batch: deque[tuple[Piece, int]], ev: list[int]) -> int:
         self.driver.wait(ev[0])
