@@ -299,7 +299,7 @@ def test_a_forked_child_is_not_gated(node_factory):
 # --- launchers, foreign Pythons, allocator settings ------------------------------------
 
 WORKER = textwrap.dedent("""
-    import json, os, torch, torch.distributed as dist
+    import json, os, sys, torch, torch.distributed as dist
     from gpushare.client import runner
     from gpushare.client.launchers import gang_fields
     dist.init_process_group("gloo")
@@ -308,9 +308,10 @@ WORKER = textwrap.dedent("""
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
     s = runner.SESSION
-    print(json.dumps({"pid": os.getpid(), "session": s.id if s else None,
-                      "grants": s.grants if s else 0, "gang": gang_fields(),
-                      "sum": t.item()}), flush=True)
+    out = {"pid": os.getpid(), "session": s.id if s else None, "grants": s.grants if s else 0,
+           "gang": gang_fields(), "sum": t.item()}
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
     dist.destroy_process_group()
 """)
 
@@ -335,12 +336,12 @@ def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factor
         "--nproc-per-node",
         "2",
         str(script),
+        str(short_tmp),
         extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
     )
-    out, err = pr.communicate(timeout=240)
+    _, err = pr.communicate(timeout=240)
     assert pr.returncode == 0, err
-    ranks = lines(out)
-    assert len(ranks) == 2, (out, err)
+    ranks = [json.loads((short_tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["session"] is not None and r["grants"] >= 1 for r in ranks), ranks
     assert {r["pid"] for r in ranks}.isdisjoint({pr.pid})  # workers, not the launcher
     attached = {e["session"] for e in node.event_list() if e["event"] == "attach"}
