@@ -73,7 +73,7 @@ def test_daemonset_has_what_a_node_agent_needs():
 def test_rbac_is_read_pods_only():
     role = by_kind(render("plain"))["ClusterRole"]
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
     ]
 
 
