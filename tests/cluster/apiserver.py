@@ -295,8 +295,11 @@ class Cluster:
         r = self.request(
             "POST",
             f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-             "spec": {"expirationSeconds": seconds}},
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": seconds},
+            },
         )
         return str(r["status"]["token"])
 
@@ -315,12 +318,14 @@ class Cluster:
         return out
 
 
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+def _stop(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, as a kubelet stops a container
+    (kube-apiserver waits for open watches to end: it is killed then, mid-watch)."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -77,8 +77,9 @@ class Kube:
             self.c.request("GET", f"/api/v1/namespaces/{name}")
         except OSError:
             self.c.request(
-                "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                               "metadata": {"name": name}}
+                "POST",
+                "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
             )
 
     def pod(self, namespace: str, name: str, node: str, container: str = "trainer") -> str:
@@ -91,8 +92,9 @@ class Kube:
             "metadata": {"name": name, "namespace": namespace},
             "spec": {"nodeName": node, "containers": [{"name": container, "image": "busybox"}]},
         }
-        return str(self.c.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)
-                   ["metadata"]["uid"])
+        return str(
+            self.c.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)["metadata"]["uid"]
+        )
 
     def running(self, namespace: str, name: str, container: str, container_id: str) -> None:
         """The kubelet's status update: the container started, with this runtime ID."""
@@ -183,7 +185,10 @@ class PodProcess:
         self.p.stdin.write("attach\n")
         self.p.stdin.flush()
         line = self.p.stdout.readline()
-        assert line.startswith("attached"), f"workload: {line!r} {self.p.stderr.read() if self.p.stderr else ''}"
+        if not line.startswith("attached"):
+            self.p.kill()
+            err = self.p.stderr.read() if self.p.stderr else ""
+            raise AssertionError(f"the workload did not attach: {line!r} {err}")
         self.session = int(line.split()[1])
         return self
 

@@ -17,6 +17,7 @@ class TcpProxy:
         self.accepting = True
         self.connections_total = 0
         self._open: set[socket.socket] = set()
+        self._stalled: set[socket.socket] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
 
@@ -44,6 +45,8 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                if src in self._stalled:
+                    continue  # swallowed
                 dst.sendall(data)
         except OSError:
             pass
@@ -63,6 +66,12 @@ class TcpProxy:
         with self._lock:
             socks = list(self._open)
         self._drop(*socks)
+
+    def stall(self) -> None:
+        """The open connections stop carrying bytes, without a word to either end (a peer
+        gone, a dropped route); new connections work."""
+        with self._lock:
+            self._stalled |= self._open
 
     def resume(self) -> None:
         self.accepting = True

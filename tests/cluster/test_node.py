@@ -138,9 +138,7 @@ def test_session_gets_its_pods_names_in_status_and_metrics(k8s_node, kube: Kube)
     assert {"namespace": ns, "pod": pod, "container": "trainer"}.items() <= samples[0].items()
 
 
-def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(
-    k8s_node, deployed: Cluster
-):
+def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, deployed: Cluster):
     k = k8s_node()
     ns = unique("audit")
     pod, uid, cid = k.pod(ns)
@@ -170,7 +168,7 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(
     plain = deployed.kubectl("kustomize", str(K8S / "overlays" / "plain")).stdout
     (role,) = [o for o in yaml.safe_load_all(plain) if o and o["kind"] == "ClusterRole"]
     granted = {(v, r) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    assert used == granted, f"the node used {sorted(used)}; its ClusterRole grants {sorted(granted)}"
+    assert used == granted, f"the node used {sorted(used)}; its role grants {sorted(granted)}"
 
 
 def test_names_survive_a_broken_watch(k8s_node, deployed: Cluster, kube: Kube):
@@ -183,9 +181,7 @@ def test_names_survive_a_broken_watch(k8s_node, deployed: Cluster, kube: Kube):
         wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
         connections = proxy.connections_total
         proxy.cut()  # the watch breaks; reconnecting is refused for now
-        wait_until(
-            lambda: "Kubernetes API:" in node_log(k), timeout=30, what="the node to see it"
-        )
+        wait_until(lambda: "Kubernetes API:" in node_log(k), timeout=30, what="the node to see it")
         # Meanwhile a pod starts on the node: only a fresh list (or watch) can tell.
         pod2, uid2, cid2 = k.pod(ns)
         assert k.names(sid) == (ns, pod, "trainer", "kubernetes")  # the cache answers
@@ -243,9 +239,7 @@ def test_pod_deleted_mid_session(k8s_node, kube: Kube):
     # claim (the Downward API's POD_UID matches its cgroup), and goes on being served.
     kube.delete(ns, pod, grace=0)
     assert kube.get(ns, pod) is None
-    wait_until(
-        lambda: k.names(sid)[3] != "kubernetes", timeout=30, what="the node to drop the pod"
-    )
+    wait_until(lambda: k.names(sid)[3] != "kubernetes", timeout=30, what="the node to drop the pod")
     s = k.session(sid)
     assert (s["namespace"], s["pod"], s["identity_source"]) == (ns, pod, "claim")
     assert s["pod_uid"] == uid
