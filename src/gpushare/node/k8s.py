@@ -112,8 +112,16 @@ class KubernetesApi:
         else:
             try:
                 config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
+            except config.ConfigException as in_cluster:
+                try:
+                    config.load_kube_config()
+                except config.ConfigException as e:
+                    # Both reasons: in a pod it is the first that says what is missing.
+                    raise config.ConfigException(
+                        f"no Kubernetes API configuration: in-cluster: {in_cluster} (in a"
+                        f" pod: mount the service account's token); kubeconfig: {e} (set"
+                        " KUBECONFIG)"
+                    ) from None
         self.v1 = client.CoreV1Api()
         self.api = client.ApiClient()
         self.watch_timeout = int(watch_timeout)
