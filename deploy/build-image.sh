@@ -23,6 +23,14 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   log "needs root and apt-get (Debian) for debootstrap and buildah"
   exit 3
 fi
+# debootstrap and buildah mount file systems: a container without CAP_SYS_ADMIN refuses.
+probe=$(mktemp -d)
+if ! unshare --mount sh -c "mount -t tmpfs gpushare-probe '$probe'" 2>/dev/null; then
+  rmdir "$probe"
+  log "cannot mount file systems here (a container without CAP_SYS_ADMIN?): debootstrap and buildah need to"
+  exit 3
+fi
+rmdir "$probe"
 mkdir -p "$CACHE"
 exec 9>"$CACHE/lock"
 flock 9  # one build at a time on this machine; the second finds the first's image
@@ -52,6 +60,7 @@ BASE="localhost/gpushare-base:$SUITE-$BASE_KEY"
 ROOTFS="$CACHE/rootfs-$SUITE-$BASE_KEY.tar"
 if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
   if [ ! -s "$ROOTFS" ]; then
+    [ -n "$(apt-get indextargets)" ] || apt-get -o DPkg::Lock::Timeout=600 update -qq
     mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' |
       awk -v s="$SUITE" '$2 == s { print $1; exit }')
     [ -n "$mirror" ] || { log "apt knows no mirror for $SUITE (run apt-get update)"; exit 1; }
@@ -82,7 +91,7 @@ key=$(
   cd "$REPO"
   {
     "${B[@]}" inspect --type image --format '{{.FromImageID}}' "$BASE"
-    find deploy/Dockerfile pyproject.toml README.md src -type f \
+    find deploy/Dockerfile deploy/build-image.sh pyproject.toml README.md src -type f \
       ! -path '*/__pycache__/*' ! -path '*.egg-info/*' -print0 | sort -z | xargs -0 sha256sum
   } | sha256sum | cut -c1-12
 )
@@ -103,7 +112,8 @@ for r in [*p["build-system"]["requires"], *p["project"]["dependencies"],
     print(r)
 EOF
   "$PYTHON" -m pip download -q --disable-pip-version-check --only-binary=:all: \
-    --python-version "$pyver" -d "$WORK/wheels" -r "$WORK/requirements.txt"
+    --python-version "$pyver" -d "$WORK/wheels" -r "$WORK/requirements.txt" \
+    >"$WORK/pip.log" 2>&1 || { tail -n 30 "$WORK/pip.log" >&2; exit 1; }
   printf '[global]\nno-index = true\nfind-links = /wheels\n' >"$WORK/pip.conf"
   log "building $IMAGE from deploy/Dockerfile on $BASE"
   "${B[@]}" build -q --isolation chroot --from "$BASE" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -175,7 +176,6 @@ class Cluster:
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
             f"--secure-port={self.port}",
-            "--insecure-port=0",  # 1.20 still opens :8080 unless told not to
             f"--cert-dir={self.certs}",  # a self-signed certificate, made on first start
             f"--token-auth-file={d / 'tokens.csv'}",
             "--authorization-mode=RBAC",
@@ -194,9 +194,22 @@ class Cluster:
             "--profiling=false",
             "--v=1",
         ]
+        if self.minor() < 24:
+            args.append("--insecure-port=0")  # before 1.24 it opens :8080 unless told not to
         with open(d / "apiserver.log", "ab") as log:
             self.apiserver = subprocess.Popen(args, stdout=log, stderr=log)
         self._wait(self.apiserver, "kube-apiserver", d / "apiserver.log", self.ready)
+
+    def minor(self) -> int:
+        """The binary's minor version (1.20 from the build; another with
+        GPUSHARE_KUBE_APISERVER)."""
+        if not hasattr(self, "_minor"):
+            out = subprocess.run(
+                [str(self.binary), "--version"], capture_output=True, text=True, timeout=60
+            ).stdout
+            m = re.search(r"v1\.(\d+)", out)
+            self._minor = int(m.group(1)) if m else 0
+        return self._minor
 
     @staticmethod
     def _wait(proc: subprocess.Popen[bytes], what: str, log: Path, ready: Any) -> None:

@@ -46,6 +46,7 @@ WORK=$(mktemp -d "$CACHE/build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)
 
+[ -n "$(apt-get indextargets)" ] || apt-get "${APT[@]}" update -qq
 # A private apt configuration with deb-src entries for the mirrors apt already uses, so
 # the machine's own apt state is left as it was.
 A="$WORK/apt"

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.apiserver import NODE_SA, Cluster, build
+from tests.cluster.apiserver import CANNOT_BUILD, NODE_SA, Cluster
+from tests.cluster.apiserver import build as build_apiserver
 from tests.support import REPO
 
 K8S = REPO / "deploy" / "kubernetes"
@@ -26,18 +27,62 @@ K8S = REPO / "deploy" / "kubernetes"
 SERVICEMONITOR_CRD = Path(__file__).parent / "servicemonitor-crd.yaml"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# The builds (minutes the first time, cached after) run once the tests are chosen and
+# before any starts, so no test's timeout has to cover them; `make test` has run them
+# already (make cluster-deps image).
+_built: dict[str, tuple[str, str]] = {}  # "apiserver" | "image" -> (path or name, why not)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.cluster)
+    mine = [i for i in session.items if here in Path(str(i.fspath)).parents]
+    if not mine:
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line("tests/cluster: kube-apiserver, etcd and the image (built once, cached)")
+    _built["apiserver"] = _run(build_apiserver)
+    if any(Path(str(i.fspath)).name == "test_image.py" for i in mine):
+        _built["image"] = _run(build_image)
+
+
+def _run(build: Any) -> tuple[str, str]:
+    try:
+        path, why = build()
+        return str(path or ""), why
+    except Exception as e:  # reported by the tests that need it, as their error
+        return "", f"ERROR {e}"
+
+
+def built(what: str) -> str:
+    path, why = _built.get(what) or _run(build_apiserver if what == "apiserver" else build_image)
+    if why.startswith("ERROR "):
+        raise RuntimeError(why[6:])
+    if not path:
+        pytest.skip(f"no {what}: {why}")
+    return path
+
+
+def build_image() -> tuple[str, str]:
+    """deploy/build-image.sh: the image's name, or why there is none."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(
+        ["bash", str(REPO / "deploy" / "build-image.sh")],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env=env,
+    )
+    if r.returncode == CANNOT_BUILD:
+        return "", r.stderr.strip().splitlines()[-1]
+    if r.returncode != 0:
+        raise RuntimeError(f"deploy/build-image.sh failed:\n{r.stderr[-3000:]}")
+    return r.stdout.strip().splitlines()[-1], ""
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    binary, why = build()
-    if binary is None:
-        pytest.skip(f"no kube-apiserver: {why}")
+    binary = Path(built("apiserver"))
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
     c = Cluster(binary, d)
     try:
@@ -46,6 +91,11 @@ def cluster() -> Iterator[Cluster]:
     finally:
         c.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    return built("image")
 
 
 @pytest.fixture(scope="session")

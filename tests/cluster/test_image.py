@@ -28,10 +28,9 @@ from gpushare._version import __version__
 from gpushare.tools.admin import AdminClient
 from tests.cluster.apiserver import NODE_SA, Cluster, free_port
 from tests.cluster.conftest import K8S, Kube, unique
-from tests.support import REPO, wait_until
+from tests.support import wait_until
 
-BUILD = REPO / "deploy" / "build-image.sh"
-CANNOT_BUILD = 3
+pytestmark = pytest.mark.cluster
 
 
 def storage() -> list[str]:
@@ -49,16 +48,6 @@ def buildah(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and r.returncode != 0:
         raise AssertionError(f"buildah {' '.join(args)}: {r.stderr}")
     return r
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    env = dict(os.environ, PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True, timeout=3600, env=env)
-    if r.returncode == CANNOT_BUILD:
-        pytest.skip(f"no image: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, f"deploy/build-image.sh failed:\n{r.stderr[-3000:]}"
-    return r.stdout.strip().splitlines()[-1]
 
 
 def image_config(image: str) -> dict[str, Any]:

@@ -14,22 +14,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.apiserver import Cluster, build
-from tests.cluster.conftest import K8S, SERVICEMONITOR_CRD
+from tests.cluster.apiserver import Cluster
+from tests.cluster.conftest import K8S, SERVICEMONITOR_CRD, built
 from tests.support import REPO
 
 EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
 NS = "gpushare-system"
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
 def fresh() -> Iterator[Cluster]:
     """A cluster of its own: nothing applied yet."""
-    binary, why = build()
-    if binary is None:
-        pytest.skip(f"no kube-apiserver: {why}")
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
-    c = Cluster(binary, d)
+    c = Cluster(Path(built("apiserver")), d)
     try:
         yield c.start()
     finally:

@@ -22,6 +22,7 @@ from tests.cluster.conftest import K8S, Kube, PodProcess, container_id, unique
 from tests.cluster.proxy import TcpProxy
 from tests.support import NodeProcess, sim, wait_until
 
+pytestmark = pytest.mark.cluster
 SA_USER = f"system:serviceaccount:{NODE_SA[0]}:{NODE_SA[1]}"
 
 

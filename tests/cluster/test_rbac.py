@@ -10,6 +10,7 @@ import pytest
 
 from tests.cluster.apiserver import Cluster
 
+pytestmark = pytest.mark.cluster
 ALLOWED = [
     ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"),
     ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1&watch=1&timeoutSeconds=1"),

@@ -17,6 +17,8 @@ from tests.cluster.conftest import Kube, container_id, unique
 from tests.cluster.proxy import TcpProxy
 from tests.support import wait_until
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def kubeconfig(deployed: Cluster, node_token: str, tmp_path: Path):
