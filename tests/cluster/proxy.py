@@ -15,6 +15,7 @@ class TcpProxy:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.server.getsockname()[1])
         self.accepting = True
+        self.stalling = False
         self.connections_total = 0
         self._open: set[socket.socket] = set()
         self._stalled: set[socket.socket] = set()
@@ -38,6 +39,8 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._open |= {client, upstream}
+                if self.stalling:
+                    self._stalled |= {client, upstream}
                 self.connections_total += 1
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -68,13 +71,14 @@ class TcpProxy:
         self._drop(*socks)
 
     def stall(self) -> None:
-        """The open connections stop carrying bytes, without a word to either end (a peer
-        gone, a dropped route); new connections work."""
+        """Connections stop carrying bytes, without a word to either end (a peer gone, a
+        dropped route): the open ones for good, new ones until :meth:`resume`."""
+        self.stalling = True
         with self._lock:
             self._stalled |= self._open
 
     def resume(self) -> None:
-        self.accepting = True
+        self.accepting, self.stalling = True, False
 
     def close(self) -> None:
         self.cut()

@@ -131,21 +131,29 @@ def test_a_connection_that_dies_silently_is_given_up(
     proxy = TcpProxy(deployed.port)
     try:
         node, ns = unique("gpu-node"), unique("stall")
-        # A watch the server ends after 1 s, and taken for dead after 3 s of silence.
-        api = KubernetesApi(kubeconfig(f"https://127.0.0.1:{proxy.port}"), 1, 3)
+        # A watch the server ends after 1 s, taken for dead after 3 s of silence; a list
+        # that has no answer in 3 s fails.
+        kc = kubeconfig(f"https://127.0.0.1:{proxy.port}")
+        api = KubernetesApi(kc, watch_timeout=1, idle_timeout=3, request_timeout=3)
         cache = PodCache()
         w = PodWatcher(cache, node, api, max_backoff=1).start()
         watchers.append(w)
         wait_until(lambda: cache.synced, timeout=30, what="the first list")
-        proxy.stall()  # the open connections go quiet for good; new ones work
+        proxy.stall()  # the watch's connection goes quiet for good, new ones for now
         name, cid = unique("train"), container_id()
         uid = kube.pod(ns, name, node)
         kube.running(ns, name, "trainer", cid)
         wait_until(
+            lambda: w.failures >= 1,
+            timeout=60,
+            what="the watcher to give up the silent connection",
+        )
+        assert cache.resolve(uid) is None  # nothing came through
+        proxy.resume()
+        wait_until(
             lambda: cache.resolve(uid, cid) == (ns, name, "trainer"),
             timeout=60,
-            what="the watcher to give up the dead connection and list again",
+            what="a list on a new connection",
         )
-        assert w.failures >= 1
     finally:
         proxy.close()
