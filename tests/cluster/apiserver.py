@@ -157,6 +157,7 @@ class Cluster:
                 ],
                 stdout=log,
                 stderr=log,
+                preexec_fn=die_with_parent,
             )
         self._wait(self.etcd, "etcd", self.dir / "etcd.log", self._etcd_healthy)
 
@@ -197,7 +198,9 @@ class Cluster:
         if self.minor() < 24:
             args.append("--insecure-port=0")  # before 1.24 it opens :8080 unless told not to
         with open(d / "apiserver.log", "ab") as log:
-            self.apiserver = subprocess.Popen(args, stdout=log, stderr=log)
+            self.apiserver = subprocess.Popen(
+                args, stdout=log, stderr=log, preexec_fn=die_with_parent
+            )
         self._wait(self.apiserver, "kube-apiserver", d / "apiserver.log", self.ready)
 
     def minor(self) -> int:
@@ -329,6 +332,15 @@ class Cluster:
             if ev.get("user", {}).get("username") == username:
                 out.append(ev)
         return out
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies, however it dies (a
+    CI job's timeout kills pytest without running its teardown)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> None:

@@ -26,7 +26,7 @@ import yaml
 
 from gpushare._version import __version__
 from gpushare.tools.admin import AdminClient
-from tests.cluster.apiserver import NODE_SA, Cluster, free_port
+from tests.cluster.apiserver import NODE_SA, Cluster, die_with_parent, free_port
 from tests.cluster.conftest import K8S, Kube, unique
 from tests.support import wait_until
 
@@ -98,7 +98,7 @@ class Container:
             self.proc = subprocess.Popen(
                 ["buildah", *storage(), "run", "--isolation", "chroot", *opts, self.name,
                  "--", *argv],
-                stdout=log, stderr=log,
+                stdout=log, stderr=log, preexec_fn=die_with_parent,
             )  # fmt: skip
 
     def exec(self, argv: list[str], mounts: list[str]) -> subprocess.CompletedProcess[str]:
