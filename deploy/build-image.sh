@@ -6,6 +6,8 @@
 # run by buildah (vfs storage, chroot isolation: works as root without a daemon).
 #
 #   deploy/build-image.sh        # prints the image's name on its last line
+#   deploy/build-image.sh --buildah-options   # buildah's global options for its storage,
+#                                             # one a line (to run the image)
 #
 # Cached in ${GPUSHARE_CACHE:-~/.cache/gpushare}/image/: the base root filesystem (a tar),
 # buildah's storage, and the image, named <version>-<hash of what goes into it>; a second
@@ -18,6 +20,11 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE="${GPUSHARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpushare}/image"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"  # whose pip fetches the wheels
 log() { echo "build-image: $*" >&2; }
+B=(buildah --root "$CACHE/storage" --runroot "$CACHE/run" --storage-driver vfs)
+if [ "${1:-}" = --buildah-options ]; then
+  printf '%s\n' "${B[@]:1}"
+  exit 0
+fi
 
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   log "needs root and apt-get (Debian) for debootstrap and buildah"
@@ -46,7 +53,6 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-B=(buildah --root "$CACHE/storage" --runroot "$CACHE/run" --storage-driver vfs)
 WORK=$(mktemp -d "$CACHE/work.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)

@@ -58,18 +58,23 @@ def kubectl_path() -> str:
     return found
 
 
-def build() -> tuple[Path | None, str]:
+def run_build(script: Path, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run a build script (cached after the first time): the last line it prints (a
+    path, an image), or ``""`` and why it cannot build here (exit 3). Any other failure
+    raises, with the script's last words."""
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600, env=env)
+    if r.returncode == CANNOT_BUILD:
+        return "", r.stderr.strip().splitlines()[-1]
+    if r.returncode != 0:
+        raise RuntimeError(f"{script.name} failed:\n{r.stderr[-3000:]}")
+    return r.stdout.strip().splitlines()[-1], ""
+
+
+def build() -> tuple[str, str]:
     """The kube-apiserver binary (building it the first time), or why there is none.
     ``GPUSHARE_KUBE_APISERVER`` names another binary to use (a newer release, say)."""
     own = os.environ.get("GPUSHARE_KUBE_APISERVER")
-    if own:
-        return Path(own), ""
-    r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True, timeout=3600)
-    if r.returncode == CANNOT_BUILD:
-        return None, r.stderr.strip().splitlines()[-1]
-    if r.returncode != 0:
-        raise RuntimeError(f"building kube-apiserver failed:\n{r.stderr[-3000:]}")
-    return Path(r.stdout.strip().splitlines()[-1]), ""
+    return (own, "") if own else run_build(BUILD)
 
 
 def free_port() -> int:
@@ -245,7 +250,7 @@ class Cluster:
         self.start_apiserver()
 
     def stop(self) -> None:
-        _stop(self.apiserver)
+        _stop(self.apiserver, grace=1.0)  # the end: no need to let watches finish
         _stop(self.etcd)
 
     # --- clients ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.apiserver import CANNOT_BUILD, NODE_SA, Cluster
+from tests.cluster.apiserver import NODE_SA, Cluster, run_build
 from tests.cluster.apiserver import build as build_apiserver
 from tests.support import REPO
 
@@ -48,14 +48,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def _run(build: Any) -> tuple[str, str]:
     try:
-        path, why = build()
-        return str(path or ""), why
+        return build()
     except Exception as e:  # reported by the tests that need it, as their error
         return "", f"ERROR {e}"
 
 
 def built(what: str) -> str:
-    path, why = _built.get(what) or _run(build_apiserver if what == "apiserver" else build_image)
+    """The kube-apiserver binary or the image's name; skips where it cannot be built."""
+    builders = {"apiserver": build_apiserver, "image": build_image}
+    path, why = _built.get(what) or _run(builders[what])
     if why.startswith("ERROR "):
         raise RuntimeError(why[6:])
     if not path:
@@ -64,20 +65,8 @@ def built(what: str) -> str:
 
 
 def build_image() -> tuple[str, str]:
-    """deploy/build-image.sh: the image's name, or why there is none."""
-    env = dict(os.environ, PYTHON=sys.executable)
-    r = subprocess.run(
-        ["bash", str(REPO / "deploy" / "build-image.sh")],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        env=env,
-    )
-    if r.returncode == CANNOT_BUILD:
-        return "", r.stderr.strip().splitlines()[-1]
-    if r.returncode != 0:
-        raise RuntimeError(f"deploy/build-image.sh failed:\n{r.stderr[-3000:]}")
-    return r.stdout.strip().splitlines()[-1], ""
+    """deploy/build-image.sh (its wheels fetched by this Python's pip)."""
+    return run_build(REPO / "deploy" / "build-image.sh", dict(os.environ, PYTHON=sys.executable))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ socket in the hostPath volume, names the package's version, and stops on SIGTERM
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,19 +29,22 @@ from gpushare._version import __version__
 from gpushare.tools.admin import AdminClient
 from tests.cluster.apiserver import NODE_SA, Cluster, die_with_parent, free_port
 from tests.cluster.conftest import K8S, Kube, unique
-from tests.support import wait_until
+from tests.support import REPO, wait_until
 
 pytestmark = pytest.mark.cluster
 
 
+@functools.cache
 def storage() -> list[str]:
-    """buildah's global options as deploy/build-image.sh uses them (its cache)."""
-    root = os.environ.get("GPUSHARE_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpushare"
+    """buildah's global options for deploy/build-image.sh's storage (its cache)."""
+    r = subprocess.run(
+        ["bash", str(REPO / "deploy" / "build-image.sh"), "--buildah-options"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
-    img = Path(root) / "image"
-    return ["--root", str(img / "storage"), "--runroot", str(img / "run"),
-            "--storage-driver", "vfs"]  # fmt: skip
+    return r.stdout.splitlines()
 
 
 def buildah(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
