@@ -157,3 +157,18 @@ def test_a_connection_that_dies_silently_is_given_up(
         )
     finally:
         proxy.close()
+
+
+def test_without_any_configuration_the_error_names_both_reasons(monkeypatch, tmp_path: Path):
+    """A pod without its service account's token (automountServiceAccountToken: false)
+    and no kubeconfig: the one-line error says what each way lacks."""
+    from kubernetes.config import ConfigException, kube_config
+
+    for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
+    with pytest.raises(ConfigException) as e:
+        KubernetesApi()
+    msg = str(e.value)
+    assert "in-cluster: Service host/port is not set" in msg and "KUBECONFIG" in msg, msg
+    assert "\n" not in msg
