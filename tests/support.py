@@ -50,6 +50,7 @@ class NodeProcess:
             self.admin,
             "--event-log",
             str(self.events),
+            *self.metrics,
             *self.args,
             *extra,
         ]
