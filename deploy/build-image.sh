@@ -6,6 +6,8 @@
 # run by buildah (vfs storage, chroot isolation: works as root without a daemon).
 #
 #   deploy/build-image.sh        # prints the image's name on its last line
+#   deploy/build-image.sh --cached            # the same, only if built and up to date:
+#                                             # else exit 4
 #   deploy/build-image.sh --buildah-options   # buildah's global options for its storage,
 #                                             # one a line (to run the image)
 #
@@ -42,12 +44,20 @@ mkdir -p "$CACHE"
 exec 9>"$CACHE/lock"
 flock 9  # one build at a time on this machine; the second finds the first's image
 
+cached=false
+[ "${1:-}" = --cached ] && cached=true
+not_built() {
+  log "not built, or out of date: run make image (or deploy/build-image.sh)"
+  exit 4
+}
+
 export DEBIAN_FRONTEND=noninteractive
 need=()
 for p in buildah debootstrap; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
+  $cached && not_built
   log "installing ${need[*]} (Debian packages)"
   apt-get -o DPkg::Lock::Timeout=600 update -qq
   apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -65,6 +75,7 @@ BASE_KEY=$(echo "1 $SUITE $PKGS" | sha256sum | cut -c1-12)  # bump 1 when the re
 BASE="localhost/gpushare-base:$SUITE-$BASE_KEY"
 ROOTFS="$CACHE/rootfs-$SUITE-$BASE_KEY.tar"
 if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
+  $cached && not_built
   if [ ! -s "$ROOTFS" ]; then
     [ -n "$(apt-get indextargets)" ] || apt-get -o DPkg::Lock::Timeout=600 update -qq
     mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' |
@@ -103,6 +114,7 @@ key=$(
 )
 IMAGE="localhost/gpushare:$version-$key"
 if ! "${B[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
+  $cached && not_built
   t=$(date +%s)
   # The wheels for the image's Python, fetched by the host's pip (its index, its proxy).
   c=$("${B[@]}" from -q "$BASE")
@@ -131,5 +143,5 @@ EOF
   "${B[@]}" images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/gpushare:' |
     grep -vx "$IMAGE" | xargs -r "${B[@]}" rmi >/dev/null 2>&1 || true
 fi
-log "ready in $(($(date +%s) - start)) s"
+$cached || log "ready in $(($(date +%s) - start)) s"
 echo "$IMAGE"

@@ -4,7 +4,8 @@
 # Debian's `etcd-server`. No registry here ships kube-apiserver binaries and the Go
 # module proxy may be unreachable: this needs only the Debian mirror apt already uses.
 #
-#   tests/cluster/build-apiserver.sh      # prints the binary's path on its last line
+#   tests/cluster/build-apiserver.sh            # prints the binary's path on its last line
+#   tests/cluster/build-apiserver.sh --cached   # the same, only if built: else exit 4
 #
 # The binary is cached in ${GPUSHARE_CACHE:-~/.cache/gpushare}/k8s/ and named by the
 # source version; a second run returns at once. Exit 3: cannot build here (not root or no
@@ -26,6 +27,10 @@ fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   log "needs root and apt-get (Debian) to build kube-apiserver and install etcd"
   exit 3
+fi
+if [ "${1:-}" = --cached ]; then
+  log "not built yet: run make cluster-deps (or tests/cluster/build-apiserver.sh)"
+  exit 4
 fi
 
 export DEBIAN_FRONTEND=noninteractive

@@ -27,46 +27,17 @@ K8S = REPO / "deploy" / "kubernetes"
 SERVICEMONITOR_CRD = Path(__file__).parent / "servicemonitor-crd.yaml"
 
 
-# The builds (minutes the first time, cached after) run once the tests are chosen and
-# before any starts, so no test's timeout has to cover them; `make test` has run them
-# already (make cluster-deps image).
-_built: dict[str, tuple[str, str]] = {}  # "apiserver" | "image" -> (path or name, why not)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    here = Path(__file__).parent
-    mine = [i for i in session.items if here in Path(str(i.fspath)).parents]
-    if not mine:
-        return
-    tr = session.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line("tests/cluster: kube-apiserver, etcd and the image (built once, cached)")
-    _built["apiserver"] = _run(build_apiserver)
-    if any(Path(str(i.fspath)).name == "test_image.py" for i in mine):
-        _built["image"] = _run(build_image)
-
-
-def _run(build: Any) -> tuple[str, str]:
-    try:
-        return build()
-    except Exception as e:  # reported by the tests that need it, as their error
-        return "", f"ERROR {e}"
-
-
 def built(what: str) -> str:
-    """The kube-apiserver binary or the image's name; skips where it cannot be built."""
-    builders = {"apiserver": build_apiserver, "image": build_image}
-    path, why = _built.get(what) or _run(builders[what])
-    if why.startswith("ERROR "):
-        raise RuntimeError(why[6:])
+    """The kube-apiserver binary or the image's name, as `make test` built them (make
+    cluster-deps, make image); skips, saying why, where there is none."""
+    if what == "apiserver":
+        path, why = build_apiserver()
+    else:
+        env = dict(os.environ, PYTHON=sys.executable)
+        path, why = run_build(REPO / "deploy" / "build-image.sh", env)
     if not path:
         pytest.skip(f"no {what}: {why}")
     return path
-
-
-def build_image() -> tuple[str, str]:
-    """deploy/build-image.sh (its wheels fetched by this Python's pip)."""
-    return run_build(REPO / "deploy" / "build-image.sh", dict(os.environ, PYTHON=sys.executable))
 
 
 @pytest.fixture(scope="session")
