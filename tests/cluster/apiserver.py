@@ -315,16 +315,24 @@ class Cluster:
             raise AssertionError(f"kubectl {' '.join(args)} failed:\n{r.stderr}")
         return r
 
-    def token_for(self, namespace: str, name: str, seconds: int = 3600) -> str:
-        """A token for a service account, from the TokenRequest API (as kubelet gets one)."""
+    def token_for(
+        self, namespace: str, name: str, pod: dict[str, Any] | None = None, seconds: int = 3600
+    ) -> str:
+        """A token for a service account, from the TokenRequest API; bound to ``pod`` (its
+        metadata) as kubelet binds the token it projects into a pod, so the server knows,
+        and audits, which pod calls."""
+        spec: dict[str, Any] = {"expirationSeconds": seconds}
+        if pod:
+            spec["boundObjectRef"] = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod["name"],
+                "uid": pod["uid"],
+            }
         r = self.request(
             "POST",
             f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
-            {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenRequest",
-                "spec": {"expirationSeconds": seconds},
-            },
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
         )
         return str(r["status"]["token"])
 

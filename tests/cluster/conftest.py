@@ -92,15 +92,28 @@ class Kube:
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
             )
 
-    def pod(self, namespace: str, name: str, node: str, container: str = "trainer") -> str:
+    def pod(
+        self,
+        namespace: str,
+        name: str,
+        node: str,
+        container: str = "trainer",
+        service_account: str = "",
+    ) -> str:
         """A pod bound to ``node`` (stays Pending: no kubelet); its UID, as the server
         assigned it."""
         self.namespace(namespace)
+        spec: dict[str, Any] = {
+            "nodeName": node,
+            "containers": [{"name": container, "image": "busybox"}],
+        }
+        if service_account:
+            spec["serviceAccountName"] = service_account
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"nodeName": node, "containers": [{"name": container, "image": "busybox"}]},
+            "spec": spec,
         }
         return str(
             self.c.request("POST", f"/api/v1/namespaces/{namespace}/pods", body)["metadata"]["uid"]
