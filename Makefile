@@ -70,8 +70,19 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PYTEST)
 
+# The cluster suite's real servers (tests/cluster): kube-apiserver built once from
+# Debian's `kubernetes` source package (minutes) and etcd; and the node's image built from
+# deploy/Dockerfile with buildah on a Debian base. Both cached in ~/.cache/gpushare; where
+# they cannot be built (not root, no apt-get) the script says why and the tests skip.
+.PHONY: cluster-deps image
+cluster-deps:
+	@bash tests/cluster/build-apiserver.sh >/dev/null || [ $$? = 3 ]
+
+image: $(STAMP)
+	@PYTHON=$(BIN)/python bash deploy/build-image.sh >/dev/null || [ $$? = 3 ]
+
 # unit's tests once the system tools are there (those tests skip without them).
-test: lint typecheck system-deps
+test: lint typecheck system-deps cluster-deps image
 	$(PYTEST)
 
 # The same checks before each commit: `make pre-commit` once per clone installs the hook.

@@ -72,9 +72,7 @@ def test_daemonset_has_what_a_node_agent_needs():
 
 def test_rbac_is_read_pods_only():
     role = by_kind(render("plain"))["ClusterRole"]
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-    ]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
 
 
 @pytest.mark.parametrize("overlay", ["plain", "kai"])

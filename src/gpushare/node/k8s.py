@@ -84,35 +84,76 @@ class PodSource(Protocol):
         ...
 
 
-class KubernetesApi:
-    """:class:`PodSource` through the official client, in-cluster or from KUBECONFIG."""
+class Expired(Exception):
+    """The watch's resourceVersion is older than the server keeps (410 Gone): list again."""
 
-    def __init__(self) -> None:
+
+class KubernetesApi:
+    """:class:`PodSource` through the official client, in-cluster or from KUBECONFIG
+    (or ``kubeconfig``).
+
+    Every call has a client-side deadline: a connection that dies without a word (a
+    node cut off, a load balancer dropping it) fails the call instead of hanging. A watch
+    asks the server to end it after ``watch_timeout`` seconds; one silent for longer than
+    ``idle_timeout`` (default ``watch_timeout`` + 30 s) is taken for dead.
+    """
+
+    def __init__(
+        self,
+        kubeconfig: str | None = None,
+        watch_timeout: float = 300.0,
+        idle_timeout: float | None = None,
+        request_timeout: float = 60.0,
+    ) -> None:
         from kubernetes import client, config  # the k8s extra
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException as in_cluster:
+                try:
+                    config.load_kube_config()
+                except config.ConfigException as e:
+                    # Both reasons: in a pod it is the first that says what is missing.
+                    raise config.ConfigException(
+                        f"no Kubernetes API configuration: in-cluster: {in_cluster} (in a"
+                        f" pod: mount the service account's token); kubeconfig: {e} (set"
+                        " KUBECONFIG)"
+                    ) from None
         self.v1 = client.CoreV1Api()
         self.api = client.ApiClient()
+        self.watch_timeout = int(watch_timeout)
+        idle = idle_timeout if idle_timeout is not None else watch_timeout + 30.0
+        self._list_timeout = (10.0, request_timeout)  # (connect, read) seconds
+        self._watch_timeout = (10.0, idle)
 
     def list(self, node: str) -> tuple[list[dict[str, Any]], str]:
-        r = self.v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}")
+        r = self.v1.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _request_timeout=self._list_timeout
+        )
         items: list[dict[str, Any]] = [self.api.sanitize_for_serialization(x) for x in r.items]
         return items, str(r.metadata.resource_version)
 
     def watch(self, node: str, resource_version: str) -> Iterator[tuple[str, dict[str, Any]]]:
         from kubernetes import watch
+        from kubernetes.client.rest import ApiException
 
         w = watch.Watch()
-        for ev in w.stream(
-            self.v1.list_pod_for_all_namespaces,
-            field_selector=f"spec.nodeName={node}",
-            resource_version=resource_version,
-            timeout_seconds=300,
-        ):
-            yield ev["type"], ev["raw_object"]
+        try:
+            for ev in w.stream(
+                self.v1.list_pod_for_all_namespaces,
+                field_selector=f"spec.nodeName={node}",
+                resource_version=resource_version,
+                timeout_seconds=self.watch_timeout,
+                _request_timeout=self._watch_timeout,
+            ):
+                yield ev["type"], ev["raw_object"]
+        except ApiException as e:
+            if e.status == 410:
+                raise Expired(str(e.reason)) from None
+            raise
 
 
 class PodWatcher:
@@ -124,6 +165,7 @@ class PodWatcher:
         self.cache, self.node, self._source = cache, node, source
         self.max_backoff = max_backoff
         self.failures = 0
+        self.expired = 0  # watches ended by 410 Gone (normal: the server moved on)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpushare-pods", daemon=True)
 
@@ -148,6 +190,9 @@ class PodWatcher:
                         return
                     if kind in ("ADDED", "MODIFIED", "DELETED"):
                         self.cache.apply(kind, obj)
+            except Expired as e:
+                self.expired += 1
+                log.info("pod watch expired (%s): listing again", e)
             except Exception as e:  # API away: keep the cache, try again later
                 self.failures += 1
                 log.warning(

@@ -1,0 +1,268 @@
+"""The node daemon (a real process, ``gpushare node --kubernetes``) against a real API
+server, with the manifests' service account's token: a session whose cgroup names a pod
+gets that pod's namespace, name and container, in status and in metrics; the names
+survive a broken watch and an API server restart; a pod deleted mid-session is handled;
+the node makes only the calls its ClusterRole allows, and uses all it allows."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster.apiserver import NODE_SA, Cluster, free_port
+from tests.cluster.conftest import K8S, Kube, PodProcess, container_id, unique
+from tests.cluster.proxy import TcpProxy
+from tests.support import NodeProcess, sim, wait_until
+
+pytestmark = pytest.mark.cluster
+SA_USER = f"system:serviceaccount:{NODE_SA[0]}:{NODE_SA[1]}"
+
+
+@dataclass
+class K8sNode:
+    node: NodeProcess
+    proc_root: Path
+    name: str  # the Kubernetes node it serves ($NODE_NAME)
+    daemon_pod: str  # its own pod there (what its token is bound to)
+    metrics_port: int
+    kube: Kube
+    workloads: list[PodProcess]
+
+    def pod(self, namespace: str, container: str = "trainer") -> tuple[str, str, str]:
+        """A pod on this node, its container running: (name, UID, container ID)."""
+        name, cid = unique("train"), container_id()
+        uid = self.kube.pod(namespace, name, self.name, container)
+        self.kube.running(namespace, name, container, cid)
+        return name, uid, cid
+
+    def session_in(self, namespace: str, pod: str, uid: str, cid: str) -> int:
+        w = PodProcess(self.proc_root, self.node.socket, pod)
+        self.workloads.append(w.start(uid, cid, namespace, pod))
+        return w.session
+
+    def session(self, sid: int) -> dict[str, Any]:
+        for g in self.node.status()["gpus"]:
+            for s in g["sessions"]:
+                if s["id"] == sid:
+                    return dict(s)
+        raise AssertionError(f"no session {sid}")
+
+    def names(self, sid: int) -> tuple[str, str, str, str]:
+        s = self.session(sid)
+        return s["namespace"], s["pod"], s["container"], s["identity_source"]
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        return [
+            (s.name, s.labels, s.value)
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        ]
+
+
+@pytest.fixture
+def k8s_node(
+    node_factory, short_tmp: Path, deployed: Cluster, kube: Kube, monkeypatch
+) -> Iterator[Any]:
+    made: list[K8sNode] = []
+
+    def make(server: str = "") -> K8sNode:
+        """A node whose API client has the DaemonSet's rights: its service account's
+        token, bound to a pod of its own on its node (as kubelet projects it into the
+        DaemonSet's pod), through ``server`` (default: the API server itself)."""
+        name = unique("gpu-node")
+        daemon_pod = unique("gpushare-node")
+        uid = kube.pod(NODE_SA[0], daemon_pod, name, "node", service_account=NODE_SA[1])
+        token = deployed.token_for(*NODE_SA, pod={"name": daemon_pod, "uid": uid})
+        kc = short_tmp / "node.kubeconfig"
+        kc.write_text(json.dumps(deployed.config_for(NODE_SA[1], token, server)))
+        monkeypatch.setenv("KUBECONFIG", str(kc))
+        monkeypatch.setenv("NODE_NAME", name)
+        for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+            monkeypatch.delenv(k, raising=False)  # else the client takes the in-cluster config
+        proc = short_tmp / "proc"
+        proc.mkdir()
+        port = free_port()
+        n = node_factory(
+            *sim("4GiB"),
+            "--kubernetes",
+            "--proc-root",
+            str(proc),
+            "--metrics-port",
+            str(port),
+            "--metrics-address",
+            "127.0.0.1",
+        )
+        k = K8sNode(n, proc, name, daemon_pod, port, kube, [])
+        made.append(k)
+        return k
+
+    yield make
+    for k in made:
+        for w in k.workloads:
+            w.stop()
+
+
+def node_log(k: K8sNode) -> str:
+    return k.node.log.read_text(errors="replace")
+
+
+def test_session_gets_its_pods_names_in_status_and_metrics(k8s_node, kube: Kube):
+    k = k8s_node()
+    ns = unique("research")
+    # A pod of another node first: the field selector keeps it from this node.
+    other, other_cid = unique("train"), container_id()
+    other_uid = kube.pod(ns, other, unique("another-node"))
+    kube.running(ns, other, "trainer", other_cid)
+    pod, uid, cid = k.pod(ns)
+    sid = k.session_in(ns, pod, uid, cid)
+    sid_other = k.session_in(ns, other, other_uid, other_cid)
+    wait_until(
+        lambda: k.names(sid) == (ns, pod, "trainer", "kubernetes"),
+        timeout=30,
+        what=f"the API's names for the session (now {k.names(sid)})",
+    )
+    s = k.session(sid)
+    assert s["pod_uid"] == uid and s["container_id"] == cid and s["identity_verified"]
+    assert k.names(sid_other)[3] == "claim"  # named by its own (verified) claim only
+    samples = [
+        labels
+        for name, labels, value in k.metrics()
+        if name == "gpushare_memory_limit_bytes" and labels.get("session") == str(sid)
+    ]
+    assert len(samples) == 1, samples
+    assert {"namespace": ns, "pod": pod, "container": "trainer"}.items() <= samples[0].items()
+
+
+def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, deployed: Cluster):
+    k = k8s_node()
+    ns = unique("audit")
+    pod, uid, cid = k.pod(ns)
+    sid = k.session_in(ns, pod, uid, cid)
+    wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
+    pod2, uid2, cid2 = k.pod(ns)  # after the node's list: it comes through the watch
+    sid2 = k.session_in(ns, pod2, uid2, cid2)
+    wait_until(lambda: k.names(sid2)[3] == "kubernetes", timeout=30, what="the watched pod")
+    k.node.stop()  # a watch is audited when it ends
+
+    def mine() -> list[dict[str, Any]]:  # this node's requests: its token's pod says so
+        pod_name = "authentication.kubernetes.io/pod-name"
+        return [
+            e
+            for e in deployed.audit(SA_USER)
+            if e["user"].get("extra", {}).get(pod_name) == [k.daemon_pod]
+        ]
+
+    try:
+        wait_until(lambda: {e["verb"] for e in mine()} >= {"list", "watch"}, timeout=30)
+    except AssertionError:
+        raise AssertionError(
+            "the node's list and watch are not in the audit log:\n"
+            + "\n".join(f"{e['verb']} {e['requestURI']}" for e in deployed.audit(SA_USER))
+        ) from None
+    denied = [e for e in mine() if e["responseStatus"]["code"] >= 400]
+    assert not denied, denied
+    # Each names its node: the node never lists or watches the whole cluster's pods.
+    selector = f"fieldSelector=spec.nodeName%3D{k.name}"
+    assert all(selector in e["requestURI"] for e in mine()), [e["requestURI"] for e in mine()]
+    used = {(e["verb"], e["objectRef"]["resource"]) for e in mine()}
+    plain = deployed.kubectl("kustomize", str(K8S / "overlays" / "plain")).stdout
+    (role,) = [o for o in yaml.safe_load_all(plain) if o and o["kind"] == "ClusterRole"]
+    granted = {(v, r) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert used == granted, f"the node used {sorted(used)}; its role grants {sorted(granted)}"
+
+
+def test_names_survive_a_broken_watch(k8s_node, deployed: Cluster, kube: Kube):
+    proxy = TcpProxy(deployed.port)
+    try:
+        k = k8s_node(f"https://127.0.0.1:{proxy.port}")
+        ns = unique("watch")
+        pod, uid, cid = k.pod(ns)
+        sid = k.session_in(ns, pod, uid, cid)
+        wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
+        connections = proxy.connections_total
+        proxy.cut()  # the watch breaks; reconnecting is refused for now
+        wait_until(lambda: "Kubernetes API:" in node_log(k), timeout=30, what="the node to see it")
+        # Meanwhile a pod starts on the node: only a fresh list (or watch) can tell.
+        pod2, uid2, cid2 = k.pod(ns)
+        assert k.names(sid) == (ns, pod, "trainer", "kubernetes")  # the cache answers
+        proxy.resume()
+        sid2 = k.session_in(ns, pod2, uid2, cid2)
+        wait_until(
+            lambda: k.names(sid2) == (ns, pod2, "trainer", "kubernetes"),
+            timeout=60,
+            what="the pod started while the watch was down",
+        )
+        assert k.names(sid) == (ns, pod, "trainer", "kubernetes")
+        assert proxy.connections_total > connections  # it did reconnect
+    finally:
+        proxy.close()
+
+
+def test_names_survive_an_api_server_restart(k8s_node, deployed: Cluster):
+    k = k8s_node()
+    ns = unique("restart")
+    pod, uid, cid = k.pod(ns)
+    sid = k.session_in(ns, pod, uid, cid)
+    wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
+    deployed.stop_apiserver()
+    try:
+        wait_until(
+            lambda: "Kubernetes API:" in node_log(k), timeout=30, what="the node to see it gone"
+        )
+        assert k.names(sid) == (ns, pod, "trainer", "kubernetes")  # the cache answers
+    finally:
+        deployed.start_apiserver()
+    pod2, uid2, cid2 = k.pod(ns)
+    sid2 = k.session_in(ns, pod2, uid2, cid2)
+    wait_until(
+        lambda: k.names(sid2) == (ns, pod2, "trainer", "kubernetes"),
+        timeout=90,
+        what="a pod made after the restart",
+    )
+    assert k.names(sid) == (ns, pod, "trainer", "kubernetes")
+
+
+def test_pod_deleted_mid_session(k8s_node, kube: Kube):
+    k = k8s_node()
+    ns = unique("delete")
+    pod, uid, cid = k.pod(ns)
+    sid = k.session_in(ns, pod, uid, cid)
+    wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
+    # A graceful delete of a pod bound to a node waits for its kubelet: the pod stays,
+    # marked for deletion, and keeps its names.
+    kube.delete(ns, pod)
+    got = kube.get(ns, pod)
+    assert got and got["metadata"].get("deletionTimestamp")
+    assert k.names(sid) == (ns, pod, "trainer", "kubernetes")
+    # Gone from the API (forced, or the kubelet confirmed) while the process still runs:
+    # the node forgets the pod; the session keeps what the kernel confirms of its own
+    # claim (the Downward API's POD_UID matches its cgroup), and goes on being served.
+    kube.delete(ns, pod, grace=0)
+    assert kube.get(ns, pod) is None
+    wait_until(lambda: k.names(sid)[3] != "kubernetes", timeout=30, what="the node to drop the pod")
+    s = k.session(sid)
+    assert (s["namespace"], s["pod"], s["identity_source"]) == (ns, pod, "claim")
+    assert s["pod_uid"] == uid
+    # A new pod of the same name is another pod (another UID): the old session does not
+    # take its names; the new pod's session does.
+    kube.pod(ns, pod, k.name)  # same name, new UID
+    new = kube.get(ns, pod)
+    assert new and new["metadata"]["uid"] != uid
+    cid2 = container_id()
+    kube.running(ns, pod, "trainer", cid2)
+    sid2 = k.session_in(ns, pod, new["metadata"]["uid"], cid2)
+    wait_until(lambda: k.names(sid2)[3] == "kubernetes", timeout=30, what="the new pod")
+    assert k.names(sid)[3] == "claim"
+    # The node still serves both sessions.
+    assert {sid, sid2} <= {s["id"] for g in k.node.status()["gpus"] for s in g["sessions"]}

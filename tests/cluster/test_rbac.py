@@ -1,0 +1,65 @@
+"""The node's service account, by its own token (as kubelet projects it into the
+DaemonSet's pods): it may list and watch pods, cluster-wide, and nothing else that
+matters. What the node actually calls is checked against the audit log in test_node."""
+
+from __future__ import annotations
+
+import urllib.error
+
+import pytest
+
+from tests.cluster.apiserver import Cluster
+
+pytestmark = pytest.mark.cluster
+ALLOWED = [
+    ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"),
+    ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1&watch=1&timeoutSeconds=1"),
+    ("GET", "/api/v1/namespaces/default/pods"),
+]
+DENIED = [
+    ("GET", "/api/v1/namespaces/default/pods/anything"),  # get: the node never needs it
+    ("GET", "/api/v1/secrets"),
+    ("GET", "/api/v1/namespaces/gpushare-system/configmaps/gpushare-config"),  # mounted
+    ("GET", "/api/v1/nodes"),
+    ("POST", "/api/v1/namespaces/default/pods"),
+    ("DELETE", "/api/v1/namespaces/default/pods/anything"),
+    ("PATCH", "/api/v1/namespaces/default/pods/anything"),
+    ("POST", "/api/v1/namespaces/default/pods/anything/eviction"),
+    ("GET", "/api/v1/namespaces/default/pods/anything/log"),
+    ("POST", "/api/v1/namespaces/default/pods/anything/exec"),
+    ("GET", "/api/v1/events"),
+    ("POST", "/api/v1/namespaces/gpushare-system/serviceaccounts/gpushare-node/token"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ALLOWED)
+def test_node_token_may(deployed: Cluster, node_token: str, method: str, path: str):
+    deployed.request(method, path, token=node_token)
+
+
+@pytest.mark.parametrize(("method", "path"), DENIED)
+def test_node_token_may_not(deployed: Cluster, node_token: str, method: str, path: str):
+    body = {} if method in ("POST", "PATCH") else None
+    ct = "application/merge-patch+json" if method == "PATCH" else "application/json"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        deployed.request(method, path, body, token=node_token, content_type=ct)
+    assert e.value.code == 403, e.value.read()
+
+
+def test_node_token_rules_are_list_and_watch_pods(deployed: Cluster, node_token: str):
+    review = deployed.request(
+        "POST",
+        "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+        {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview",
+         "spec": {"namespace": "default"}},
+        token=node_token,
+    )  # fmt: skip
+    rules = {
+        (v, r)
+        for rule in review["status"]["resourceRules"]
+        for r in rule.get("resources", [])
+        for v in rule["verbs"]
+        # what every authenticated user may do (ask the server what it may do)
+        if not r.startswith("selfsubject")
+    }
+    assert rules == {("list", "pods"), ("watch", "pods")}
