@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpushare.status import to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.tools.demo import wait_for_socket
 
@@ -50,6 +51,7 @@ class NodeProcess:
             self.admin,
             "--event-log",
             str(self.events),
+            *self.metrics,
             *self.args,
             *extra,
         ]
@@ -72,8 +74,9 @@ class NodeProcess:
         return self.start(*extra)
 
     def status(self) -> dict:
+        """The status as ``ctl status --json`` prints it (plain JSON types)."""
         with AdminClient(self.admin) as c:
-            return c.status()
+            return to_json_object(c.status())
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         r = subprocess.run(
