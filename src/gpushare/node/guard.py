@@ -85,10 +85,14 @@ class Guard:
             writer, peer.pid, peer.uid, peer.gid, tokens=2 * rate, refilled=self.clock.monotonic()
         )
 
-    def spend(self, conn: Conn, too_fast: str) -> None:
-        """One message's allowance, or :class:`Refused` (``too_fast`` says why)."""
-        if not conn.spend(self._config().max_messages_per_s, self.clock.monotonic()):
-            raise Refused("rate", too_fast)
+    def spend(self, conn: Conn, where: str) -> None:
+        """One message's allowance, or :class:`Refused`."""
+        rate = self._config().max_messages_per_s
+        if conn.spend(rate, self.clock.monotonic()):
+            return
+        if where == "admin":
+            raise Refused("rate", "too many admin requests per second: slow down")
+        raise Refused("rate", f"more than {rate:g} messages per second: slow down")
 
     def check_sessions_of_uid(self, conn: Conn) -> None:
         mine = sum(1 for c in self.conns.values() if c.uid == conn.uid)

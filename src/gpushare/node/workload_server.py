@@ -52,11 +52,7 @@ class WorkloadServer:
             arb = self._attach(conn, hello)
             while True:
                 msg = await read_frame(reader)
-                self.guard.spend(
-                    conn,
-                    f"more than {self._config().max_messages_per_s:g} messages"
-                    " per second: slow down",
-                )
+                self.guard.spend(conn, "workload")
                 try:
                     self.dispatch.apply(arb, self._message(arb, conn.session, msg))
                 except ArbiterError as e:  # not valid now: answered, the session goes on
