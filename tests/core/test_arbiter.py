@@ -219,6 +219,37 @@ def test_bad_inputs_are_refused_with_a_reason(clock, call):
     assert str(e.value)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tq_s": 5.0, "mode": "bogus"},
+        {"mode": "exclusive", "tq_s": float("nan")},
+        {"policy": "weighted", "escalation": "shout"},
+        {"tq_s": 0.0, "policy": "weighted", "mode": "exclusive", "escalation": "kill"},
+    ],
+)
+def test_a_bad_value_in_configure_changes_nothing(clock, change):
+    a = arb(clock, tq_s=10)
+    before = vars(a.settings).copy()
+    with pytest.raises(ArbiterError):
+        a.configure(**change)
+    assert vars(a.settings) == before
+    out = a.configure(tq_s=5.0, mode="exclusive")  # a good change applies whole
+    assert (a.settings.tq_s, a.settings.mode) == (5.0, "exclusive")
+    assert events_of(out, "config") == [events_of(out, "config")[0]]
+
+
+def test_inputs_beyond_the_session_are_keyword_only(clock):
+    a = arb(clock)
+    with pytest.raises(TypeError):
+        a.attach(1, "a", GiB)  # type: ignore[misc]
+    a.attach(1, name="a", limit=GiB)
+    with pytest.raises(TypeError):
+        a.report(1, GiB, 0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        a.configure(5.0)  # type: ignore[misc]
+
+
 def test_double_acquire_is_refused(clock):
     a = arb(clock)
     a.attach(1, name="a", limit=GiB)
