@@ -4,6 +4,7 @@ each escalation would signal (recorded, never sent)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ import types
 import pytest
 
 from gpushare import protocol as p
-from tests.node.harness import G, InProcessNode, Workload, in_process
+from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
 
 PID = os.getpid()
 
@@ -190,3 +191,19 @@ async def test_the_gpus_own_count_over_the_limit_escalates(node):
     assert (e["reason"], e["used_bytes"]) == ("over_memory_limit", int(1.5 * G))
     assert node.signals == [(PID, signal.SIGKILL)]
     assert node.node.utilization[0].last_ratio == 0.5
+
+
+@in_process()
+async def test_a_stopping_node_ends_its_connections_and_detaches_its_sessions(node):
+    w = await node.workload(memory_limit=G, name="attached")
+    follower = await node.admin()
+    await follower.send(p.EventsRequest(follow=True))
+    await follower.expect(p.EventsEnd)
+    silent = await Peer.connect(node.socket)  # connected, no hello yet
+    await node.settle()
+    await node.node.stop()
+    for peer in (w, follower, silent):  # ended, not left to be cancelled
+        assert await peer.closed(timeout=1)
+    assert node.events("detach")[-1]["session"] == w.session
+    handlers = [t for t in asyncio.all_tasks() if "handle" in repr(t.get_coro())]
+    assert handlers == []

@@ -38,7 +38,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, admin_gid
 from gpushare.node.k8s import PodCache, PodWatcher
 from gpushare.node.live_config import LiveConfig
-from gpushare.node.sockets import serve_unix
+from gpushare.node.sockets import Handlers, serve_unix
 from gpushare.node.utilization import NvmlUtilization, Sampler
 from gpushare.node.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
@@ -115,6 +115,7 @@ class Node:
             lambda: parse_size(self.live.config.nvml_allowance),
         )
         self._servers: list[asyncio.Server] = []
+        self._handlers = Handlers()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_metrics: Any = None
         self._pod_watcher: PodWatcher | None = None
@@ -140,14 +141,17 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.config
-        self._servers.append(await serve_unix(self.workloads.handle, cfg.socket, mode=0o666))
+        workloads = self._handlers.track(self.workloads.handle)
+        self._servers.append(await serve_unix(workloads, cfg.socket, mode=0o666))
         for g in self.gpus:  # the simulated links' shared state, beside the socket
             if g.simulated:
                 SimLink.create(self._sim_link(g.index))
         gid = admin_gid(cfg)
         self._servers.append(
             await serve_unix(
-                self.admin.handle, cfg.admin_socket, mode=0o600 if gid is None else 0o660
+                self._handlers.track(self.admin.handle),
+                cfg.admin_socket,
+                mode=0o600 if gid is None else 0o660,
             )
         )
         if gid is not None:
@@ -218,8 +222,8 @@ class Node:
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
-        for c in list(self.conns.values()):
-            c.writer.close()
+        self.events.end_followers()
+        await self._handlers.close()  # every connection ends; its session detaches
         self.dispatch.close()
         for task in list(self._tasks):
             task.cancel()

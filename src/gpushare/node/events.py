@@ -90,10 +90,14 @@ class EventBus:
     def unfollow(self, f: Follower) -> None:
         self.followers.discard(f)
 
-    def close(self) -> None:
+    def end_followers(self) -> None:
+        """Every live follower's stream ends (the node stops)."""
         for f in self.followers:
             f.queue.put_nowait(None)
         self.followers.clear()
+
+    def close(self) -> None:
+        self.end_followers()
         if self._file is not None:
             self._file.close()
             self._file = None

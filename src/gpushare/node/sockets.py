@@ -7,10 +7,37 @@ import asyncio
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gpushare import protocol as p
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Handlers:
+    """The connection handlers running now, so that a stopping node ends them (their
+    peers see the end, their sessions detach) rather than leaving them to be cancelled."""
+
+    def __init__(self) -> None:
+        self._live: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    def track(self, handler: Handler) -> Handler:
+        async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._live[task] = writer
+            try:
+                await handler(reader, writer)
+            finally:
+                self._live.pop(task, None)
+
+        return run
+
+    async def close(self, timeout: float = 2.0) -> None:
+        for writer in self._live.values():
+            writer.close()
+        if self._live:
+            await asyncio.wait(list(self._live), timeout=timeout)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> p.Message:
