@@ -61,10 +61,8 @@ class AdminServer:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
-        except Refused as e:
-            self.guard.refuse(conn, "admin", e.code, str(e))
-        except p.ProtocolError as e:
-            self.guard.refuse(conn, "admin", "protocol", str(e))
+        except (Refused, p.ProtocolError) as e:
+            self.guard.refuse(conn, "admin", e)
         finally:
             writer.close()
 

@@ -118,9 +118,12 @@ class Guard:
             f"uid {conn.uid} may not administer this node: run as root, uid {os.geteuid()}{group}",
         )
 
-    def refuse(self, conn: Conn, where: str, code: str, message: str) -> None:
+    def refuse(self, conn: Conn, where: str, error: Refused | p.ProtocolError) -> None:
         """Log a refusal, make it an event, then answer it (in that order: whoever reads
-        the answer finds the event already written)."""
+        the answer finds the event already written). A message that breaks the protocol
+        is refused with code ``protocol``."""
+        code = error.code if isinstance(error, Refused) else "protocol"
+        message = str(error)
         log.warning(
             "refused pid %d uid %d on the %s socket: %s", conn.pid, conn.uid, where, message
         )

@@ -59,10 +59,8 @@ class WorkloadServer:
                     conn.send(p.Error(code="state", message=str(e)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        except Refused as e:
-            self.guard.refuse(conn, "workload", e.code, str(e))
-        except p.ProtocolError as e:
-            self.guard.refuse(conn, "workload", "protocol", str(e))
+        except (Refused, p.ProtocolError) as e:
+            self.guard.refuse(conn, "workload", e)
         finally:
             if arb is not None and conn.session in self.conns:
                 del self.conns[conn.session]
