@@ -9,14 +9,17 @@ import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import gpushare
 from gpushare.tools.report import switches
-from tests.support import sim, wait_until
+from tests.support import NodeProcess, sim, wait_until
 
 G = 2**30
 
@@ -185,9 +188,6 @@ def test_status_json_has_the_contract_fields(node_factory):
 
 def test_events_follow_streams_new_events(node_factory):
     node = node_factory(*sim("16GiB"))
-    import subprocess
-    import sys
-
     f = subprocess.Popen(
         [sys.executable, "-m", "gpushare", "ctl", "--socket", node.admin, "events", "--follow"],
         stdout=subprocess.PIPE,
@@ -213,9 +213,6 @@ def test_bad_config_file_is_one_line_exit_2(node_factory, short_tmp):
     cfg = short_tmp / "bad.toml"
     cfg.write_text("tq = [unclosed")
     node = node_factory("--sim-gpus", "1", "--config", str(cfg), start=False)
-    import subprocess
-    import sys
-
     r = subprocess.run(
         [
             sys.executable,
@@ -239,9 +236,6 @@ def test_bad_config_file_is_one_line_exit_2(node_factory, short_tmp):
 
 def test_second_node_on_same_socket_is_refused(node_factory):
     node = node_factory(*sim("16GiB"))
-    import subprocess
-    import sys
-
     r = subprocess.run(
         [
             sys.executable,
@@ -263,28 +257,45 @@ def test_second_node_on_same_socket_is_refused(node_factory):
     assert node.status()  # the first one is untouched
 
 
-def _switch_seconds(node_factory, *extra: str) -> tuple[list[float], list[dict[str, Any]]]:
+def _switching(folder: Path, *extra: str) -> tuple[NodeProcess, list[subprocess.Popen[str]]]:
     """Two 30 GiB batch sessions on a 40 GiB simulated GPU: every switch moves 20 GiB
-    each way. Returns each switch's revoke-to-swapped-in time, and the events."""
-    node = node_factory(*sim("40GiB", mode="exclusive", tq="0.5"), *extra)
+    each way."""
+    folder.mkdir()
+    node = NodeProcess(folder, *sim("40GiB", mode="exclusive", tq="0.5"), *extra).start()
     procs = [
         node.workload("batch", "--memory", "30GiB", "--seconds", "6", "--name", f"j{i}")
         for i in (1, 2)
     ]
+    return node, procs
+
+
+def _switch_seconds(
+    node: NodeProcess, procs: list[subprocess.Popen[str]]
+) -> tuple[list[float], list[dict[str, Any]]]:
+    """Each switch's revoke-to-swapped-in time, and the events."""
     outs = [json.loads(pr.communicate(timeout=60)[0].strip().splitlines()[-1]) for pr in procs]
     assert all(o["failures"] == 0 for o in outs), outs
     ev = node.event_list()
     node.stop()
-    node.events.unlink()
     out = switches(ev).seconds
     assert len(out) >= 3, ev
     return out, ev
 
 
 @pytest.mark.slow
-def test_a_switch_overlaps_swap_out_and_swap_in(node_factory):
-    over, ev = _switch_seconds(node_factory)
-    seq, ev_seq = _switch_seconds(node_factory, "--sequential-switches")
+def test_a_switch_overlaps_swap_out_and_swap_in(short_tmp):
+    # Both at once, side by side: the same machine, the same load, half the wall time.
+    overlapped = _switching(short_tmp / "o")
+    sequential = _switching(short_tmp / "s", "--sequential-switches")
+    try:
+        over, ev = _switch_seconds(*overlapped)
+        seq, ev_seq = _switch_seconds(*sequential)
+    finally:
+        for node, procs in (overlapped, sequential):
+            for pr in [node.proc, *procs]:
+                if pr is not None and pr.poll() is None:
+                    pr.kill()
+                    pr.wait()
     rooms = [e for e in ev if e["event"] == "grant" and e.get("room_bytes")]
     assert rooms, "no switch overlapped"
     assert not [e for e in ev_seq if e["event"] == "grant" and e.get("room_bytes")]
