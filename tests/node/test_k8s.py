@@ -100,6 +100,7 @@ def test_node_shows_api_names_for_the_kernels_pod_uid():
     from gpushare.node.guard import Conn
     from gpushare.node.identity import CgroupIdentity
     from gpushare.node.metrics import registry_for
+    from gpushare.status import Claimed
 
     class Writer:  # the node only writes to a connection here
         def is_closing(self) -> bool:
@@ -118,7 +119,7 @@ def test_node_shows_api_names_for_the_kernels_pod_uid():
         1000,
         1000,
         session=1,  # type: ignore[arg-type]
-        info={"pod": "something-else"},  # a claim that the API's name overrides
+        claimed=Claimed(pod="something-else"),  # a claim that the API's name overrides
         identity=CgroupIdentity(UID, CID, "containerd", 2),
     )
     node.conns[1] = conn

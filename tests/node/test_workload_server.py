@@ -8,6 +8,7 @@ import logging
 import os
 import struct
 
+import msgspec
 import pytest
 
 from gpushare import protocol as p
@@ -175,3 +176,28 @@ async def test_hello_picks_the_gpu_by_uuid_and_the_limit_from_the_portion(node):
     assert w.welcome.simulated and w.welcome.sim_link.endswith(".link1")
     (s,) = node.node.status().gpus[1].sessions
     assert (s.name, s.pid, s.memory_limit_bytes) == ("kai", os.getpid(), 20 * G)
+
+
+@in_process()
+async def test_claims_count_only_where_the_kernel_agrees(node):
+    # this process, as the kernel would show it inside a pod (a /proc root of our own)
+    uid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f"
+    proc = node.dir / "proc" / str(os.getpid())
+    proc.mkdir(parents=True)
+    pod_slice = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    scope = f"cri-containerd-{'ab' * 32}.scope"
+    path = f"/kubepods.slice/kubepods-burstable.slice/{pod_slice}/{scope}"
+    (proc / "cgroup").write_text(f"0::{path}\n")
+    node.node.live.config = msgspec.structs.replace(
+        node.node.live.config, proc_root=str(node.dir / "proc")
+    )
+    claim = {"pod": "trainer-7", "namespace": "research", "container": "main"}
+    true = await node.workload(memory_limit=G, pod_uid=uid, **claim)
+    false = await node.workload(memory_limit=G, pod_uid="another-pod", **claim)
+    by_id = {s.id: s for s in node.node.status().gpus[0].sessions}
+    s, f = by_id[true.session], by_id[false.session]
+    assert (s.namespace, s.pod, s.container) == ("research", "trainer-7", "main")
+    assert s.identity_verified and s.identity_source == "claim" and s.pod_uid == uid
+    assert s.runtime == "containerd" and s.container_id == "ab" * 32
+    assert (f.namespace, f.pod, f.container, f.identity_verified) == ("", "", "", False)
+    assert (f.claimed.pod, f.claimed.namespace) == ("trainer-7", "research")  # shown apart

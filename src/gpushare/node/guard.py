@@ -16,6 +16,7 @@ from gpushare.core.clock import Clock
 from gpushare.node.config import NodeConfig
 from gpushare.node.events import EventBus
 from gpushare.node.identity import CgroupIdentity, groups_of, peer_credentials
+from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.guard")
 
@@ -28,7 +29,7 @@ class Conn:
     gid: int
     session: int = 0
     gpu: int = 0
-    info: dict[str, str] = field(default_factory=dict)  # what the client claims
+    claimed: Claimed = field(default_factory=Claimed)  # what the client says it is
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     frozen: bool = False

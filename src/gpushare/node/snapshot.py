@@ -39,11 +39,14 @@ def session(
     """A session's figures, live ones (lease and wait running now) included, and who it
     is. Claims are shown only when the kernel agrees; with the Kubernetes API, the names
     are the API's for the kernel's pod UID."""
-    claims = c.info if c else {}
+    claimed = c.claimed if c else Claimed()
     ident = c.identity if c else CgroupIdentity()
     names = pods.resolve(ident.pod_uid, ident.container_id) if pods and ident.pod_uid else None
-    shown = dict(zip(("namespace", "pod", "container"), names, strict=True)) if names else claims
     ok = bool(names) or bool(c and c.verified)
+    if names:  # the API's names for the kernel's pod
+        shown = Claimed(namespace=names[0], pod=names[1], container=names[2])
+    else:
+        shown = claimed if ok else Claimed()
     return SessionStatus(
         id=s.id,
         name=s.name,
@@ -75,16 +78,12 @@ def session(
         utilization_seconds_total=att.by_session.get(s.id, 0.0),
         pid=c.pid if c else 0,
         uid=c.uid if c else 0,
-        pod=shown.get("pod", "") if ok else "",
-        namespace=shown.get("namespace", "") if ok else "",
-        container=shown.get("container", "") if ok else "",
+        pod=shown.pod,
+        namespace=shown.namespace,
+        container=shown.container,
         identity_verified=ok,
         identity_source="kubernetes" if names else "claim" if ok else "",
-        claimed=Claimed(
-            pod=claims.get("pod", ""),
-            namespace=claims.get("namespace", ""),
-            container=claims.get("container", ""),
-        ),
+        claimed=claimed,
         pod_uid=ident.pod_uid,
         container_id=ident.container_id,
         runtime=ident.runtime,

@@ -17,6 +17,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import read_identity
 from gpushare.node.sockets import read_frame
+from gpushare.status import Claimed
 
 
 class WorkloadServer:
@@ -125,13 +126,7 @@ class WorkloadServer:
         conn.session, conn.gpu = sid, gpu
         conn.identity = read_identity(conn.pid, cfg.proc_root)
         conn.verified = bool(conn.identity.pod_uid) and h.pod_uid == conn.identity.pod_uid
-        conn.info = {
-            "name": h.name,
-            "pod": h.pod,
-            "namespace": h.namespace,
-            "container": h.container,
-            "backend": h.backend,
-        }
+        conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
         self.conns[sid] = conn
         conn.send(
             p.Welcome(
