@@ -79,6 +79,9 @@ class Node:
         self.utilization = [Attribution() for _ in gpus]
         self.pods: PodCache | None = None  # pod names from the Kubernetes API
         self.started = self.clock.wall()
+        # The sockets served, from the config at start (a reload that changes them
+        # waits for the next start).
+        self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
         self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller)
@@ -137,12 +140,12 @@ class Node:
     # --- life -----------------------------------------------------------------------
 
     def _sim_link(self, gpu: int) -> str:
-        return f"{self.config.socket}.link{gpu}"
+        return f"{self.socket}.link{gpu}"
 
     async def start(self) -> None:
         cfg = self.config
         workloads = self._handlers.track(self.workloads.handle)
-        self._servers.append(await serve_unix(workloads, cfg.socket, mode=0o666))
+        self._servers.append(await serve_unix(workloads, self.socket, mode=0o666))
         for g in self.gpus:  # the simulated links' shared state, beside the socket
             if g.simulated:
                 SimLink.create(self._sim_link(g.index))
@@ -150,12 +153,12 @@ class Node:
         self._servers.append(
             await serve_unix(
                 self._handlers.track(self.admin.handle),
-                cfg.admin_socket,
+                self.admin_socket,
                 mode=0o600 if gid is None else 0o660,
             )
         )
         if gid is not None:
-            os.chown(cfg.admin_socket, -1, gid)
+            os.chown(self.admin_socket, -1, gid)
         for g, a in zip(self.gpus, self.arbiters, strict=True):
             s = a.settings
             log.info(
@@ -168,7 +171,7 @@ class Node:
                 s.mode,
                 s.policy,
             )
-        log.info("workloads: %s  admin: %s", cfg.socket, cfg.admin_socket)
+        log.info("workloads: %s  admin: %s", self.socket, self.admin_socket)
         self._spawn(self.sampler.run())
         if cfg.kubernetes and self.pods is None:
             node = cfg.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
@@ -231,9 +234,8 @@ class Node:
             self._stop_metrics()
         if self._pod_watcher:
             self._pod_watcher.stop()
-        cfg = self.config
         links = [self._sim_link(g.index) for g in self.gpus if g.simulated]
-        for path in (cfg.socket, cfg.admin_socket, *links):
+        for path in (self.socket, self.admin_socket, *links):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self.events.close()
