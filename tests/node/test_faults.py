@@ -54,7 +54,8 @@ def test_holder_that_ignores_revoke_is_frozen_then_thawed(node_factory):
         with gpushare.attach("4GiB", socket=node.socket, name="patient") as s:
             t0 = time.monotonic()
             with s.gpu():  # granted once the stubborn one is frozen
-                assert proc_state(pr.pid) == "T"  # stopped by SIGSTOP
+                # stopped by SIGSTOP: 'T' once the process runs to take the signal
+                wait_until(lambda: proc_state(pr.pid) == "T", timeout=5, what="stopped")
                 waited = time.monotonic() - t0
         assert waited < 5
         # its turn comes again: thawed (SIGCONT), it finishes its sleep and its burst
