@@ -45,8 +45,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers: most tests wait on real processes and sockets, so the suite takes half
+# the time; hermetic tests (no fixed port or path) make it safe.
 unit: $(STAMP) system-deps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist worksteal
 
 test: lint typecheck unit
 

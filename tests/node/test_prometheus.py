@@ -95,6 +95,7 @@ def _query(port: int, q: str) -> dict:
         return json.loads(resp.read())
 
 
+@pytest.mark.slow
 @needs_prometheus
 def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeypatch):
     mport, pport = free_port(), free_port()
