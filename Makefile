@@ -1,5 +1,8 @@
 # make demo: the main job on a simulated GPU.  make test: lint, types, tests.
 # Both build .venv from nothing with the first Python >= 3.11 found.
+# make unit runs pytest alone; make system-deps installs the real servers some tests use
+# (make test calls it; make unit does not, so it never installs anything on the system).
+SHELL := /bin/bash
 PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { echo $$p; break; }; done)
@@ -7,29 +10,50 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
+# One line per package as pip resolves it (no progress bars: they are noise in a log).
+PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip
+# Two workers: most tests wait on real processes and sockets, so the suite takes half
+# the time; hermetic tests (no fixed port or path) make it safe.
+PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 
-.PHONY: demo test lint typecheck unit bench clean system-deps
+.PHONY: demo test lint typecheck unit bench clean system-deps pre-commit
 
-$(STAMP): pyproject.toml
+# Rebuilt when the dependencies or the version change (the installed metadata holds it).
+$(STAMP): pyproject.toml src/gpushare/_version.py
 	@test -n "$(PYTHON)" || { echo "make: need Python >= 3.11 on PATH (or PYTHON=...)"; exit 1; }
+	@echo "make: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "make: installing gpushare and its extras node, plot, k8s, nvml, test, lint" \
+	  "(about 80 packages: a line each as pip finds it, then a minute or more to install)"
+	@# The full log in $(VENV)/pip.log; on screen a line per package, and the log's end on failure.
+	@start=$$(date +%s); \
+	$(PIP) install --progress-bar off -e '.[dev]' 2>&1 | tee $(VENV)/pip.log \
+	  | grep -E --line-buffered '^(Collecting|Processing|Installing collected)' \
+	  | sed -u -E 's/ \(from [^)]*\)$$//; s/^Processing .*\/([^/]+)\.whl$$/Processing \1/; s/^(.{1,96}).*/  \1/'; \
+	status=$${PIPESTATUS[0]}; \
+	if [ $$status -ne 0 ]; then tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit $$status; fi; \
+	echo "make: pip finished in $$(( $$(date +%s) - start )) s"
 	@# PyTorch's CPU build for the `gpushare run` tests, from the wheel on disk where
 	@# there is one (a plain `pip install torch` would fetch a multi-GB CUDA build).
 	@v=$$($(BIN)/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")'); \
 	w=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$v-*.whl 2>/dev/null | head -n 1); \
-	if [ -n "$$w" ]; then echo "installing $$w"; $(BIN)/python -m pip install -q "$$w"; \
+	if [ -n "$$w" ]; then \
+	  echo "make: installing PyTorch's CPU build from $$w"; start=$$(date +%s); \
+	  $(PIP) install --progress-bar off "$$w" >> $(VENV)/pip.log 2>&1 \
+	    || { tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit 1; }; \
+	  echo "make: PyTorch installed in $$(( $$(date +%s) - start )) s"; \
 	else echo "make: no PyTorch CPU wheel in $(TORCH_WHEELS): the PyTorch tests will be skipped"; fi
 	touch $(STAMP)
 
 # Real servers the tests use, from Debian's packages: Prometheus (the exporter's
-# scraper) and tmux (the terminal `top` runs in). Installed when absent and root.
+# scraper) and tmux (the terminal `top` runs in). Installed when absent and root;
+# otherwise the tests that need them skip, saying why.
 SYSTEM_TOOLS := prometheus tmux
 system-deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing$$missing (Debian packages)"; \
+	    echo "make: installing$$missing (Debian packages)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "make: missing$$missing (needs root and apt-get): the tests that use them will be skipped"; fi; \
 	fi
@@ -45,12 +69,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers: most tests wait on real processes and sockets, so the suite takes half
-# the time; hermetic tests (no fixed port or path) make it safe.
-unit: $(STAMP) system-deps
-	$(BIN)/pytest -q -n 2 --dist worksteal
+unit: $(STAMP)
+	$(PYTEST)
 
-test: lint typecheck unit
+# unit's tests once the system tools are there (those tests skip without them).
+test: lint typecheck system-deps
+	$(PYTEST)
+
+# The same checks before each commit: `make pre-commit` once per clone installs the hook.
+pre-commit: $(STAMP)
+	$(BIN)/pre-commit install
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/handoff.py

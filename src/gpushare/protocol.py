@@ -53,6 +53,12 @@ class Hello(_Msg, tag="hello"):
     swapped: int = 0
     holding: bool = False
     fills: bool = False  # it swaps in within a Room, so its switches may overlap
+    # The distributed job this process is a rank of (client/launchers.py): its ranks on
+    # a node are granted together. gang: a job id ("" for none); gang_size: its ranks
+    # on this node; rank: this one's among them (-1: not known).
+    gang: str = ""
+    gang_size: int = 0
+    rank: int = -1
 
 
 class Acquire(_Msg, tag="acquire"):

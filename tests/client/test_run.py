@@ -294,3 +294,110 @@ def test_a_forked_child_is_not_gated(node_factory):
     """)
     out = run_program(node_factory, code)
     assert out[-1]["child_status"] == 0, out
+
+
+# --- launchers, foreign Pythons, allocator settings ------------------------------------
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    from gpushare.client import runner
+    from gpushare.client.launchers import gang_fields
+    dist.init_process_group("gloo")
+    m = torch.nn.Linear(4, 1)
+    m(torch.ones(2, 4)).sum().backward()  # gated: a forward and a backward
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    s = runner.SESSION
+    out = {"pid": os.getpid(), "session": s.id if s else None, "grants": s.grants if s else 0,
+           "gang": gang_fields(), "sum": t.item()}
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
+    dist.destroy_process_group()
+""")
+
+
+def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factory, short_tmp):
+    import os
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    script = short_tmp / "worker.py"
+    script.write_text(WORKER)
+    node = node_factory(*sim("16GiB", idle_release="0.3"))
+    pr = gs_run(
+        node,
+        "--memory",
+        "1GiB",
+        "--",
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(short_tmp),
+        extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
+    _, err = pr.communicate(timeout=240)
+    assert pr.returncode == 0, err
+    ranks = [json.loads((short_tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["session"] is not None and r["grants"] >= 1 for r in ranks), ranks
+    assert {r["pid"] for r in ranks}.isdisjoint({pr.pid})  # workers, not the launcher
+    attached = {e["session"] for e in node.event_list() if e["event"] == "attach"}
+    assert attached == {r["session"] for r in ranks}  # the launcher took no session
+    gangs = [r["gang"] for r in ranks]
+    assert gangs[0]["gang"].startswith("torchelastic:") and gangs[0]["gang"] == gangs[1]["gang"]
+    assert sorted(g["rank"] for g in gangs) == [0, 1] and {g["gang_size"] for g in gangs} == {2}
+    assert {r["sum"] for r in ranks} == {3.0}  # their collective ran
+
+
+def test_a_python_that_cannot_import_gpushare_is_refused(node_factory, short_tmp):
+    import shutil
+
+    # The interpreter this venv was made from: gpushare is not installed in it.
+    base = getattr(sys, "_base_executable", "") or shutil.which("python3")
+    probe = subprocess.run([base, "-c", "import gpushare"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip(f"{base} can import gpushare: no foreign Python here")
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", base, "-c", "print('ran ungated')")
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 3 and "ran ungated" not in out
+    assert "cannot import gpushare" in err and "install gpushare in it" in err
+    assert "Error in sitecustomize" not in err
+
+
+@pytest.mark.parametrize("flag", ["-I", "-E", "-S", "-uI"])
+def test_a_python_told_to_skip_the_start_up_hook_is_refused(node_factory, flag):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", "python3", flag, "-c", "print('ran ungated')")
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 2 and "ran ungated" not in out
+    assert "ignores gpushare's start-up hook" in err
+
+
+def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloaded(node_factory):
+    code = (
+        "import json, os; print(json.dumps({k: os.environ.get(k) for k in"
+        " ('PYTORCH_CUDA_ALLOC_CONF', 'PYTORCH_ALLOC_CONF', 'LD_PRELOAD')}))"
+    )
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(
+        node,
+        "--",
+        sys.executable,
+        "-c",
+        code,
+        extra_env={
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+            "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync",
+        },
+    )
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0, err
+    env = lines(out)[0]
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert env["PYTORCH_ALLOC_CONF"] is None
+    assert "expandable_segments:True taken out" in err and "backend:cudaMallocAsync" in err
+    assert "libgpushare_alloc-" in env["LD_PRELOAD"]  # PyTorch's cudaMalloc reaches gpushare

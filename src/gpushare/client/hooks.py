@@ -16,6 +16,13 @@ with a safe point) keep the burst open while they run, however long.
 Factory functions asked for CUDA memory (``torch.zeros(n, device="cuda")``,
 ``torch.empty_like(cuda_tensor)``, and the others in :data:`FACTORIES`) are safe points too.
 
+Compiled code (``torch.compile``, ``Module.compile``): while dynamo traces, every hook
+and wrapper here steps aside at once (``torch.compiler.is_compiling()``, which dynamo
+folds to a constant), so gpushare adds no frame, graph or graph break, and a revoke
+never makes a model recompile. A compiled model is gated where it is called: the
+``OptimizedModule`` of ``torch.compile`` is a module whose hooks run uncompiled, and a
+module compiled in place keeps its outermost safe point around its compiled call.
+
 What is not gated: other tensor operations outside any module's forward (``x @ w`` at
 the top level), custom kernels, and anything in processes forked from the workload (DataLoader
 workers). Nothing yields inside a CUDA graph capture. A program whose GPU work happens
@@ -27,7 +34,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +56,30 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _CompiledCalls(threading.local):
+    n = 0  # calls of modules compiled in place under way in this thread
+
+
+# Inside such a call PyTorch runs the module's hooks under dynamo's frame callback, which
+# compiles every Python frame it meets: there the hooks return at once, reading only
+# this (no Python call), and their own frames are marked for dynamo to skip.
+_compiled_calls = _CompiledCalls()
+_skip: list[types.CodeType] = []  # code dynamo must not compile as frames of their own
+
+
+def _skip_in_dynamo(*fns: Callable[..., Any]) -> None:
+    _skip.extend(fn.__code__ for fn in fns)
+    _apply_skips()
+
+
+def _apply_skips() -> None:
+    if "torch._dynamo" not in sys.modules:  # applied when something is compiled
+        return
+    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    while _skip and skip_code is not None:
+        skip_code(_skip.pop())
+
+
 def install(session: Session) -> list[Any]:
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
     import torch
@@ -59,6 +92,7 @@ def install(session: Session) -> list[Any]:
     cuda = torch.cuda.is_available()
     forks = _forks
     depth = threading.local()  # module forwards under way in this thread
+    compiling = _compiling()
 
     def ours() -> bool:
         """This process's session (not a forked child), outside any CUDA graph capture
@@ -66,13 +100,15 @@ def install(session: Session) -> list[Any]:
         return _forks == forks and not (cuda and torch.cuda.is_current_stream_capturing())
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
+        if _compiled_calls.n or compiling():
+            return
         if ours():
             session.checkpoint()
 
     # A forward may outlast idle_release (one big module, a compiled model): from the
     # outermost module's start to its end the burst is not ended for idleness.
     def forward_pre(*_args: Any) -> None:
-        if _forks != forks:
+        if _compiled_calls.n or compiling() or _forks != forks:
             return
         n = getattr(depth, "n", 0)
         depth.n = n + 1  # first: the post hook runs even when this one raises
@@ -83,6 +119,8 @@ def install(session: Session) -> list[Any]:
             gate()
 
     def forward_post(*_args: Any) -> None:
+        if _compiled_calls.n or compiling():
+            return
         n = getattr(depth, "n", 0)
         if _forks != forks or n <= 0:  # its pre hook never ran (another one raised first)
             return
@@ -90,6 +128,7 @@ def install(session: Session) -> list[Any]:
         if n == 1:
             session.end_work()
 
+    _skip_in_dynamo(gate, forward_pre, forward_post)
     handles = [
         register_module_forward_pre_hook(forward_pre),
         register_module_forward_hook(forward_post, always_call=True),
@@ -97,10 +136,51 @@ def install(session: Session) -> list[Any]:
     ]
     return [
         *handles,
-        *_gate_tensor_methods(gate),
-        *_gate_factories(gate),
-        *_hold_through_backward(session, ours),
+        *_gate_tensor_methods(gate, compiling),
+        *_gate_factories(gate, compiling),
+        *_hold_through_backward(session, ours, compiling),
+        _gate_compiled_in_place(forward_pre, forward_post),
     ]
+
+
+def _compiling() -> Callable[[], bool]:
+    """``torch.compiler.is_dynamo_compiling`` (dynamo folds it to True while it traces;
+    eagerly a bare ``return False``, half the cost of ``is_compiling``)."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    fn = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
+    return fn if fn is not None else (lambda: False)
+
+
+def _gate_compiled_in_place(pre: Callable[..., None], post: Callable[..., None]) -> _Unpatch:
+    """``Module.compile()`` compiles the module's call itself, hooks included, which
+    then never run: its compiled call gets the outermost safe point back around it."""
+    import torch
+
+    def wrap(original: Any) -> Callable[..., Any]:
+        def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            inner = self._compiled_call_impl
+            if inner is None:
+                return out
+
+            def gated(*a: Any, **kw: Any) -> Any:
+                pre(self, a)
+                _compiled_calls.n += 1
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    _compiled_calls.n -= 1
+                    post(self, a, None)
+
+            self._compiled_call_impl = gated
+            _apply_skips()  # dynamo is loaded now
+            return out
+
+        return compile
+
+    return _patch(torch.nn.Module, "compile", wrap)
 
 
 class _Unpatch:
@@ -120,18 +200,21 @@ def _patch(owner: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> 
     return _Unpatch(owner, name, original)
 
 
-def _hold_through_backward(session: Session, ours: Callable[[], bool]) -> list[_Unpatch]:
+def _hold_through_backward(
+    session: Session, ours: Callable[[], bool], compiling: Callable[[], bool]
+) -> list[_Unpatch]:
     """A backward pass has no safe point inside and may outlast ``idle_release``: it
     starts with a checkpoint and keeps the burst open until it is done."""
     import torch
 
     def held(original: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not ours():
+            if _compiled_calls.n or compiling() or not ours():
                 return original(*args, **kwargs)
             with session.working():
                 return original(*args, **kwargs)
 
+        _skip_in_dynamo(call)
         return call
 
     return [
@@ -160,11 +243,13 @@ def _is_cuda(x: Any) -> bool:
     return isinstance(x, str) and x.startswith("cuda")
 
 
-def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
+def _gate_tensor_methods(gate: Callable[[], None], compiling: Callable[[], bool]) -> list[_Unpatch]:
     import torch
 
     def gated(original: Any, always: bool) -> Callable[..., Any]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _compiled_calls.n or compiling():
+                return original(self, *args, **kwargs)
             # Cheap first: most calls are on CUDA tensors or name no CUDA device.
             if (
                 always
@@ -175,6 +260,7 @@ def _gate_tensor_methods(gate: Callable[[], None]) -> list[_Unpatch]:
                 gate()
             return original(self, *args, **kwargs)
 
+        _skip_in_dynamo(call)
         return call
 
     return [
@@ -191,11 +277,13 @@ FACTORIES = (
 )  # fmt: skip
 
 
-def _gate_factories(gate: Callable[[], None]) -> list[_Unpatch]:
+def _gate_factories(gate: Callable[[], None], compiling: Callable[[], bool]) -> list[_Unpatch]:
     import torch
 
     def gated(original: Any, like: bool) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if _compiled_calls.n or compiling():
+                return original(*args, **kwargs)
             device = kwargs.get("device")
             # A device asked for, or (the _like ones) the device of the tensor given.
             if device is not None:
@@ -206,6 +294,7 @@ def _gate_factories(gate: Callable[[], None]) -> list[_Unpatch]:
                 gate()
             return original(*args, **kwargs)
 
+        _skip_in_dynamo(call)
         return call
 
     return [

@@ -1,11 +1,19 @@
 """``gpushare run [--memory SIZE] [--weight W] -- COMMAND ...``: an unmodified PyTorch
 program as a session.
 
-The command runs with this package's ``_autoattach`` folder first on ``PYTHONPATH``:
-its ``sitecustomize`` attaches the Python process at start (memory from ``--memory``,
-else ``GPUSHARE_MEMORY``, else KAI's ``GPU_PORTION`` of the GPU), installs the global
-hooks of :mod:`gpushare.client.hooks`, enforces the memory limit where CUDA is there, and
-closes the session at exit. Any ``sitecustomize`` it shadows is run after it.
+The command runs with this package's ``_autoattach`` folder first on ``PYTHONPATH`` and
+gpushare's allocator library in ``LD_PRELOAD`` (PyTorch's ``cudaMalloc`` then reaches
+gpushare's swappable memory; see :mod:`gpushare.client.swap.torch`). The ``sitecustomize``
+there attaches the Python process at start (memory from ``--memory``, else
+``GPUSHARE_MEMORY``, else KAI's ``GPU_PORTION`` of the GPU), installs the global hooks of
+:mod:`gpushare.client.hooks`, enforces the memory limit where CUDA is there, and closes
+the session at exit. Any ``sitecustomize`` it shadows is run after it.
+
+A distributed launcher (``torchrun``, ``accelerate``, ``deepspeed``) is not attached:
+each worker it starts is (:mod:`gpushare.client.launchers`). Settings that would put
+PyTorch's memory out of gpushare's reach (``expandable_segments``, the
+``cudaMallocAsync`` backend) are taken out of ``PYTORCH_CUDA_ALLOC_CONF``, saying so.
+A Python that would skip the ``sitecustomize`` (``-I``, ``-E``, ``-S``) is refused.
 """
 
 from __future__ import annotations
@@ -13,11 +21,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gpushare.client import launchers
 from gpushare.units import parse_size
 
 if TYPE_CHECKING:
@@ -35,12 +45,19 @@ def child_env(
     name: str | None,
     socket: str | None,
     gpu: int | None,
+    notes: list[str] | None = None,
 ) -> dict[str, str]:
-    """The command's environment: what the sitecustomize in it needs."""
+    """The command's environment: what the sitecustomize in it needs. What had to be
+    changed besides is said in ``notes``."""
+    from gpushare.client.swap.shim import ShimUnavailableError, shim_path
+    from gpushare.client.swap.torch import ALLOC_CONF_VARS, strip_alloc_conf
+
+    notes = [] if notes is None else notes
     env = dict(environ)
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoattach")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env[ENV_FLAG] = "1"
+    env["GPUSHARE_PYTHON"] = sys.executable  # named when a foreign Python is refused
     if memory is not None:
         env["GPUSHARE_MEMORY"] = str(parse_size(memory))
     for key, value in (
@@ -51,7 +68,46 @@ def child_env(
     ):
         if value is not None:
             env[key] = str(value)
+    for var in ALLOC_CONF_VARS:
+        if var in env:
+            kept, dropped = strip_alloc_conf(env[var])
+            if dropped:
+                notes.append(
+                    f"{var}: {', '.join(dropped)} taken out: PyTorch's memory would then be"
+                    " out of gpushare's reach (docs/torch-backend.md)"
+                )
+                if kept:
+                    env[var] = kept
+                else:
+                    del env[var]
+    try:
+        lib = shim_path()
+    except ShimUnavailableError as e:
+        notes.append(f"{e}: on a real GPU the torch backend cannot start")
+    else:
+        preload = env.get("LD_PRELOAD", "")
+        if lib not in preload.replace(":", " ").split():
+            env["LD_PRELOAD"] = f"{lib} {preload}".strip()
     return env
+
+
+def skipped_site(command: Sequence[str]) -> str:
+    """Why a Python command line would never run gpushare's sitecustomize ('' if it does):
+    ``-I``, ``-E`` (PYTHONPATH ignored) or ``-S`` (no site)."""
+    if not re.fullmatch(r"python[0-9.]*", os.path.basename(command[0])):
+        return ""
+    for a in command[1:]:
+        if a in ("-W", "-X") or not a.startswith("-") or a.startswith("--"):
+            break
+        if a[1:2] in ("c", "m"):
+            break
+        bad = sorted(set(a[1:]) & {"I", "E", "S"})
+        if bad:
+            return (
+                f"{command[0]} -{bad[0]} ignores gpushare's start-up hook (PYTHONPATH or site):"
+                f" the program would run ungated; drop -{bad[0]}"
+            )
+    return ""
 
 
 def run(
@@ -72,13 +128,27 @@ def run(
     if exe is None:
         print(f"gpushare run: error: command not found: {command[0]}", file=sys.stderr)
         return 127
-    env = child_env(dict(os.environ), memory, weight, name, socket, gpu)
+    why = skipped_site(command)
+    if why:
+        print(f"gpushare run: error: {why}", file=sys.stderr)
+        return 2
+    notes: list[str] = []
+    try:
+        env = child_env(dict(os.environ), memory, weight, name, socket, gpu, notes)
+    except ValueError as e:
+        print(f"gpushare run: error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"gpushare run: {note}", file=sys.stderr)
+    sys.stderr.flush()
     os.execve(exe, list(command), env)
     return 0  # not reached
 
 
 def child_start() -> None:
     """In the command's Python: attach, hook, limit. Called by the sitecustomize."""
+    if launchers.launcher(getattr(sys, "orig_argv", sys.argv)):
+        return  # a launcher: its workers are the sessions (they inherit the flag)
     # Consumed here: Python processes this one starts (spawned DataLoader workers,
     # tools) are not the session.
     os.environ.pop(ENV_FLAG, None)

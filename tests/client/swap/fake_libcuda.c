@@ -1,15 +1,22 @@
-/* A libcuda for machines without a GPU: the driver calls gpushare's ctypes layer makes
- * (src/gpushare/swap/cuda.py), with the signatures and structures of cuda.h, over host
- * memory. Virtual memory management is modelled with the kernel's own: a reservation is
- * an inaccessible mapping, a physical allocation a memfd, cuMemMap maps it at the
- * reserved address and cuMemSetAccess makes it readable and writable, so an unmapped
- * range really faults. Every argument gpushare passes is checked as the driver would;
- * a wrong structure layout or flag returns CUDA_ERROR_INVALID_VALUE.
+/* A libcuda for machines without a GPU: the driver calls gpushare makes (the ctypes
+ * layer src/gpushare/client/swap/cuda.py and the allocator gpushare_alloc.c), with the
+ * signatures and structures of cuda.h, over host memory. Virtual memory management is
+ * modelled with the kernel's own: a reservation is an inaccessible mapping, a physical
+ * allocation a memfd, cuMemMap maps it at the reserved address and cuMemSetAccess makes
+ * it readable and writable, so an unmapped range really faults. Every argument gpushare
+ * passes is checked as the driver would; a wrong structure layout or flag returns
+ * CUDA_ERROR_INVALID_VALUE, and a call that needs a current context returns
+ * CUDA_ERROR_INVALID_CONTEXT without one (contexts are a per-thread stack, as in CUDA).
  *
- * FAKE_CUDA_CAPACITY (bytes) bounds the physical memory: cuMemCreate past it returns
- * CUDA_ERROR_OUT_OF_MEMORY. Built by the tests with: cc -shared -fPIC -o X.so this.c
+ * Environment: FAKE_CUDA_CAPACITY (bytes) bounds the physical memory (cuMemCreate past
+ * it returns CUDA_ERROR_OUT_OF_MEMORY); FAKE_CUDA_GRANULARITY (bytes, default 2 MiB, an
+ * H200's); FAKE_CUDA_CORRUPT=1 flips the first byte of every device-to-host copy.
+ * For tests: fake_cuda_fail(name, code, skip) makes the call after `skip` more calls of
+ * `name` fail once; fake_cuda_calls(name) counts calls; fake_cuda_log() lists them.
+ * Built by the tests with: cc -shared -fPIC -o X.so this.c
  */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -36,17 +43,79 @@ typedef struct CUmemAllocationProp_st {
 } CUmemAllocationProp;
 typedef struct CUmemAccessDesc_st { CUmemLocation location; int flags; } CUmemAccessDesc;
 
-enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3 };
-static const size_t GRANULARITY = 2 << 20; /* what an H200 reports */
-static int initialized, current;
-static size_t created; /* physical bytes */
-static char ctx_token, stream_token, event_token;
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_CONTEXT = 201 };
+static int initialized;
+static size_t created, pinned; /* physical bytes, pinned host bytes */
+static char ctx_token, foreign_token, stream_token;
+static __thread CUcontext stack[16];
+static __thread int depth;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
+static struct { char name[48]; int n; } counts[64];
+static char fail_name[48];
+static int fail_code, fail_skip;
+static char calls_log[1 << 16];
+
+/* Count the call, log it, and fail it if asked to. */
+static CUresult called(const char *name) {
+    CUresult rc = OK;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 64; i++) {
+        if (!counts[i].name[0]) strncpy(counts[i].name, name, sizeof counts[i].name - 1);
+        if (!strcmp(counts[i].name, name)) {
+            counts[i].n++;
+            break;
+        }
+    }
+    size_t len = strlen(calls_log);
+    if (len + strlen(name) + 2 < sizeof calls_log) {
+        strcat(calls_log, name);
+        strcat(calls_log, ";");
+    }
+    if (fail_name[0] && !strcmp(fail_name, name) && fail_skip-- == 0) {
+        fail_name[0] = 0;
+        rc = fail_code;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+#define CALLED(name)                  \
+    do {                              \
+        CUresult rc_ = called(name);  \
+        if (rc_) return rc_;          \
+    } while (0)
+#define NEEDS_CONTEXT() \
+    do { if (!depth || stack[depth - 1] != &ctx_token) return INVALID_CONTEXT; } while (0)
+
+void fake_cuda_fail(const char *name, int code, int skip) {
+    pthread_mutex_lock(&mu);
+    strncpy(fail_name, name, sizeof fail_name - 1);
+    fail_code = code;
+    fail_skip = skip;
+    pthread_mutex_unlock(&mu);
+}
+int fake_cuda_calls(const char *name) {
+    for (int i = 0; i < 64; i++)
+        if (!strcmp(counts[i].name, name)) return counts[i].n;
+    return 0;
+}
+const char *fake_cuda_log(void) { return calls_log; }
+void fake_cuda_log_clear(void) { calls_log[0] = 0; }
+size_t fake_cuda_created(void) { return created; }
+size_t fake_cuda_pinned(void) { return pinned; }
+/* Another context (a workload's own) current on this thread: gpushare must push and
+ * pop its own around its calls and leave this one current. */
+void fake_cuda_push_foreign(void) { stack[depth++] = &foreign_token; }
+int fake_cuda_foreign_current(void) { return depth && stack[depth - 1] == &foreign_token; }
+
+static size_t granularity(void) {
+    const char *s = getenv("FAKE_CUDA_GRANULARITY");
+    return s ? strtoull(s, NULL, 10) : (size_t)2 << 20;
+}
 static size_t capacity(void) {
     const char *s = getenv("FAKE_CUDA_CAPACITY");
     return s ? strtoull(s, NULL, 10) : (size_t)1 << 40;
 }
-
 static int good_prop(const CUmemAllocationProp *p) {
     return p && p->type == 1 /* PINNED */ && p->requestedHandleTypes == 0 &&
            p->location.type == 1 /* DEVICE */ && p->location.id == 0 &&
@@ -65,94 +134,162 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
     *c = &ctx_token;
     return OK;
 }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = depth ? stack[depth - 1] : NULL; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) {
     if (c != &ctx_token) return INVALID_VALUE;
-    current = 1;
+    if (!depth) depth = 1;
+    stack[depth - 1] = c;
+    return OK;
+}
+CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    CALLED("cuCtxPushCurrent_v2");
+    if (c != &ctx_token || depth == 16) return INVALID_VALUE;
+    stack[depth++] = c;
+    return OK;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+    CALLED("cuCtxPopCurrent_v2");
+    if (!depth) return INVALID_CONTEXT;
+    *c = stack[--depth];
+    return OK;
+}
+CUresult cuCtxSynchronize(void) {
+    CALLED("cuCtxSynchronize");
+    NEEDS_CONTEXT();
     return OK;
 }
 CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option) {
     if (!good_prop(p) || option != 1 /* RECOMMENDED */) return INVALID_VALUE;
-    *g = GRANULARITY;
+    *g = granularity();
     return OK;
 }
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
                              unsigned long long flags) {
-    if (!current || size % GRANULARITY || align != GRANULARITY || addr || flags)
-        return INVALID_VALUE;
+    CALLED("cuMemAddressReserve");
+    NEEDS_CONTEXT();
+    if (size % granularity() || align != granularity() || addr || flags) return INVALID_VALUE;
     void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return OUT_OF_MEMORY;
     *ptr = (CUdeviceptr)p;
     return OK;
 }
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    CALLED("cuMemAddressFree");
     return munmap((void *)ptr, size) ? INVALID_VALUE : OK;
 }
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *p,
                      unsigned long long flags) {
-    if (!current || !good_prop(p) || flags || size % GRANULARITY) return INVALID_VALUE;
-    if (created + size > capacity()) return OUT_OF_MEMORY;
+    CALLED("cuMemCreate");
+    NEEDS_CONTEXT();
+    if (!good_prop(p) || flags || size % granularity()) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (created + size > capacity()) {
+        pthread_mutex_unlock(&mu);
+        return OUT_OF_MEMORY;
+    }
+    created += size;
+    pthread_mutex_unlock(&mu);
     int fd = memfd_create("fake-cuda", 0);
     if (fd < 0 || ftruncate(fd, (off_t)size)) return OUT_OF_MEMORY;
-    created += size;
     *h = ((unsigned long long)size << 20) | (unsigned)fd; /* fd and size, as a handle */
     return OK;
 }
 CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    CALLED("cuMemRelease");
+    pthread_mutex_lock(&mu);
     created -= (size_t)(h >> 20);
+    pthread_mutex_unlock(&mu);
     return close((int)(h & 0xFFFFF)) ? INVALID_VALUE : OK;
 }
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                   unsigned long long flags) {
+    CALLED("cuMemMap");
     if (offset || flags || size != (size_t)(h >> 20)) return INVALID_VALUE;
     void *p = mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)(h & 0xFFFFF), 0);
     return p == MAP_FAILED ? INVALID_VALUE : OK;
 }
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *d, size_t count) {
+    CALLED("cuMemSetAccess");
     if (count != 1 || d->location.type != 1 || d->location.id != 0 || d->flags != 3)
         return INVALID_VALUE;
     return mprotect((void *)ptr, size, PROT_READ | PROT_WRITE) ? INVALID_VALUE : OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    CALLED("cuMemUnmap");
     /* Back to a reservation: the range stays ours and faults again. */
     void *p = mmap((void *)ptr, size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     return p == MAP_FAILED ? INVALID_VALUE : OK;
 }
 CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+    CALLED("cuMemHostAlloc");
+    NEEDS_CONTEXT();
     if (flags) return INVALID_VALUE;
-    *pp = malloc(size);
-    return *pp ? OK : OUT_OF_MEMORY;
+    *pp = malloc(size + sizeof(size_t));
+    if (!*pp) return OUT_OF_MEMORY;
+    *(size_t *)*pp = size;
+    *pp = (char *)*pp + sizeof(size_t);
+    pthread_mutex_lock(&mu);
+    pinned += size;
+    pthread_mutex_unlock(&mu);
+    return OK;
 }
-CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+CUresult cuMemFreeHost(void *p) {
+    CALLED("cuMemFreeHost");
+    NEEDS_CONTEXT();
+    char *base = (char *)p - sizeof(size_t);
+    pthread_mutex_lock(&mu);
+    pinned -= *(size_t *)base;
+    pthread_mutex_unlock(&mu);
+    free(base);
+    return OK;
+}
 CUresult cuStreamCreate(CUstream *s, unsigned flags) {
+    NEEDS_CONTEXT();
     if (flags != 1 /* NON_BLOCKING */) return INVALID_VALUE;
     *s = &stream_token;
     return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    CALLED("cuMemcpyDtoHAsync_v2");
+    NEEDS_CONTEXT();
     if (s != &stream_token) return INVALID_VALUE;
     memcpy(dst, (void *)src, n);
+    const char *bad = getenv("FAKE_CUDA_CORRUPT");
+    if (bad && *bad == '1' && n) ((unsigned char *)dst)[0] ^= 0xFF;
     return OK;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    CALLED("cuMemcpyHtoDAsync_v2");
+    NEEDS_CONTEXT();
     if (s != &stream_token) return INVALID_VALUE;
     memcpy((void *)dst, src, n);
     return OK;
 }
 CUresult cuEventCreate(CUevent *e, unsigned flags) {
+    CALLED("cuEventCreate");
+    NEEDS_CONTEXT();
     if (flags != 2 /* DISABLE_TIMING */) return INVALID_VALUE;
-    *e = &event_token;
-    return OK;
+    *e = malloc(8);
+    return *e ? OK : OUT_OF_MEMORY;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
-    return e == &event_token && s == &stream_token ? OK : INVALID_VALUE;
+    CALLED("cuEventRecord");
+    return e && s == &stream_token ? OK : INVALID_VALUE;
 }
-CUresult cuEventSynchronize(CUevent e) { return e == &event_token ? OK : INVALID_VALUE; }
-CUresult cuEventDestroy_v2(CUevent e) { return e == &event_token ? OK : INVALID_VALUE; }
+CUresult cuEventSynchronize(CUevent e) {
+    CALLED("cuEventSynchronize");
+    return e ? OK : INVALID_VALUE;
+}
+CUresult cuEventDestroy_v2(CUevent e) {
+    CALLED("cuEventDestroy_v2");
+    free(e);
+    return OK;
+}
 CUresult cuGetErrorString(CUresult r, const char **s) {
     static const char *names[] = {"no error", "invalid argument", "out of memory",
                                   "initialization error"};
-    *s = r >= 0 && r < 4 ? names[r] : "unknown error";
+    *s = r >= 0 && r < 4 ? names[r] : r == INVALID_CONTEXT ? "invalid device context"
+                                                            : "unknown error";
     return OK;
 }
-size_t fake_cuda_created(void) { return created; }

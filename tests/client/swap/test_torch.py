@@ -3,19 +3,24 @@ the limit, swapped content, stable addresses and CUDA graph replays."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from gpushare import protocol as p
 from gpushare.client.session import _make_backend
-from gpushare.client.swap import torch as tb
-from gpushare.client.swap.torch import default_host_bytes, find_device
-from gpushare.client.swap.vmm import VmmBackend
+from gpushare.client.swap.torch import (
+    check_allocator_settings,
+    choose_route,
+    default_host_bytes,
+    find_device,
+    strip_alloc_conf,
+)
 from gpushare.errors import GpushareError
-
-from .fake_cuda import FakeDriver
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 CUDA = torch.cuda.is_available()
@@ -84,29 +89,69 @@ def test_the_cuda_device_is_found_by_the_nodes_gpu_uuid():
 def test_pinned_host_memory_defaults_to_the_limit_within_half_the_host(tmp_path, monkeypatch):
     (tmp_path / "meminfo").write_text("MemAvailable: 8388608 kB\n")  # 8 GiB
     monkeypatch.delenv("GPUSHARE_HOST_MEMORY", raising=False)
-    assert default_host_bytes(2 * GiB, str(tmp_path)) == 2 * GiB
-    assert default_host_bytes(20 * GiB, str(tmp_path)) == 4 * GiB
+    none = str(tmp_path / "no-cgroup")
+    assert default_host_bytes(2 * GiB, str(tmp_path), none) == 2 * GiB
+    assert default_host_bytes(20 * GiB, str(tmp_path), none) == 4 * GiB
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "cgroup").write_text("0::/pod\n")
+    (tmp_path / "cg" / "pod").mkdir(parents=True)
+    (tmp_path / "cg" / "pod" / "memory.max").write_text(str(3 * GiB))
+    (tmp_path / "cg" / "pod" / "memory.current").write_text(str(GiB))
+    # the pod may take 2 GiB more, not the host's 8: half of it is pinned
+    assert default_host_bytes(20 * GiB, str(tmp_path), str(tmp_path / "cg")) == GiB
     monkeypatch.setenv("GPUSHARE_HOST_MEMORY", "1GiB")
-    assert default_host_bytes(20 * GiB, str(tmp_path)) == GiB
+    assert default_host_bytes(20 * GiB, str(tmp_path), none) == GiB
 
 
-def test_the_allocator_functions_pytorch_calls_never_raise_into_c(caplog):
-    # The backend minus PyTorch: its allocate/free as C function pointers, called as
-    # PyTorch's pluggable allocator calls them, over the modelled driver.
-    piece = 64 * 1024
-    b = tb.TorchBackend.__new__(tb.TorchBackend)
-    VmmBackend.__init__(b, FakeDriver(2**20), 4 * piece, piece_bytes=piece)
-    keep = tb._ALLOC(b._alloc), tb._FREE(b._free)
-    alloc = tb._ALLOC(ctypes.cast(keep[0], ctypes.c_void_p).value)
-    free = tb._FREE(ctypes.cast(keep[1], ctypes.c_void_p).value)
-    va = alloc(3 * piece, 0, None)
-    assert va and b.resident_bytes == 3 * piece
+def test_the_route_is_preload_where_preloaded_and_can_be_forced():
+    assert choose_route(True, {}) == "preload"
+    assert choose_route(False, {}) == "pool"
+    assert choose_route(True, {"GPUSHARE_TORCH_ROUTE": "pool"}) == "pool"
+    with pytest.raises(GpushareError, match="not started with gpushare's allocator in LD_PRELOAD"):
+        choose_route(False, {"GPUSHARE_TORCH_ROUTE": "preload"})
+    with pytest.raises(GpushareError, match="choose 'preload' or 'pool'"):
+        choose_route(False, {"GPUSHARE_TORCH_ROUTE": "ld"})
+
+
+def test_unswappable_allocator_settings_are_stripped():
+    conf = "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.6"
+    assert strip_alloc_conf(conf) == (
+        "max_split_size_mb:128,garbage_collection_threshold:0.6",
+        ["expandable_segments:True"],
+    )
+    assert strip_alloc_conf("backend:cudaMallocAsync") == ("", ["backend:cudaMallocAsync"])
+    assert strip_alloc_conf("expandable_segments:False") == ("expandable_segments:False", [])
+
+
+class _AllocTorch:
+    """What check_allocator_settings reads and sets of PyTorch."""
+
+    def __init__(self, settings: str, backend: str = "native", setter: bool = True) -> None:
+        self.set: list[str] = []
+        self._C = type("C", (), {})()
+        self._C._accelerator_getAllocatorSettings = lambda: settings
+        if setter:
+            self._C._accelerator_setAllocatorSettings = self.set.append
+        self.cuda = type("Cuda", (), {"get_allocator_backend": staticmethod(lambda: backend)})()
+
+
+def test_expandable_segments_are_turned_off_at_attach_and_async_refused(caplog):
+    t = _AllocTorch("")
+    assert check_allocator_settings(t, {}) == [] and t.set == []
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     with caplog.at_level(logging.WARNING, "gpushare.client.swap"):
-        assert alloc(2 * piece, 0, None) is None  # NULL: PyTorch raises its OOM error
-        free(0xDEAD000, piece, 0, None)  # not ours: logged, never raised into C
-    assert "past its memory limit" in caplog.text and "could not free" in caplog.text
-    free(va, 3 * piece, 0, None)
-    assert b.resident_bytes == 0
+        notes = check_allocator_settings(t, env)
+    assert t.set == ["expandable_segments:False"] and "turned PyTorch's expandable" in caplog.text
+    assert notes
+    t = _AllocTorch("expandable_segments:True")  # set in the program, not the environment
+    check_allocator_settings(t, {})
+    assert t.set == ["expandable_segments:False"]
+    with pytest.raises(GpushareError, match="cannot turn it off at run time"):
+        check_allocator_settings(_AllocTorch("expandable_segments:True", setter=False), {})
+    with pytest.raises(GpushareError, match="backend:cudaMallocAsync"):
+        check_allocator_settings(_AllocTorch("", backend="cudaMallocAsync"), {})
+    with pytest.raises(GpushareError, match="backend:cudaMallocAsync"):
+        check_allocator_settings(_AllocTorch(""), {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"})
 
 
 # --- on a CUDA GPU --------------------------------------------------------------------
@@ -203,3 +248,67 @@ def test_a_cuda_graph_replays_after_a_swap(backend):
     g.replay()
     torch.cuda.synchronize(dev)
     assert torch.allclose(out, (new @ w).relu(), atol=1e-3)
+
+
+# PyTorch's caching allocator behaviours under the preload route, in a process started
+# with gpushare's allocator in LD_PRELOAD (as gpushare run starts it).
+PRELOADED = textwrap.dedent("""
+    import json, torch
+    from gpushare.client.swap.torch import TorchBackend
+    GiB = 2**30
+    b = TorchBackend(8 * GiB, host_bytes=GiB)
+    out = {"route": b.route}
+    dev = b.device
+    # empty_cache gives our memory back
+    x = torch.empty(3 * GiB, dtype=torch.uint8, device=dev)
+    held = b.resident_bytes
+    del x
+    torch.cuda.empty_cache()
+    out["empty_cache"] = [held, b.resident_bytes]
+    # an out-of-memory answer makes PyTorch free its cache and retry
+    xs = [torch.empty(GiB, dtype=torch.uint8, device=dev) for _ in range(7)]
+    del xs  # 7 GiB cached, free
+    y = torch.empty(5 * GiB + 12345, dtype=torch.uint8, device=dev)  # needs a new segment
+    out["oom_retry"] = [y.numel(), b.resident_bytes <= 8 * GiB]
+    del y
+    torch.cuda.empty_cache()
+    # record_stream: blocks freed while a side stream uses them are reclaimed
+    side = torch.cuda.Stream(dev)
+    for _ in range(40):
+        t = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+        with torch.cuda.stream(side):
+            t.add_(1)
+        t.record_stream(side)
+        del t
+        torch.cuda.synchronize(dev)
+    out["record_stream_reserved"] = torch.cuda.memory_reserved(dev)
+    # and a swap keeps tensors at their addresses
+    z = torch.randn(2**26, device=dev)
+    ref, ptr = z.cpu(), z.data_ptr()
+    b.swap_out(b.resident_bytes)
+    out["swapped"] = b.swapped_bytes
+    b.swap_in()
+    out["intact"] = bool(torch.equal(z.cpu(), ref)) and z.data_ptr() == ptr
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
+def test_pytorchs_caching_allocator_keeps_its_behaviour_under_the_preload_route():
+    from gpushare.client.swap import shim
+
+    env = {**os.environ, "LD_PRELOAD": shim.shim_path()}
+    pr = subprocess.run(
+        [sys.executable, "-c", PRELOADED], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert pr.returncode == 0, pr.stderr
+    import json
+
+    out = json.loads(pr.stdout.strip().splitlines()[-1])
+    assert out["route"] == "preload", pr.stderr
+    held, after = out["empty_cache"]
+    assert held >= 3 * GiB and after < 64 * 2**20, out
+    assert out["oom_retry"] == [5 * GiB + 12345, True], out
+    assert out["record_stream_reserved"] <= 2 * GiB, out  # not 40 blocks of 256 MiB
+    assert out["swapped"] > 0 and out["intact"], out

@@ -1,93 +1,101 @@
-"""The VMM swap logic, on a driver modelled over host memory (no GPU needed)."""
+"""The VMM swap logic over gpushare's allocator library and the ctypes driver layer,
+against the fake libcuda (host memory standing for the GPU's: a swapped-out range really
+has no access)."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+from pathlib import Path
 
 import pytest
 
-from gpushare.client.swap.cuda import CudaError
-from gpushare.client.swap.vmm import VmmBackend, mem_available
+from gpushare.client.swap.vmm import (
+    VmmBackend,
+    cgroup_memory_room,
+    host_memory_available,
+    mem_available,
+)
 from gpushare.errors import OutOfMemoryError, SwapError
 
-from .fake_cuda import FakeDriver
+from .conftest import GRANULE, FakeGpu
 
-KiB = 1024
-PIECE = 64 * KiB
-
-
-@pytest.fixture
-def fake() -> FakeDriver:
-    return FakeDriver(capacity=16 * 2**20)
+PIECE = GRANULE
+CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
-def backend(fake: FakeDriver, limit: int = 4 * 2**20, **kw) -> VmmBackend:
-    b = VmmBackend(fake, limit, piece_bytes=PIECE, **kw)
-    b.progress_every_s = 0.0  # every piece reported: the fake moves them at once
-    assert b.wait_for_host_buffers(10)
-    return b
+def perms(va: int) -> str:
+    """The permissions of the mapping holding ``va`` in this process ('---p': none)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, mode = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= va < hi:
+            return mode
+    return ""
 
 
-def fill(fake: FakeDriver, b: VmmBackend, sizes: list[int], seed: int = 1):
+def fill(b: VmmBackend, sizes: list[int], seed: int = 1) -> list[tuple[int, bytes]]:
     rng = random.Random(seed)
     out = []
     for n in sizes:
         va = b.allocate(n)
         data = rng.randbytes(n)
-        fake.write(va, data)
+        ctypes.memmove(va, data, n)  # what a kernel would write
         out.append((va, data))
     return out
 
 
-def test_swapped_memory_comes_back_at_the_same_addresses_intact(fake):
-    b = backend(fake)
-    ranges = fill(fake, b, [100 * KiB, 3 * PIECE + 5, 4 * KiB, 700 * KiB])
+def intact(ranges: list[tuple[int, bytes]]) -> bool:
+    return all(ctypes.string_at(va, len(d)) == d for va, d in ranges)
+
+
+def test_swapped_memory_comes_back_at_the_same_addresses_intact(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [100 * 1024, 3 * PIECE + 5, 4 * 1024, 700 * 1024])
     total = b.resident_bytes
-    assert total == fake.physical_bytes > 0
+    assert total == gpu.physical_bytes == 2 * PIECE + 4 * PIECE + PIECE + 11 * PIECE
     r = b.swap_out(total)
     assert r.bytes == total and b.resident_bytes == 0 and b.swapped_bytes == total
-    assert fake.physical_bytes == 0  # the GPU memory is really released
-    with pytest.raises(CudaError, match="illegal memory access"):
-        fake.read(ranges[0][0], 1)  # and GPU work on it would fault
+    assert gpu.physical_bytes == 0  # the GPU memory is really released
+    assert all(perms(va) == "---p" for va, _ in ranges)  # and GPU work there would fault
     r = b.swap_in()
     assert r.bytes == total and b.resident_bytes == total and b.swapped_bytes == 0
-    for va, data in ranges:  # same addresses, same bytes
-        assert fake.read(va, len(data)) == data
+    assert intact(ranges)  # same addresses, same bytes
+    b.close()
 
 
-def test_swap_out_frees_piece_by_piece_newest_first_and_reports_each(fake):
-    b = backend(fake)
-    (old_va, old), (new_va, new) = fill(fake, b, [4 * PIECE, 4 * PIECE])
+def test_swap_out_frees_piece_by_piece_newest_first_and_reports_each(gpu: FakeGpu):
+    b = gpu.backend()
+    (old_va, old), (new_va, new) = fill(b, [4 * PIECE, 4 * PIECE])
     seen = []
-    b.on_change = lambda: seen.append((b.resident_bytes, fake.physical_bytes))
+    b.on_change = lambda: seen.append((b.resident_bytes, gpu.physical_bytes))
     r = b.swap_out(2 * PIECE + 1)  # needs three pieces
     assert r.bytes == 3 * PIECE
     assert seen == [((8 - i) * PIECE, (8 - i) * PIECE) for i in (1, 2, 3)]
-    assert fake.read(old_va, len(old)) == old  # the oldest allocation was left alone
-    with pytest.raises(CudaError):
-        fake.read(new_va + 3 * PIECE, 1)
-    assert fake.read(new_va, PIECE) == new[:PIECE]  # and so was the head of the newest
+    assert ctypes.string_at(old_va, len(old)) == old  # the oldest allocation was left alone
+    assert perms(new_va + 3 * PIECE) == "---p"
+    assert ctypes.string_at(new_va, PIECE) == new[:PIECE]  # and so was the head of the newest
 
 
-def test_swap_in_asks_room_for_each_piece_before_taking_it(fake):
-    b = backend(fake)
-    ranges = fill(fake, b, [6 * PIECE])
+def test_swap_in_asks_room_for_each_piece_before_taking_it(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [6 * PIECE])
     b.swap_out(6 * PIECE)
     asked = []
 
     def wait_room(resident: int) -> None:
-        assert fake.physical_bytes == b.resident_bytes  # nothing taken ahead of the room
+        assert gpu.physical_bytes == len(asked) * PIECE  # nothing taken ahead of the room
         asked.append(resident)
 
     b.wait_room = wait_room
     b.swap_in()
     assert asked == [i * PIECE for i in range(1, 7)]
-    assert fake.read(ranges[0][0], 6 * PIECE) == ranges[0][1]
+    assert intact(ranges)
 
 
-def test_a_room_that_never_comes_leaves_a_consistent_session(fake):
-    b = backend(fake)
-    ranges = fill(fake, b, [4 * PIECE])
+def test_a_room_that_never_comes_leaves_a_consistent_session(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [4 * PIECE])
     b.swap_out(4 * PIECE)
 
     def wait_room(resident: int) -> None:
@@ -98,35 +106,48 @@ def test_a_room_that_never_comes_leaves_a_consistent_session(fake):
     with pytest.raises(SwapError, match="went away"):
         b.swap_in()
     assert (b.resident_bytes, b.swapped_bytes) == (2 * PIECE, 2 * PIECE)
-    assert fake.physical_bytes == 2 * PIECE
+    assert gpu.physical_bytes == 2 * PIECE
     b.wait_room = lambda resident: None
     b.swap_in()
-    assert fake.read(ranges[0][0], 4 * PIECE) == ranges[0][1]
+    assert intact(ranges)
 
 
-def test_host_buffers_are_pinned_ahead_and_reused(fake):
-    b = backend(fake, limit=1 * 2**20)
-    pinned = fake.calls["host_alloc"]
-    assert pinned == 2**20 // PIECE and b.host.pinned_bytes == 2**20
-    ranges = fill(fake, b, [2**20])
+def test_host_buffers_are_pinned_ahead_and_reused(gpu: FakeGpu):
+    b = gpu.backend(limit=16 * PIECE)
+    pinned = gpu.calls("cuMemHostAlloc")
+    assert pinned == 16 and b.host.pinned_bytes == 16 * PIECE
+    ranges = fill(b, [16 * PIECE])
     for _ in range(5):
-        b.swap_out(2**20)
+        b.swap_out(16 * PIECE)
         b.swap_in()
-    assert fake.calls["host_alloc"] == pinned and b.host.late_pins == 0
-    assert fake.read(ranges[0][0], 2**20) == ranges[0][1]
+    assert gpu.calls("cuMemHostAlloc") == pinned and b.host.late_pins == 0
+    assert intact(ranges)
 
 
-def test_short_of_pinned_buffers_a_swap_pins_on_the_spot(fake):
-    b = backend(fake, host_bytes=PIECE)
-    ranges = fill(fake, b, [3 * PIECE])
+def test_short_of_pinned_buffers_a_swap_pins_on_the_spot(gpu: FakeGpu):
+    b = gpu.backend(host_bytes=PIECE)
+    ranges = fill(b, [3 * PIECE])
     b.swap_out(3 * PIECE)
     assert b.host.late_pins == 2
     b.swap_in()
-    assert fake.read(ranges[0][0], 3 * PIECE) == ranges[0][1]
+    assert intact(ranges)
 
 
-def test_the_limit_is_enforced_at_allocation(fake):
-    b = backend(fake, limit=4 * PIECE)
+def test_small_segments_share_host_buffers_and_events(gpu: FakeGpu):
+    # PyTorch's 2 MiB segments, here a granule each: 8 of them fit one piece-sized
+    # buffer and go in one batch (one event), not one buffer and one event each.
+    b = gpu.backend(piece=8 * GRANULE, host_bytes=8 * GRANULE)
+    ranges = fill(b, [GRANULE] * 8)
+    records = gpu.calls("cuEventRecord")
+    b.swap_out(8 * GRANULE)
+    assert b.host.late_pins == 0 and b.host.free_buffers == 0
+    assert gpu.calls("cuEventRecord") - records == 1
+    b.swap_in()
+    assert b.host.free_buffers == 1 and intact(ranges)
+
+
+def test_the_limit_is_enforced_at_allocation(gpu: FakeGpu):
+    b = gpu.backend(limit=4 * PIECE)
     b.allocate(3 * PIECE)
     with pytest.raises(OutOfMemoryError, match="past its memory limit"):
         b.allocate(PIECE + 1)
@@ -135,47 +156,160 @@ def test_the_limit_is_enforced_at_allocation(fake):
     with pytest.raises(OutOfMemoryError):  # swapped bytes count against it too
         b.allocate(1)
     b.free(va)
-    assert b.swapped_bytes == 3 * PIECE and len(fake.reserved) == 1
+    assert b.swapped_bytes == 3 * PIECE
     with pytest.raises(ValueError, match="no allocation"):
         b.free(va)
 
 
-def test_a_failed_swap_out_keeps_the_memory_on_the_gpu(fake):
-    b = backend(fake)
-    ranges = fill(fake, b, [8 * PIECE])
-    fake.fail["copy_dtoh"] = CudaError("cuMemcpyDtoHAsync", 999, "unknown error")
-    free_before = len(b.host._free)
+def test_a_failed_swap_out_keeps_the_memory_on_the_gpu(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [8 * PIECE])
+    gpu.fail("cuMemcpyDtoHAsync_v2", 999, skip=5)  # the sixth copy
+    free_before = b.host.free_buffers
     with pytest.raises(SwapError, match="unknown error"):
         b.swap_out(8 * PIECE)
-    assert b.resident_bytes == 8 * PIECE and b.swapped_bytes == 0
-    assert len(b.host._free) == free_before  # no buffer lost
-    assert fake.read(ranges[0][0], 8 * PIECE) == ranges[0][1]
+    # Pieces whose copies were done went; the rest stayed on the GPU, mapped.
+    out = b.swapped_bytes
+    assert 0 < out < 8 * PIECE and b.resident_bytes == gpu.physical_bytes == 8 * PIECE - out
+    assert b.host.free_buffers == free_before - out // PIECE  # no buffer lost
+    b.swap_out(8 * PIECE)  # nothing was left claimed: the rest goes now
+    assert b.swapped_bytes == 8 * PIECE
+    b.swap_in()
+    assert intact(ranges)
 
 
-def test_a_gpu_full_at_swap_in_is_an_error_and_nothing_is_lost(fake):
-    b = backend(fake)
-    ranges = fill(fake, b, [8 * PIECE])
+def test_a_gpu_full_at_swap_in_is_an_error_and_nothing_is_lost(gpu: FakeGpu, monkeypatch):
+    b = gpu.backend()
+    ranges = fill(b, [8 * PIECE])
     b.swap_out(8 * PIECE)
-    fake.capacity = 3 * PIECE  # someone else took the GPU meanwhile
-    with pytest.raises(SwapError, match="out of memory"):
+    monkeypatch.setenv("FAKE_CUDA_CAPACITY", str(3 * PIECE))  # someone else took the GPU
+    with pytest.raises(SwapError, match="cuMemCreate failed: out of memory"):
         b.swap_in()
     assert (b.resident_bytes, b.swapped_bytes) == (3 * PIECE, 5 * PIECE)
-    fake.capacity = 16 * 2**20
+    monkeypatch.delenv("FAKE_CUDA_CAPACITY")
     b.swap_in()
-    assert fake.read(ranges[0][0], 8 * PIECE) == ranges[0][1]
+    assert intact(ranges)
 
 
-def test_freeing_swapped_memory_returns_its_host_buffers(fake):
-    b = backend(fake)
-    (va, _), *_ = fill(fake, b, [4 * PIECE])
-    free0 = len(b.host._free)
+def test_freeing_swapped_memory_returns_its_host_buffers(gpu: FakeGpu):
+    b = gpu.backend()
+    (va, _), *_ = fill(b, [4 * PIECE])
+    free0 = b.host.free_buffers
     b.swap_out(4 * PIECE)
-    assert len(b.host._free) == free0 - 4
+    assert b.host.free_buffers == free0 - 4
     b.free(va)
-    assert len(b.host._free) == free0 and b.swapped_bytes == 0 and not fake.reserved
+    b.swap_in()  # a swap takes back what frees returned
+    assert b.host.free_buffers == free0 and b.swapped_bytes == 0
+
+
+def test_a_free_during_a_swap_is_finished_by_the_swap(gpu: FakeGpu):
+    # PyTorch may free a segment (empty_cache in another thread) while its pieces move.
+    b = gpu.backend()
+    (va, _), (keep_va, keep) = fill(b, [4 * PIECE, 2 * PIECE])
+    freed = []
+
+    def progress() -> None:
+        if not freed:
+            freed.append(va)
+            b.free(va)  # the first piece of the newest went; now the older one is freed
+
+    b.on_change = progress
+    b.swap_out(6 * PIECE)
+    assert not gpu.shim.owns(va)
+    assert b.swapped_bytes == 2 * PIECE and b.resident_bytes == 0  # only `keep` is left
+    b.on_change = lambda: None
+    b.swap_in()
+    assert ctypes.string_at(keep_va, len(keep)) == keep
+    assert gpu.physical_bytes == 2 * PIECE  # nothing of the freed one stayed behind
+
+
+def test_swaps_push_the_context_and_leave_the_threads_own(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [2 * PIECE])
+    gpu.cu.fake_cuda_push_foreign()  # the workload's own context is current here
+    b.swap_out(2 * PIECE)
+    b.swap_in()
+    assert gpu.cu.fake_cuda_foreign_current()  # still: pushed and popped, not switched
+    assert intact(ranges)
+
+
+def test_closing_frees_the_host_buffers_with_a_context(gpu: FakeGpu):
+    b = gpu.backend(limit=8 * PIECE)
+    assert gpu.cu.fake_cuda_pinned() == 8 * PIECE
+    b.close()  # from a thread with no current context: the fake refuses frees without one
+    assert gpu.cu.fake_cuda_pinned() == 0
+
+
+def test_allocation_and_free_are_reported(gpu: FakeGpu):
+    b = gpu.backend()
+    reports = []
+    b.on_change = lambda: reports.append(b.resident_bytes)
+    va = b.allocate(PIECE)  # in C: a byte down a pipe, reported by a thread
+    for _ in range(200):
+        if reports:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert reports and reports[-1] == PIECE
+    b.free(va)
+    b.close()
+
+
+# --- host memory for pinning: the host's and the cgroup's --------------------------------
 
 
 def test_mem_available_reads_meminfo(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal:  100 kB\nMemAvailable:   2048 kB\n")
     assert mem_available(str(tmp_path)) == 2048 * 1024
     assert mem_available(str(tmp_path / "missing")) == 0
+
+
+def _proc(tmp: Path, cgroup: str, avail_kib: int = 64 * 2**20) -> Path:
+    proc = tmp / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "meminfo").write_text(f"MemAvailable: {avail_kib} kB\n")  # 64 GiB by default
+    return proc
+
+
+def _write(d: Path, **files: str) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (d / name.replace("_", ".", 1)).write_text(text)
+
+
+GiB = 2**30
+
+
+def test_cgroup_v2_limit_bounds_pinning(tmp_path):
+    proc = _proc(tmp_path, "0::/kubepods/pod1/ctr\n")
+    cg = tmp_path / "cgroup"
+    _write(cg / "kubepods" / "pod1", memory_max=str(8 * GiB), memory_current=str(GiB))
+    _write(
+        cg / "kubepods" / "pod1" / "ctr",
+        memory_max="max",
+        memory_current=str(3 * GiB),
+        memory_stat=f"anon 1\ninactive_file {GiB}\n",
+    )
+    assert cgroup_memory_room(str(proc), str(cg)) == 7 * GiB  # the pod's, not the host's 64
+    _write(cg / "kubepods" / "pod1" / "ctr", memory_max=str(4 * GiB))
+    # the container's own: 4 GiB less 3 in use, of which 1 GiB is reclaimable cache
+    assert cgroup_memory_room(str(proc), str(cg)) == 2 * GiB
+    assert host_memory_available(str(proc), str(cg)) == 2 * GiB
+
+
+def test_cgroup_v1_limit_and_no_limit(tmp_path):
+    proc = _proc(tmp_path, "12:cpu,cpuacct:/x\n5:memory:/docker/abc\n")
+    cg = tmp_path / "cgroup"
+    _write(
+        cg / "memory" / "docker" / "abc",
+        memory_limit_in_bytes=str(6 * GiB),
+        memory_usage_in_bytes=str(2 * GiB),
+        memory_stat="total_inactive_file 0\n",
+    )
+    assert host_memory_available(str(proc), str(cg)) == 4 * GiB
+    _write(cg / "memory" / "docker" / "abc", memory_limit_in_bytes="9223372036854771712")
+    assert cgroup_memory_room(str(proc), str(cg)) is None  # v1's "unlimited"
+    assert host_memory_available(str(proc), str(cg)) == 64 * GiB
+    assert cgroup_memory_room(str(tmp_path / "none"), str(cg)) is None

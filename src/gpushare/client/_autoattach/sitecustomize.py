@@ -1,14 +1,24 @@
 """Loaded by Python at start-up in a command run by ``gpushare run`` (this folder is
 first on its PYTHONPATH): attach the process as a session, then run the sitecustomize
-this one shadows, if there is one."""
+this one shadows, if there is one. A Python that cannot import gpushare is refused here,
+before the program runs ungated."""
 
 import importlib.util
 import os
 import sys
 
 if os.environ.get("GPUSHARE_AUTOATTACH") == "1":
-    from gpushare.client.runner import child_start
-
+    try:
+        from gpushare.client.runner import child_start
+    except ImportError as _e:
+        sys.stderr.write(
+            f"gpushare run: error: this Python ({sys.executable}, {sys.version.split()[0]})"
+            f" cannot import gpushare ({_e}): install gpushare in it, or run the command"
+            f" with the Python gpushare is installed in"
+            f" ({os.environ.get('GPUSHARE_PYTHON', 'the one gpushare run uses')})\n"
+        )
+        sys.stderr.flush()
+        os._exit(3)  # SystemExit would be reported and ignored in sitecustomize
     child_start()
 
 _here = os.path.dirname(os.path.abspath(__file__))

@@ -13,8 +13,10 @@ the real driver. Tests use a fake with the same methods over host memory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import threading
+import os
+from collections.abc import Iterator
 from typing import Protocol
 
 from gpushare.errors import SwapError
@@ -31,7 +33,7 @@ _CUDA_ERROR_OUT_OF_MEMORY = 2
 class Driver(Protocol):
     """What the VMM swap backend asks of a GPU. Addresses and handles are ints."""
 
-    def make_current(self) -> None: ...
+    def context(self) -> contextlib.AbstractContextManager[None]: ...
     def granularity(self) -> int: ...
     def reserve(self, size: int) -> int: ...
     def unreserve(self, va: int, size: int) -> None: ...
@@ -42,9 +44,10 @@ class Driver(Protocol):
     def host_alloc(self, size: int) -> int: ...
     def host_free(self, ptr: int) -> None: ...
     def new_stream(self) -> int: ...
+    def new_event(self) -> int: ...
     def copy_dtoh(self, dst: int, src: int, size: int, stream: int) -> None: ...
     def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None: ...
-    def record(self, stream: int) -> int: ...
+    def record(self, event: int, stream: int) -> None: ...
     def wait(self, event: int) -> None: ...
 
 
@@ -116,7 +119,8 @@ class CudaDriver:
         self._access = _AccessDesc(
             _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         )
-        self._current = threading.local()
+        with self.context():
+            self._granularity = self._query_granularity()
 
     def _sig(self) -> None:
         cu = self._cu
@@ -124,7 +128,10 @@ class CudaDriver:
             "cuInit": [ctypes.c_uint],
             "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
-            "cuCtxSetCurrent": [_ptr],
+            "cuCtxGetCurrent": [ctypes.POINTER(_ptr)],
+            "cuCtxPushCurrent_v2": [_ptr],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(_ptr)],
+            "cuCtxSynchronize": [],
             "cuMemGetAllocationGranularity": [
                 ctypes.POINTER(_size),
                 ctypes.POINTER(_AllocationProp),
@@ -158,14 +165,23 @@ class CudaDriver:
             self._cu.cuGetErrorString(rc, ctypes.byref(s))
             raise CudaError(call, rc, (s.value or b"unknown error").decode())
 
-    def make_current(self) -> None:
-        # Each thread that calls the driver needs the context; once per thread suffices.
-        if getattr(self._current, "set", False):
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """This device's primary context current on this thread while inside: pushed when
+        another is current, and popped after, so that a workload's own current context
+        is never switched under it."""
+        cur = _ptr()
+        self._check("cuCtxGetCurrent", self._cu.cuCtxGetCurrent(ctypes.byref(cur)))
+        if cur.value == self._ctx.value:
+            yield
             return
-        self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._ctx))
-        self._current.set = True
+        self._check("cuCtxPushCurrent", self._cu.cuCtxPushCurrent_v2(self._ctx))
+        try:
+            yield
+        finally:
+            self._cu.cuCtxPopCurrent_v2(ctypes.byref(cur))
 
-    def granularity(self) -> int:
+    def _query_granularity(self) -> int:
         g = _size()
         self._check(
             "cuMemGetAllocationGranularity",
@@ -175,11 +191,14 @@ class CudaDriver:
         )
         return int(g.value)
 
+    def granularity(self) -> int:
+        return self._granularity  # asked once: every reservation needs it
+
     def reserve(self, size: int) -> int:
         va = _u64()
         self._check(
             "cuMemAddressReserve",
-            self._cu.cuMemAddressReserve(ctypes.byref(va), size, self.granularity(), 0, 0),
+            self._cu.cuMemAddressReserve(ctypes.byref(va), size, self._granularity, 0, 0),
         )
         return int(va.value)
 
@@ -226,16 +245,86 @@ class CudaDriver:
     def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check("cuMemcpyHtoDAsync", self._cu.cuMemcpyHtoDAsync_v2(dst, src, size, stream))
 
-    def record(self, stream: int) -> int:
+    def new_event(self) -> int:
         e = _ptr()
         self._check(
             "cuEventCreate", self._cu.cuEventCreate(ctypes.byref(e), _CU_EVENT_DISABLE_TIMING)
         )
-        self._check("cuEventRecord", self._cu.cuEventRecord(e, stream))
         return int(e.value or 0)
 
+    def record(self, event: int, stream: int) -> None:
+        self._check("cuEventRecord", self._cu.cuEventRecord(event, stream))
+
     def wait(self, event: int) -> None:
-        try:
-            self._check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
-        finally:
-            self._cu.cuEventDestroy_v2(event)
+        self._check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
+
+    def synchronize(self) -> None:
+        self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
+
+
+def self_test(driver: Driver) -> None:
+    """A small swap on the driver before any of a workload's memory depends on it:
+    reserve a range, map two pieces, write it and read it back, unmap and release them,
+    map new ones at the same address, write the host copy back, read and compare.
+    Raises :class:`SwapError` naming what failed; leaves nothing behind."""
+    g = driver.granularity()
+    size = 2 * g
+    pattern = os.urandom(size)
+    mapped: list[tuple[int, int]] = []  # (va, handle)
+    host: list[int] = []
+    va = 0
+    try:
+        with driver.context():
+            va = driver.reserve(size)
+            stream, event = driver.new_stream(), driver.new_event()
+            host += [driver.host_alloc(size)]
+            host += [driver.host_alloc(size)]
+
+            def back() -> None:  # new physical memory under the whole range
+                for off in (0, g):
+                    h = driver.create(g)
+                    try:
+                        driver.map(va + off, g, h)
+                    except BaseException:
+                        driver.release(h)
+                        raise
+                    mapped.append((va + off, h))
+
+            def copy(to_host: bool, buf: int) -> bytes:
+                if to_host:
+                    driver.copy_dtoh(buf, va, size, stream)
+                else:
+                    driver.copy_htod(va, buf, size, stream)
+                driver.record(event, stream)
+                driver.wait(event)
+                return ctypes.string_at(buf, size)
+
+            back()
+            ctypes.memmove(host[0], pattern, size)
+            copy(False, host[0])
+            if copy(True, host[1]) != pattern:
+                raise SwapError("the bytes read back differ from those written")
+            while mapped:  # a swap-out
+                v, h = mapped.pop()
+                driver.unmap(v, g)
+                driver.release(h)
+            back()  # a swap-in, at the same address
+            ctypes.memset(host[0], 0, size)
+            copy(False, host[1])
+            if copy(True, host[0]) != pattern:
+                raise SwapError("the bytes differ after unmapping and mapping again")
+    except SwapError as e:
+        raise SwapError(
+            f"gpushare's self-test of CUDA virtual memory failed ({e}); no memory of this"
+            " workload was touched: check the NVIDIA driver (virtual memory management,"
+            " CUDA >= 11.2), or run the workload without gpushare"
+        ) from None
+    finally:
+        with contextlib.suppress(SwapError), driver.context():
+            for v, h in mapped:
+                driver.unmap(v, g)
+                driver.release(h)
+            if va:
+                driver.unreserve(va, size)
+            for buf in host:
+                driver.host_free(buf)

@@ -2,23 +2,40 @@
 
 At attach, on the session's device:
 
-* the memory limit is set with ``torch.cuda.set_per_process_memory_fraction``, and the
-  allocator below refuses past it too: going over raises PyTorch's
+* PyTorch's allocator settings are checked: ``expandable_segments`` (PyTorch then maps
+  memory itself through the driver, out of gpushare's reach) is turned off, with a
+  warning; ``backend:cudaMallocAsync`` (no caching allocator at all) is refused;
+* a self-test swaps a few MiB through the driver (reserve, map, copy, unmap, map again,
+  compare) before any of the workload's memory depends on it: a driver that fails it is
+  a clear error at attach, never a corrupted session;
+* the memory limit is set with ``torch.cuda.set_per_process_memory_fraction``, and
+  gpushare's allocator refuses past it too: going over raises PyTorch's
   ``torch.OutOfMemoryError`` in that workload, and nowhere else;
-* a ``torch.cuda.MemPool`` whose segments come from :class:`~gpushare.client.swap.vmm.VmmBackend`
-  (CUDA virtual memory) receives every later allocation on that device, from every
-  thread (autograd's included), so all of it can be swapped out and back at the same
-  addresses without the program's help;
+* PyTorch's new segments on that device come from gpushare's allocator library
+  (:mod:`~gpushare.client.swap.shim`), by one of two routes:
+
+  - ``preload`` (the process was started with the library in ``LD_PRELOAD``, as
+    ``gpushare run`` does): the library's ``cudaMalloc``/``cudaFree`` serve PyTorch's
+    caching allocator, which works as it does without gpushare (``empty_cache`` frees,
+    an out-of-memory error first frees the cache and retries, blocks freed after
+    ``record_stream`` are reclaimed). Checked at attach: if PyTorch's ``cudaMalloc`` does
+    not reach the library, the pool route is taken, with a warning;
+  - ``pool`` (a program that attaches by itself): a ``torch.cuda.MemPool`` given the
+    library's allocator functions receives every allocation on the device. PyTorch
+    then treats the device as capturing into a pool: ``empty_cache`` keeps the memory,
+    an out-of-memory error does not free the cache first, and blocks freed after
+    ``record_stream`` stay cached. Said in a warning at attach.
+
+  ``GPUSHARE_TORCH_ROUTE=preload|pool`` forces one. Either way allocation and free run
+  in C, without the GIL, under PyTorch's allocator lock;
 * while a CUDA graph is being captured the routing pauses, so the graph's own memory
   stays in its private pool (on the GPU; memory the graph reads, such as parameters and
   static inputs, is ours and swaps at stable addresses, so replays stay valid);
-* pinned host buffers start being made in the background.
+* pinned host buffers start being made in the background, within the host's available
+  memory and the process's memory cgroup.
 
-The allocator's two functions are ctypes callbacks (PyTorch calls them only when its
-caching allocator needs a new segment, or empties its cache), so they take the GIL:
-a program whose Python threads free CUDA tensors while another thread makes PyTorch grow
-its cache could, in principle, deadlock on the GIL and the allocator's lock. Training
-loops and inference servers with one Python thread doing GPU work do not.
+Before a swap-out, the workload's queued GPU work is waited for, and (preload route)
+PyTorch's cache of free blocks is emptied first: cached bytes are freed, not copied.
 """
 
 from __future__ import annotations
@@ -27,18 +44,18 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+from gpushare.client.swap import shim
 from gpushare.client.swap.base import SwapResult
-from gpushare.client.swap.cuda import CudaDriver
-from gpushare.client.swap.vmm import VmmBackend, mem_available
-from gpushare.errors import GpushareError, OutOfMemoryError
+from gpushare.client.swap.cuda import CudaDriver, self_test
+from gpushare.client.swap.vmm import PIECE_BYTES, VmmBackend, host_memory_available
+from gpushare.errors import GpushareError
 from gpushare.units import parse_size
 
 log = logging.getLogger("gpushare.client.swap")
 
-_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _capture_lock = threading.Lock()
 _active: list[TorchBackend] = []  # backends whose routing a graph capture pauses
 
@@ -87,14 +104,108 @@ def limit_process_memory(torch: Any, limit: int, device: int) -> float:
     return fraction
 
 
-def default_host_bytes(limit: int, proc: str = "/proc") -> int:
+def default_host_bytes(limit: int, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
     """Pinned host memory to make at attach: ``GPUSHARE_HOST_MEMORY``, else the limit,
-    but at most half the host's available memory (two sessions can then pin both)."""
+    but at most half of what this process may still take of host memory (the host's
+    available memory, within its memory cgroup: two sessions can then pin both)."""
     env = os.environ.get("GPUSHARE_HOST_MEMORY")
     if env:
         return parse_size(env)
-    avail = mem_available(proc)
+    avail = host_memory_available(proc, cgroup)
     return min(limit, avail // 2) if avail else limit
+
+
+# --- PyTorch's allocator settings ------------------------------------------------------
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+ENV_ROUTE = "GPUSHARE_TORCH_ROUTE"
+
+
+def _conf_items(conf: str) -> list[tuple[str, str]]:
+    out = []
+    for item in conf.split(","):
+        key, _, value = item.strip().partition(":")
+        if key:
+            out.append((key.strip(), value.strip()))
+    return out
+
+
+def _unswappable(key: str, value: str) -> str:
+    """Why an allocator setting takes memory out of gpushare's reach ('' if it does not)."""
+    if key == "expandable_segments" and value.lower() == "true":
+        return "expandable segments (PyTorch maps their memory itself, past cudaMalloc)"
+    if key == "backend" and value == "cudaMallocAsync":
+        return "the cudaMallocAsync backend (no caching allocator, no cudaMalloc)"
+    return ""
+
+
+def strip_alloc_conf(conf: str) -> tuple[str, list[str]]:
+    """``conf`` less the settings gpushare cannot swap under; and those, as said."""
+    kept, dropped = [], []
+    for key, value in _conf_items(conf):
+        if _unswappable(key, value):
+            dropped.append(f"{key}:{value}")
+        else:
+            kept.append(f"{key}:{value}" if value else key)
+    return ",".join(kept), dropped
+
+
+def check_allocator_settings(torch: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Turn off what PyTorch may still change (expandable segments), refuse what it
+    may not (the cudaMallocAsync backend). Returns the warnings given."""
+    env = os.environ if environ is None else environ
+    confs = [env.get(v, "") for v in ALLOC_CONF_VARS]
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        confs.append(str(getter()))
+    items = [kv for conf in confs for kv in _conf_items(conf)]
+    backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native")()
+    if backend == "cudaMallocAsync" or ("backend", "cudaMallocAsync") in items:
+        raise GpushareError(
+            "PyTorch's allocator is set to backend:cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF),"
+            " which gpushare cannot swap: remove that setting (gpushare run does)"
+        )
+    notes = []
+    if any(_unswappable(k, v) for k, v in items):
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            raise GpushareError(
+                "PYTORCH_CUDA_ALLOC_CONF asks for expandable_segments, which gpushare cannot"
+                " swap, and this PyTorch cannot turn it off at run time: remove the setting"
+            )
+        setter("expandable_segments:False")
+        notes.append(
+            "gpushare turned PyTorch's expandable_segments off (PYTORCH_CUDA_ALLOC_CONF):"
+            " PyTorch maps expandable segments itself, where gpushare cannot swap them"
+        )
+    for note in notes:
+        log.warning("%s", note)
+    return notes
+
+
+def choose_route(preloaded: bool, environ: Mapping[str, str] | None = None) -> str:
+    """``preload`` where the allocator library was preloaded, else ``pool``; or as
+    ``GPUSHARE_TORCH_ROUTE`` says."""
+    env = os.environ if environ is None else environ
+    want = env.get(ENV_ROUTE, "")
+    if want not in ("", "preload", "pool"):
+        raise GpushareError(f"{ENV_ROUTE}={want!r} is not a route: choose 'preload' or 'pool'")
+    if want == "preload" and not preloaded:
+        raise GpushareError(
+            f"{ENV_ROUTE}=preload, but this process was not started with gpushare's allocator"
+            " in LD_PRELOAD: run it with 'gpushare run', or with"
+            " LD_PRELOAD=$(python -m gpushare.client.swap.shim)"
+        )
+    return want or ("preload" if preloaded else "pool")
+
+
+POOL_WARNING = (
+    "gpushare: this process was not started with gpushare's allocator in LD_PRELOAD, so its"
+    " CUDA memory goes through a MemPool: torch.cuda.empty_cache() keeps it, an out-of-memory"
+    " error does not first free PyTorch's cache, and blocks freed after record_stream are not"
+    " reclaimed. Start the program with 'gpushare run' (or"
+    " LD_PRELOAD=$(python -m gpushare.client.swap.shim)) to keep PyTorch's allocator as it is"
+)
 
 
 class TorchBackend(VmmBackend):
@@ -111,62 +222,106 @@ class TorchBackend(VmmBackend):
         torch = _torch()
         self._torch = torch
         self.device = find_device(torch, gpu_uuid, gpu_index)
+        check_allocator_settings(torch)
+        preloaded = shim.preloaded()
+        self.route = choose_route(bool(preloaded))
+        try:
+            lib = shim.load(preloaded or None)
+        except shim.ShimUnavailableError as e:
+            raise GpushareError(f"the torch backend cannot start: {e}") from None
+        driver = CudaDriver(self.device)
+        self_test(driver)  # before any of the workload's memory goes through it
         limit_process_memory(torch, limit, self.device)
+        lib.configure("libcuda.so.1", self.device, limit, PIECE_BYTES)
         super().__init__(
-            CudaDriver(self.device),
+            driver,
+            lib,
             limit,
             host_bytes=default_host_bytes(limit) if host_bytes is None else host_bytes,
         )
-        # Keep the callbacks alive as long as PyTorch may call them (the process).
-        self._c_alloc = _ALLOC(self._alloc)
-        self._c_free = _FREE(self._free)
-        alloc_fn = ctypes.cast(self._c_alloc, ctypes.c_void_p).value
-        free_fn = ctypes.cast(self._c_free, ctypes.c_void_p).value
-        allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
-        self.pool = torch.cuda.MemPool(allocator)
+        self.lib = lib
+        self.pool: Any = None
         self._routing = False
         _patch_graph_capture(torch)
         with _capture_lock:
-            self._route(True)
+            if self.route == "preload" and not self._preload_reaches_pytorch():
+                log.warning(
+                    "gpushare: PyTorch's cudaMalloc does not reach gpushare's preloaded"
+                    " allocator (a CUDA runtime linked statically?): using a MemPool"
+                )
+                self.route = "pool"
+            if self.route == "pool":
+                log.warning("%s", POOL_WARNING)
+                self._make_pool()
             _active.append(self)
 
+    def _preload_reaches_pytorch(self) -> bool:
+        """Route ``cudaMalloc`` here, and check that a new PyTorch segment came through."""
+        torch, lib = self._torch, self.lib
+        lib.route(True)
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+            free_cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            seen = lib.mallocs_seen
+            try:
+                x = torch.empty(free_cached + 2**21, dtype=torch.uint8, device=self.device)
+            except RuntimeError:  # past the limit: what counts is that it was asked here
+                came = lib.mallocs_seen > seen
+            else:
+                came = lib.mallocs_seen > seen and lib.owns(x.data_ptr())
+                del x
+            torch.cuda.empty_cache()
+        if not came:
+            lib.route(False)
+        return came
+
+    def _make_pool(self) -> None:
+        torch = self._torch
+        alloc_fn = ctypes.cast(self.lib.lib.gs_pool_alloc, ctypes.c_void_p).value
+        free_fn = ctypes.cast(self.lib.lib.gs_pool_free, ctypes.c_void_p).value
+        allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
+        with torch.cuda.device(self.device):  # the pool is the session's device's
+            self.pool = torch.cuda.MemPool(allocator)
+        self._route(True)
+
     def _route(self, on: bool) -> None:
-        """Send every new allocation on the device to our pool (or stop)."""
+        """Pool route: send every new allocation on the device to our pool (or stop)."""
         if on and not self._routing:
             self._torch._C._cuda_beginAllocateToPool(self.device, self.pool.id)
         elif not on and self._routing:
             self._torch._C._cuda_endAllocateToPool(self.device, self.pool.id)
         self._routing = on
 
-    def _alloc(self, size: int, device: int, stream: int) -> int:
-        # Called by PyTorch's allocator: never raise into C; 0 makes it raise OOM.
-        try:
-            return self.allocate(size)
-        except OutOfMemoryError as e:
-            log.warning("%s", e)
-        except Exception as e:
-            log.error("gpushare could not allocate %d bytes of GPU memory: %s", size, e)
-        return 0
-
-    def _free(self, ptr: int | None, size: int, device: int, stream: int) -> None:
-        try:
-            if ptr:
-                self.free(ptr)
-        except Exception as e:
-            log.error("gpushare could not free GPU memory at %#x: %s", ptr or 0, e)
+    def _pause(self, on: bool) -> None:
+        """A CUDA graph captures (``on``) or is done: its memory is not ours."""
+        if self.route == "preload":
+            self.lib.pause(on)
+        else:
+            self._route(not on)
 
     def synchronize(self) -> None:
         self._torch.cuda.synchronize(self.device)
 
     def swap_out(self, nbytes: int) -> SwapResult:
-        self._torch.cuda.synchronize(self.device)  # no kernel may touch what leaves
-        return super().swap_out(nbytes)
+        torch = self._torch
+        torch.cuda.synchronize(self.device)  # no kernel may touch what leaves
+        if nbytes > 0 and self.route == "preload":
+            # Blocks PyTorch caches but nothing uses are freed, not copied (a MemPool's
+            # cache cannot be emptied: the pool route copies them).
+            before = self.resident_bytes
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
+            nbytes -= before - self.resident_bytes
+        return super().swap_out(max(0, nbytes))
 
     def close(self) -> None:
         with _capture_lock:
             if self in _active:
                 _active.remove(self)
-            self._route(False)
+            if self.route == "preload":
+                self.lib.route(False)  # later allocations are the runtime's again
+            else:
+                self._route(False)
         super().close()
 
 
@@ -184,7 +339,7 @@ def _patch_graph_capture(torch: Any) -> None:
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _capture_lock:
             for b in _active:
-                b._route(False)
+                b._pause(True)
         try:
             return begin(self, *args, **kwargs)
         except BaseException:
@@ -204,4 +359,4 @@ def _patch_graph_capture(torch: Any) -> None:
 def _resume() -> None:
     with _capture_lock:
         for b in _active:
-            b._route(True)
+            b._pause(False)

@@ -1,18 +1,23 @@
 """GPU memory that can leave the GPU and come back at the same addresses.
 
-Each allocation is a reserved virtual address range backed by *pieces* of physical
-memory (at most :data:`PIECE_BYTES` each). Swap-out copies pieces to pinned host buffers,
-then unmaps and releases them, piece by piece, telling the session after each (so the
-next holder can swap into what was freed); swap-in creates and maps new pieces at the
-same addresses, after the node has given room for each, and copies the bytes back.
-Pointers into the memory (tensors, modules, optimizer state, CUDA graphs) stay valid.
+The memory is held by gpushare's allocator library (:mod:`gpushare.client.swap.shim`):
+each allocation a reserved virtual address range backed by *pieces* of physical memory
+(at most :data:`PIECE_BYTES` each). This module moves the pieces. Swap-out copies pieces
+to pinned host memory, then unmaps and releases them, piece by piece, telling the session
+after each (so the next holder can swap into what was freed); swap-in creates and maps
+new pieces at the same addresses, after the node has given room for each, and copies the
+bytes back. Pointers into the memory (tensors, modules, optimizer state, CUDA graphs)
+stay valid.
 
-Copies are pipelined, :data:`DEPTH` pieces in flight on one stream, so the link stays
-busy while the driver maps and unmaps. Pinned host buffers are made in the background
-from attach (pinning runs at about 1 GiB/s, far too slow for a switch) and reused.
+Copies are pipelined, :data:`DEPTH` batches in flight on one stream, a batch being one
+piece or several small ones (PyTorch's 2 and 20 MiB segments) up to a piece's size, with
+one event each, so the link stays busy while the driver maps and unmaps, and small
+segments do not each pay an event's calls. Pinned host memory is made in the background
+from attach (pinning runs at about 1 GiB/s, far too slow for a switch) and reused; small
+pieces share host buffers.
 
-The GPU is reached through a :class:`~gpushare.client.swap.cuda.Driver`; the ``torch`` backend
-(:mod:`gpushare.client.swap.torch`) routes PyTorch's allocations here.
+The GPU is reached through a :class:`~gpushare.client.swap.cuda.Driver`, whose calls run
+with the session's context pushed on the calling thread (and popped after).
 """
 
 from __future__ import annotations
@@ -23,20 +28,44 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 from gpushare.client.swap.base import SwapBackend, SwapResult
 from gpushare.client.swap.cuda import Driver
-from gpushare.errors import OutOfMemoryError, SwapError
+from gpushare.client.swap.shim import Piece
+from gpushare.errors import SwapError
 
 log = logging.getLogger("gpushare.client.swap")
 PIECE_BYTES = 256 * 2**20  # the swap granularity: big enough that driver calls don't count
-DEPTH = 4  # copies in flight
+DEPTH = 4  # batches of copies in flight
+_HOST_ALIGN = 4096
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+class Store(Protocol):
+    """Where the pieces are (gpushare's allocator library: :class:`~.shim.Shim`)."""
+
+    @property
+    def resident(self) -> int: ...
+    @property
+    def swapped(self) -> int: ...
+    @property
+    def piece_bytes(self) -> int: ...
+    def alloc(self, size: int) -> int: ...
+    def free(self, va: int) -> None: ...
+    def claim_out(self, nbytes: int) -> list[Piece]: ...
+    def claim_in(self) -> list[Piece]: ...
+    def settle(self, piece: Piece, handle: int, host: int) -> None: ...
+    def returned(self) -> list[int]: ...
+    def notify(self, fd: int) -> None: ...
+
+
+# --- how much host memory to pin ---------------------------------------------------------
 
 
 def mem_available(proc: str = "/proc") -> int:
@@ -51,17 +80,97 @@ def mem_available(proc: str = "/proc") -> int:
     return 0
 
 
+# (limit, usage, reclaimable cache in memory.stat) in cgroup v2 and v1
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        return None
+    return None if v >= _UNLIMITED else v
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory_room(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup (and every cgroup above it) still allows: its
+    limit less what it uses (its reclaimable file cache not counted, as the kubelet
+    counts a pod's working set). None when no limit applies. v2 and v1 hierarchies;
+    ``proc`` and ``cgroup`` are parameters so that recorded trees can be tested."""
+    try:
+        lines = Path(proc, "self", "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    room: int | None = None
+    for line in lines:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if controllers == "":  # v2: 0::/path
+            base, files = Path(cgroup), _V2
+        elif "memory" in controllers.split(","):  # v1: N:memory:/path
+            base, files = Path(cgroup, "memory"), _V1
+        else:
+            continue
+        limit_f, usage_f, stat_key = files
+        parts = [p for p in path.strip().split("/") if p]
+        for depth in range(len(parts), -1, -1):  # from this cgroup up to the root
+            d = base.joinpath(*parts[:depth])
+            limit = _read_int(d / limit_f)
+            if limit is None:
+                continue
+            used = (_read_int(d / usage_f) or 0) - _stat(d / "memory.stat", stat_key)
+            here = max(0, limit - max(0, used))
+            room = here if room is None else min(room, here)
+    return room
+
+
+def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
+    """What this process may still take of host memory: the host's available memory,
+    within its cgroup's room (a pod pinning past its limit is OOM-killed). 0: unknown."""
+    avail = mem_available(proc)
+    room = cgroup_memory_room(proc, cgroup)
+    if room is None:
+        return avail
+    return min(avail, room) if avail else room
+
+
+# --- pinned host memory --------------------------------------------------------------------
+
+
 class HostBuffers:
     """Pinned host buffers of one size: ``target`` bytes of them made in the background,
-    handed out and taken back. Past the target, a buffer is pinned on the spot (slow:
-    counted in :attr:`late_pins`, so the figure shows)."""
+    handed out in slots (a piece's bytes; small pieces share a buffer) and taken back.
+    Past the target, a buffer is pinned on the spot (slow: counted in
+    :attr:`late_pins`, so the figure shows)."""
 
     def __init__(self, driver: Driver, size: int, target: int) -> None:
         self._driver = driver
         self.size = size
         self.count_target = max(0, target // size)
-        self._free: list[int] = []
+        self._free: list[int] = []  # whole buffers
         self._all: list[int] = []
+        self._refs: dict[int, int] = {}  # buffer -> slots out
+        self._slot_of: dict[int, int] = {}  # slot address -> its buffer
+        self._cur = 0  # the buffer slots are cut from
+        self._used = 0
         self._cond = threading.Condition()
         self._stop = False
         self.late_pins = 0
@@ -74,18 +183,24 @@ class HostBuffers:
     def pinned_bytes(self) -> int:
         return len(self._all) * self.size
 
+    @property
+    def free_buffers(self) -> int:
+        """Whole buffers not holding anything."""
+        with self._cond:
+            return len(self._free) + (1 if self._cur and not self._refs.get(self._cur) else 0)
+
     def _pin(self) -> None:
         t0 = time.perf_counter()
         try:
-            self._driver.make_current()
-            for _ in range(self.count_target):
-                if self._stop:
-                    break
-                ptr = self._driver.host_alloc(self.size)
-                with self._cond:
-                    self._all.append(ptr)
-                    self._free.append(ptr)
-                    self._cond.notify_all()
+            with self._driver.context():
+                for _ in range(self.count_target):
+                    if self._stop:
+                        break
+                    ptr = self._driver.host_alloc(self.size)
+                    with self._cond:
+                        self._all.append(ptr)
+                        self._free.append(ptr)
+                        self._cond.notify_all()
         except SwapError as e:  # host memory short: later swaps pin on the spot, or fail
             self.error = str(e)
             log.warning("pinning host buffers stopped at %d bytes: %s", self.pinned_bytes, e)
@@ -95,28 +210,54 @@ class HostBuffers:
             with self._cond:
                 self._cond.notify_all()
 
-    def take(self) -> int:
+    def take(self, n: int) -> int:
+        """A slot of ``n`` (at most :attr:`size`) bytes; the caller's context current."""
+        n = _round_up(n, _HOST_ALIGN)
         with self._cond:
+            if self._cur and self._used + n <= self.size:
+                return self._slot(self._cur, n)
             while not self._free and not self.ready.is_set():
                 self._cond.wait()  # the pinner is at work: its next buffer comes soonest
-            if self._free:
-                return self._free.pop()
-        ptr = self._driver.host_alloc(self.size)  # raises SwapError when host memory is out
+            buf = self._free.pop() if self._free else 0
+        if not buf:
+            buf = self._driver.host_alloc(self.size)  # raises SwapError when out of memory
+            with self._cond:
+                self._all.append(buf)
+                self.late_pins += 1
         with self._cond:
-            self._all.append(ptr)
-            self.late_pins += 1
-        return ptr
+            old = self._cur
+            if old and not self._refs.get(old):
+                self._free.append(old)
+            self._cur, self._used = buf, 0
+            return self._slot(buf, n)
 
-    def give(self, ptr: int) -> None:
+    def _slot(self, buf: int, n: int) -> int:
+        addr = buf + self._used
+        self._used += n
+        self._refs[buf] = self._refs.get(buf, 0) + 1
+        self._slot_of[addr] = buf
+        return addr
+
+    def give(self, addr: int) -> None:
         with self._cond:
-            self._free.append(ptr)
+            buf = self._slot_of.pop(addr)
+            self._refs[buf] -= 1
+            if not self._refs[buf]:
+                del self._refs[buf]
+                if buf == self._cur:
+                    self._used = 0
+                else:
+                    self._free.append(buf)
             self._cond.notify_all()
 
     def close(self) -> None:
         """Free the buffers not holding swapped bytes."""
         self._stop = True
         self.ready.wait()
-        with self._cond:
+        with self._cond, contextlib.suppress(SwapError), self._driver.context():
+            if self._cur and not self._refs.get(self._cur):
+                self._free.append(self._cur)
+                self._cur = 0
             for ptr in self._free:
                 with contextlib.suppress(SwapError):
                     self._driver.host_free(ptr)
@@ -124,19 +265,7 @@ class HostBuffers:
             self._free = []
 
 
-@dataclass
-class _Piece:
-    va: int
-    size: int
-    handle: int  # physical memory; 0 while swapped out
-    host: int = 0  # the host buffer holding its bytes while swapped out
-
-
-@dataclass
-class _Segment:
-    va: int
-    size: int
-    pieces: list[_Piece] = field(default_factory=list)
+# --- the backend ---------------------------------------------------------------------------
 
 
 class VmmBackend(SwapBackend):
@@ -146,211 +275,223 @@ class VmmBackend(SwapBackend):
     simulated = False
 
     def __init__(
-        self,
-        driver: Driver,
-        limit: int,
-        piece_bytes: int = PIECE_BYTES,
-        host_bytes: int | None = None,
+        self, driver: Driver, store: Store, limit: int, host_bytes: int | None = None
     ) -> None:
         super().__init__()
         self.driver = driver
+        self.store = store
         self.limit = limit
-        driver.make_current()
-        self.granularity = driver.granularity()
-        self.piece_bytes = _round_up(piece_bytes, self.granularity)
-        self._segments: dict[int, _Segment] = {}
-        self._lock = threading.RLock()  # segments and pieces; one swap at a time
-        self._resident = 0
-        self._swapped = 0
-        self._stream = driver.new_stream()
+        self.piece_bytes = store.piece_bytes
+        self._lock = threading.RLock()  # one swap at a time
+        with driver.context():
+            self._stream = driver.new_stream()
+            self._events = [driver.new_event() for _ in range(DEPTH + 1)]
+        self._next_event = 0
         target = limit if host_bytes is None else host_bytes
         self.host = HostBuffers(driver, self.piece_bytes, _round_up(target, self.piece_bytes))
+        # The allocator writes a byte here after each allocation and free (in C, without
+        # the GIL); a thread reports the new figures to the node.
+        self._notify_r, notify_w = os.pipe()
+        os.set_blocking(notify_w, False)
+        self._notify_w = notify_w
+        store.notify(notify_w)
+        threading.Thread(target=self._watch, name="gpushare-alloc", daemon=True).start()
 
     @property
     def resident_bytes(self) -> int:
-        return self._resident
+        return self.store.resident
 
     @property
     def swapped_bytes(self) -> int:
-        return self._swapped
+        return self.store.swapped
 
-    # --- the allocator --------------------------------------------------------------
+    def _watch(self) -> None:
+        while True:
+            try:
+                if not os.read(self._notify_r, 4096):
+                    return
+            except OSError:
+                return
+            self.on_change()
+            time.sleep(self.progress_every_s)  # allocations in a burst: one report
+
+    # --- the allocator (PyTorch goes through the library itself) ---------------------
 
     def allocate(self, size: int) -> int:
         """A new range of at least ``size`` bytes; its address. Raises
-        :class:`OutOfMemoryError` past the session's limit, :class:`SwapError` when the
-        GPU has no room for it."""
+        :class:`~gpushare.errors.OutOfMemoryError` past the session's limit,
+        :class:`SwapError` when the GPU has no room for it."""
         if size <= 0:
             raise ValueError("allocation size must be positive")
-        rounded = _round_up(size, self.granularity)
-        with self._lock:
-            used = self._resident + self._swapped
-            if used + rounded > self.limit:
-                raise OutOfMemoryError(
-                    f"allocating {rounded} bytes would take this session past its memory limit"
-                    f" of {self.limit} bytes ({used} in use): free memory or ask for a larger"
-                    " limit (--memory, GPUSHARE_MEMORY)"
-                )
-            self.driver.make_current()
-            va = self.driver.reserve(rounded)
-            seg = _Segment(va, rounded)
-            try:
-                for off in range(0, rounded, self.piece_bytes):
-                    n = min(self.piece_bytes, rounded - off)
-                    h = self.driver.create(n)
-                    seg.pieces.append(_Piece(va + off, n, h))
-                    self.driver.map(va + off, n, h)
-            except BaseException:
-                self._drop(seg)
-                raise
-            self._segments[va] = seg
-            self._resident += rounded
-        self.on_change()
-        return va
+        return self.store.alloc(size)
 
     def free(self, va: int) -> None:
-        with self._lock:
-            seg = self._segments.pop(va, None)
-            if seg is None:
-                raise ValueError(f"no allocation at {va:#x}")
-            for p in seg.pieces:
-                if p.handle:
-                    self._resident -= p.size
-                else:
-                    self._swapped -= p.size
-            self._drop(seg)
-        self.on_change()
+        self.store.free(va)
 
-    def _drop(self, seg: _Segment) -> None:
-        self.driver.make_current()
-        for p in seg.pieces:
-            if p.handle:
-                with contextlib.suppress(SwapError):  # a piece created but never mapped
-                    self.driver.unmap(p.va, p.size)
-                self.driver.release(p.handle)
-            elif p.host:
-                self.host.give(p.host)
-        self.driver.unreserve(seg.va, seg.size)
+    # --- swapping ----------------------------------------------------------------------
 
-    # --- swapping -------------------------------------------------------------------
+    def _event(self) -> int:
+        # DEPTH batches at most are in flight, so the next of DEPTH + 1 events is free.
+        ev = self._events[self._next_event]
+        self._next_event = (self._next_event + 1) % len(self._events)
+        return ev
 
-    def _pieces(self, newest_first: bool = False) -> Iterator[_Piece]:
-        """Every piece, in allocation order (or the reverse)."""
-        segs = reversed(self._segments.values()) if newest_first else self._segments.values()
-        for seg in segs:
-            yield from reversed(seg.pieces) if newest_first else seg.pieces
+    def _take_back_host(self) -> None:
+        for addr in self.store.returned():
+            self.host.give(addr)
+
+    def _drain_stream(self) -> None:
+        with contextlib.suppress(SwapError):
+            ev = self._event()
+            self.driver.record(ev, self._stream)
+            self.driver.wait(ev)
 
     def synchronize(self) -> None:
         """The caller's GPU work is waited for by the torch backend; here, nothing."""
 
+    def _pipeline(
+        self,
+        todo: deque[Piece],
+        inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]],
+        issue: Callable[[Piece, deque[tuple[Piece, int]]], None],
+        retire: Callable[[deque[tuple[Piece, int]], list[int]], int],
+    ) -> int:
+        """Copies in batches (one piece, or small ones up to a piece's size), DEPTH
+        batches in flight, one event each: ``issue`` puts a piece in its batch and starts
+        its copy, ``retire`` finishes a batch whose copies are done. A failure leaves the
+        batches in ``inflight`` and the pieces not started in ``todo`` for the caller."""
+        moved = 0
+        while todo or inflight:
+            if not todo or len(inflight) >= DEPTH:
+                moved += retire(*inflight[0])
+                inflight.popleft()
+                continue
+            batch: deque[tuple[Piece, int]] = deque()
+            ev: list[int] = []
+            inflight.append((batch, ev))
+            size = 0
+            while todo and (not batch or size + todo[0].size <= self.piece_bytes):
+                size += todo[0].size
+                issue(todo[0], batch)
+                todo.popleft()
+            ev.append(self._event())
+            self.driver.record(ev[0], self._stream)
+        return moved
+
     def swap_out(self, nbytes: int) -> SwapResult:
         """Move pieces (the most recently allocated first) to host memory until at least
         ``nbytes`` went, freeing each on the GPU as its copy is done."""
-        with self._lock:
-            self.driver.make_current()
+
+        def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
+            buf = self.host.take(p.size)
+            batch.append((p, buf))
+            self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
+
+        with self._lock, self.driver.context():
+            self._take_back_host()
             t0 = time.perf_counter()
-            victims: list[_Piece] = []
-            want = 0
-            for p in self._pieces(newest_first=True):
-                if want >= nbytes:
-                    break
-                if p.handle:
-                    victims.append(p)
-                    want += p.size
-            moved = 0
-            inflight: deque[tuple[_Piece, int, int]] = deque()
+            todo = deque(self.store.claim_out(nbytes))
+            inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
             try:
-                for p in victims:
-                    buf = self.host.take()
-                    try:
-                        self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
-                        ev = self.driver.record(self._stream)
-                    except BaseException:
-                        self.host.give(buf)
-                        raise
-                    inflight.append((p, buf, ev))
-                    if len(inflight) >= DEPTH:
-                        moved += self._retire_out(*inflight.popleft())
-                while inflight:
-                    moved += self._retire_out(*inflight.popleft())
+                moved = self._pipeline(todo, inflight, issue, self._retire_out)
             except BaseException:
-                for _p, buf, ev in inflight:  # not freed: they stay resident
-                    with contextlib.suppress(SwapError):
-                        self.driver.wait(ev)
-                    self.host.give(buf)
+                self._drain_stream()  # copies issued are done before their buffers go back
+                for batch, _ in inflight:  # not freed: they stay resident
+                    for p, buf in batch:
+                        self.host.give(buf)
+                        self.store.settle(p, p.handle, p.host)
+                for p in todo:
+                    self.store.settle(p, p.handle, p.host)
                 raise
             return SwapResult(moved, time.perf_counter() - t0)
 
-    def _retire_out(self, p: _Piece, buf: int, ev: int) -> int:
-        self.driver.wait(ev)
-        self.driver.unmap(p.va, p.size)
-        self.driver.release(p.handle)
-        p.handle, p.host = 0, buf
-        self._resident -= p.size
-        self._swapped += p.size
-        self.progress()
-        return p.size
+    def _retire_out(self, batch: deque[tuple[Piece, int]], ev: list[int]) -> int:
+        self.driver.wait(ev[0])
+        moved = 0
+        while batch:
+            p, buf = batch[0]
+            self.driver.unmap(p.va, p.size)  # raises: p is still mapped, and kept
+            batch.popleft()
+            try:
+                self.driver.release(p.handle)
+            except SwapError as e:  # unmapped, its bytes on the host: out, the handle lost
+                log.error("releasing swapped-out GPU memory failed: %s", e)
+            self.store.settle(p, 0, buf)
+            moved += p.size
+            self.progress()
+        return moved
 
     def swap_in(self) -> SwapResult:
         """Bring every swapped piece back to its address, in allocation order, each
         once the node has room for it."""
-        with self._lock:
-            self.driver.make_current()
-            t0 = time.perf_counter()
-            moved = 0
-            inflight: deque[tuple[_Piece, int]] = deque()
+        inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
+        waited = 0.0
+
+        def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
+            nonlocal waited
+            pending = sum(q.size for b, _ in inflight for q, _ in b)  # mapped, not settled
+            waited += self.room_for(self.store.resident + pending + p.size)
+            h = self.driver.create(p.size)
             try:
-                for p in [p for p in self._pieces() if not p.handle]:
-                    t0 += self.room_for(self._resident + p.size)  # not transfer time
-                    h = self.driver.create(p.size)
-                    try:
-                        self.driver.map(p.va, p.size, h)
-                    except BaseException:
-                        self.driver.release(h)
-                        raise
-                    p.handle = h
-                    self._resident += p.size
-                    self._swapped -= p.size
-                    try:
-                        self.driver.copy_htod(p.va, p.host, p.size, self._stream)
-                        inflight.append((p, self.driver.record(self._stream)))
-                    except BaseException:
-                        self._unback(p)
-                        raise
-                    if len(inflight) >= DEPTH:
-                        moved += self._retire_in(*inflight.popleft())
-                while inflight:
-                    moved += self._retire_in(*inflight.popleft())
+                self.driver.map(p.va, p.size, h)
             except BaseException:
-                for p, ev in inflight:  # copies done are kept; others go back to host only
-                    try:
-                        self._retire_in(p, ev)
-                    except SwapError:
-                        self._unback(p)
+                self.driver.release(h)
+                raise
+            batch.append((p, h))
+            self.driver.copy_htod(p.va, p.host, p.size, self._stream)
+
+        with self._lock, self.driver.context():
+            self._take_back_host()
+            t0 = time.perf_counter()
+            todo = deque(self.store.claim_in())
+            try:
+                moved = self._pipeline(todo, inflight, issue, self._retire_in)
+            except BaseException:
+                # Copies done are kept; the others go back to being only on the host.
+                self._drain_stream()
+                for batch, ev in inflight:
+                    done = False
+                    if ev:
+                        with contextlib.suppress(SwapError):
+                            self.driver.wait(ev[0])
+                            done = True
+                    for p, h in batch:
+                        if done:
+                            self.host.give(p.host)
+                            self.store.settle(p, h, 0)
+                        else:
+                            self._unback(p, h)
+                for p in todo:
+                    self.store.settle(p, 0, p.host)
                 self.on_change()
                 raise
-            return SwapResult(moved, time.perf_counter() - t0)
+            return SwapResult(moved, time.perf_counter() - t0 - waited)  # not transfer time
 
-    def _retire_in(self, p: _Piece, ev: int) -> int:
-        self.driver.wait(ev)
-        self.host.give(p.host)
-        p.host = 0
-        self.progress()
-        return p.size
+    def _retire_in(self, batch: deque[tuple[Piece, int]], ev: list[int]) -> int:
+        self.driver.wait(ev[0])
+        moved = 0
+        while batch:
+            p, h = batch.popleft()
+            self.host.give(p.host)
+            self.store.settle(p, h, 0)
+            moved += p.size
+            self.progress()
+        return moved
 
-    def _unback(self, p: _Piece) -> None:
+    def _unback(self, p: Piece, h: int) -> None:
         """Undo a piece's swap-in: its bytes are still in its host buffer."""
         with contextlib.suppress(SwapError):
             self.driver.unmap(p.va, p.size)
         with contextlib.suppress(SwapError):
-            self.driver.release(p.handle)
-        p.handle = 0
-        self._resident -= p.size
-        self._swapped += p.size
+            self.driver.release(h)
+        self.store.settle(p, 0, p.host)
 
     def wait_for_host_buffers(self, timeout: float | None = None) -> bool:
         """Block until the background pinning is done (benchmarks, tests)."""
         return self.host.ready.wait(timeout)
 
     def close(self) -> None:
+        self.store.notify(-1)
+        with contextlib.suppress(OSError):
+            os.close(self._notify_w)  # the watching thread ends
         self.host.close()
