@@ -15,7 +15,7 @@ import pytest
 
 import gpushare
 from gpushare.errors import DaemonUnavailableError
-from tests.support import sim, wait_until
+from tests.support import all_start_together, sim, wait_until
 
 G = 2**30
 
@@ -151,12 +151,13 @@ def test_failing_swaps_are_survived(node_factory):
     node = node_factory(
         *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", sim_swap_failure_rate="0.3")
     )
-    procs = [
-        node.workload(
-            "cycles", "--memory", "6GiB", "--bursts", "15", "--seconds", "60", "--seed", str(i)
-        )
-        for i in (1, 2)
-    ]
+    with all_start_together(node, waiting=2):
+        procs = [
+            node.workload(
+                "cycles", "--memory", "6GiB", "--bursts", "15", "--seconds", "60", "--seed", str(i)
+            )
+            for i in (1, 2)
+        ]
     outs = [json.loads(pr.communicate(timeout=90)[0].strip().splitlines()[-1]) for pr in procs]
     assert all(o["failures"] == 0 for o in outs)
     failed = [e for e in events(node, "swap_out") if e.get("error")]

@@ -19,7 +19,7 @@ import pytest
 
 import gpushare
 from gpushare.tools.report import switches
-from tests.support import NodeProcess, sim, wait_until
+from tests.support import NodeProcess, all_start_together, sim, wait_until
 
 G = 2**30
 
@@ -29,22 +29,14 @@ def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
     # Two sessions of 6 GiB on a 10 GiB GPU: a handoff swaps whenever the other waits
     # (nearly always: 1100 bursts leave room for the few it did not). Fast modelled link.
     node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
-    procs = [
-        node.workload(
-            "cycles",
-            "--memory",
-            "6GiB",
-            "--bursts",
-            "550",
-            "--seconds",
-            "240",
-            "--seed",
-            str(i),
-            "--name",
-            f"c{i}",
-        )
-        for i in (1, 2)
-    ]
+    with all_start_together(node, waiting=2):  # both cycling from the first burst
+        procs = [
+            node.workload(
+                "cycles", "--memory", "6GiB", "--bursts", "550", "--seconds", "240",
+                "--seed", str(i), "--name", f"c{i}",
+            )
+            for i in (1, 2)
+        ]  # fmt: skip
     outs = [json.loads(pr.communicate(timeout=280)[0].strip().splitlines()[-1]) for pr in procs]
     assert all(pr.returncode == 0 for pr in procs)
     assert all(o["failures"] == 0 for o in outs), outs
