@@ -9,6 +9,7 @@
 from gpushare._version import __version__
 from gpushare.client.session import Session, attach
 from gpushare.errors import (
+    AttachRefusedError,
     DaemonUnavailableError,
     GpushareError,
     OutOfMemoryError,
@@ -18,6 +19,7 @@ from gpushare.errors import (
 from gpushare.units import format_size, parse_size
 
 __all__ = [
+    "AttachRefusedError",
     "DaemonUnavailableError",
     "GpushareError",
     "OutOfMemoryError",

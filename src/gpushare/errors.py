@@ -11,6 +11,19 @@ class DaemonUnavailableError(GpushareError):
     """The node daemon cannot be reached or went away."""
 
 
+class AttachRefusedError(GpushareError):
+    """The node answered an attach (or a re-attach after it restarted) with a refusal.
+
+    ``code`` is the node's reason in one word (``attach``: a memory limit beyond the
+    GPU, ``gpu``: no such GPU, ``limit``: too many sessions for this user, ``version``: a
+    client and node of different protocol versions, ...); the message names the fix.
+    """
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class OutOfMemoryError(GpushareError, MemoryError):
     """An allocation would take the session past its memory limit."""
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import gpushare
+from gpushare.client.transport import Link
 from gpushare.errors import DaemonUnavailableError, GpushareError, OutOfMemoryError
 from tests.support import sim, wait_until
 
@@ -35,8 +36,9 @@ def test_no_daemon_names_the_fix(short_tmp):
 
 
 def test_limit_beyond_the_gpu_is_refused(node):
-    with pytest.raises(GpushareError, match="exceeds GPU 0"):
+    with pytest.raises(gpushare.AttachRefusedError, match="exceeds GPU 0") as e:
         gpushare.attach("17GiB", socket=node.socket)
+    assert e.value.code == "attach" and isinstance(e.value, GpushareError)
 
 
 def test_memory_from_environment(node, monkeypatch):
@@ -98,10 +100,10 @@ def test_checkpoint_yields_to_a_waiter_and_comes_back(node):
 
 def test_checkpoint_fast_path_has_no_effect_when_nobody_waits(node):
     with gpushare.attach("1GiB", socket=node.socket) as s, s.gpu():
-        lease = s._lease
+        lease = s._lease.lease
         for _ in range(1000):
             s.checkpoint()
-        assert s._lease == lease and s.grants == 1
+        assert s._lease.lease == lease and s.grants == 1
 
 
 def test_implicit_burst_ends_after_idle_release(node):
@@ -154,7 +156,7 @@ def test_session_refuses_use_in_a_forked_child(node):
 def test_node_away_too_long_is_a_clear_error(node):
     s = gpushare.attach("1GiB", socket=node.socket, reconnect_timeout=0.5)
     node.stop()
-    wait_until(lambda: s._gone, what="the client to notice")
+    wait_until(lambda: s._link.state is Link.AWAY, what="the client to notice")
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailableError, match=r"away for 0\.5 s"), s.gpu():
         pass

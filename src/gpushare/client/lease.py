@@ -1,0 +1,520 @@
+"""A session's lease, as a state machine: asking for the GPU, swapping in, holding,
+yielding, and what each message from the node means in each state.
+
+::
+
+             ask                grant               memory back
+    IDLE ----------> ACQUIRING ------> SWAPPING_IN -------------> HOLDING
+     ^ ^                 ^  ^              |                      |    |
+     | |  withdraw       |  +--------------+ node gone            |    |
+     | +-----------------+    (stop, re-register, ask again)      |    |
+     |                   |                                        |    |
+     |                   +--------- YIELDING <---- yield ---------+    |
+     |                              (swapping out                      |
+     +------------------------------ what the revoke asked) <-- end ---+
+
+(docs/client.md has the table of transitions.)
+
+The connection (:class:`~gpushare.client.transport.Link`) is apart: while it is AWAY a
+burst in progress goes on and a new one waits; ENDED, CLOSED and FORKED end every burst
+at its next safe point. Everything here runs under the condition the lease shares with
+its transport, except the swaps themselves (under their own lock, so the reader thread
+can say the node went away while memory moves) and :attr:`Lease.ready`, the one flag
+:meth:`Session.checkpoint` reads with no lock.
+
+Invariants: memory moves into the GPU only within a grant of the node the link is
+connected to now (checked before every piece); at most one request of this session is
+outstanding at the node; a grant that comes when none is asked for (it crossed a
+withdrawal or a release) is never taken, and the release already sent gives it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import msgspec
+
+from gpushare import protocol as p
+from gpushare.client.swap.base import SwapBackend
+from gpushare.client.transport import LIVE, Link, Transport
+from gpushare.errors import DaemonUnavailableError, GpushareError, SwapError
+
+log = logging.getLogger("gpushare.client.lease")
+_now = time.monotonic
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no burst
+    ACQUIRING = "acquiring"  # asked; waiting for the grant
+    SWAPPING_IN = "swapping_in"  # granted: the memory comes back (within the room) first
+    HOLDING = "holding"  # GPU work may be issued
+    YIELDING = "yielding"  # released; swapping out what the revoke asked
+
+
+class NodeLost(SwapError):
+    """The node that granted a swap-in went away: the swap-in stops at the next piece."""
+
+
+class Lease:
+    """The lease of one session; :class:`~gpushare.client.session.Session` is its face."""
+
+    def __init__(
+        self,
+        link: Transport,
+        backend: SwapBackend,
+        cond: threading.Condition,
+        welcome: p.Welcome,
+        reconnect_timeout: float,
+        pid: int,
+    ) -> None:
+        self.link = link
+        self.backend = backend
+        self.cond = cond
+        self.memory_limit = welcome.memory_limit
+        self.weight = welcome.weight
+        self.gpu = welcome.gpu
+        self.idle_release_s = welcome.idle_release_s
+        self.reconnect_timeout = reconnect_timeout
+        self.pid = pid
+        self.phase = Phase.IDLE
+        self.ready = False  # HOLDING, no revoke pending, link live: checkpoint() reads it
+        self.last_work = 0.0  # written by every checkpoint(), unlocked
+        self.lease = 0  # the node's number for the lease granted (0: none)
+        self.grant: p.Grant | None = None  # the answer to our request, not taken yet
+        self.revoke: p.Revoke | None = None  # pending, for self.lease
+        self.rejoin = False  # yielding: the burst asks again once swapped out
+        self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
+        self.resume = False  # a grant for the lease a reconnect hello claimed is due
+        self.swap_gen = -1  # the connection whose grant the swap-in follows
+        self.told = (0, 0)  # the resident and swapped bytes this connection heard last
+        self.depth = 0  # threads inside gpu()
+        self.implicit = False  # a burst opened by checkpoint() outside gpu()
+        self.busy = 0  # threads inside working(): no release for idleness meanwhile
+        self.bursts = 0
+        self.grants = 0
+        self.waits: list[float] = []
+        self.swap_lock = threading.Lock()  # one swap at a time, whichever thread
+        self._idle_thread: threading.Thread | None = None
+
+    # --- what the session's public methods do ---------------------------------------
+
+    @property
+    def holding(self) -> bool:
+        return self.phase is Phase.HOLDING and self.link.state in LIVE
+
+    def enter(self) -> None:
+        """``gpu()``'s entry: join the burst, or wait for it to be granted."""
+        self._not_forked()
+        with self.cond:
+            if not self.holding:  # a burst in progress goes on while the node is away
+                self.usable()
+            self.depth += 1
+            try:
+                self._hold(implicit=False)
+            except BaseException:
+                self.depth -= 1
+                self.cond.notify_all()
+                raise
+            self.implicit = False
+
+    def exit(self) -> None:
+        """``gpu()``'s exit: the last thread out releases."""
+        if self.link.state is Link.FORKED:
+            return
+        with self.cond:
+            self.depth -= 1
+            if self.depth == 0 and self.phase is Phase.HOLDING:
+                self._release(again=False)
+            self.cond.notify_all()
+
+    def checkpoint(self) -> None:
+        """The slow path of a safe point: yield to a revoke, or open a burst."""
+        self._not_forked()
+        with self.cond:
+            self.usable()
+            if self.phase is Phase.HOLDING and self.revoke is not None:
+                # A grant that thawed this process after a freeze may already be in the
+                # socket behind the revoke it answers: read it before yielding to that.
+                self.link.catch_up()
+                self.usable()
+                if self.phase is Phase.HOLDING and self.revoke is not None:
+                    self.backend.synchronize()  # GPU work queued is done before the lease goes
+                    t0 = _now()
+                    self._release(again=True)
+                    self._await(t0)
+            elif self.phase is not Phase.HOLDING:
+                self._hold(implicit=self.depth == 0)
+
+    def begin_work(self) -> None:
+        with self.cond:
+            self.busy += 1
+
+    def end_work(self) -> None:
+        with self.cond:
+            self.busy -= 1
+            self.last_work = _now()
+            self.cond.notify_all()
+
+    def close(self) -> bool:
+        """Release any lease and mark the link closed; False if it was closed already."""
+        with self.cond:
+            if self.link.state is Link.CLOSED:
+                return False
+            if self.phase is Phase.HOLDING and self.link.state is Link.CONNECTED:
+                # The node frees the memory at the detach that follows: no swap-out.
+                self.link.send(self._release_msg())
+            self.phase, self.grant, self.revoke, self.lease = Phase.IDLE, None, None, 0
+            self.link.end(Link.CLOSED, "closed")
+            self._update()
+            self.cond.notify_all()
+            return True
+
+    def forked(self) -> None:
+        """In a forked child, without the lock (see :meth:`Transport.forked`)."""
+        self.link.forked()
+        self.ready = False
+
+    # --- states ---------------------------------------------------------------------
+
+    def _update(self) -> None:
+        self.ready = self.phase is Phase.HOLDING and self.revoke is None and self.link.state in LIVE
+
+    def _not_forked(self) -> None:
+        # Checked before taking the lock: in a forked child, a thread that no longer
+        # exists may have held it.
+        if self.link.state is Link.FORKED:
+            raise GpushareError(
+                f"this session belongs to process {self.pid}: call gpushare.attach() in the child"
+            )
+
+    def usable(self) -> None:
+        """Raise unless the link can serve a burst; while the node is away, wait for it
+        up to ``reconnect_timeout``."""
+        while True:
+            st = self.link.state
+            if st is Link.CONNECTED:
+                return
+            if st is Link.FORKED:
+                self._not_forked()
+            if st is Link.CLOSED:
+                raise GpushareError("session is closed")
+            if st is Link.ENDED:
+                raise DaemonUnavailableError(
+                    f"the gpushare node ended this session: {self.link.reason}"
+                )
+            left = self.link.away_since + self.reconnect_timeout - _now()
+            if left <= 0:
+                raise DaemonUnavailableError(
+                    f"the gpushare node has been away for {self.reconnect_timeout:g} s"
+                    f" ({self.link.reason}); set GPUSHARE_RECONNECT_TIMEOUT to wait longer"
+                )
+            self.cond.wait(left)
+
+    def _hold(self, implicit: bool) -> None:
+        """Until this burst holds the lease: ask (IDLE), or wait for the thread that
+        asks or yields."""
+        while self.phase is not Phase.HOLDING:
+            if self.phase is Phase.IDLE:
+                self.implicit = implicit
+                self._acquire()
+                if implicit:
+                    self._start_idle_thread()
+            else:
+                self.cond.wait()
+                self.usable()
+
+    def _acquire(self) -> None:
+        self.bursts += 1
+        self.phase, self.grant = Phase.ACQUIRING, None
+        t0 = _now()
+        self.link.send(p.Acquire())
+        self._await(t0)
+
+    def _await(self, t0: float) -> None:
+        """ACQUIRING (or YIELDING to ask again) until HOLDING; withdraws if interrupted."""
+        try:
+            while True:
+                self.usable()  # may wait for a reconnect: look at the grant after it
+                if self.grant is None:
+                    self.cond.wait()
+                elif self._swap_in():
+                    break
+        except BaseException:
+            self._withdraw()
+            raise
+        self.waits.append(_now() - t0)
+        self.grants += 1
+        self.last_work = _now()
+        self.cond.notify_all()
+
+    def _swap_in(self) -> bool:
+        """Take the grant: swap in, wait for room, hold (True); or, the node gone, ask
+        the next one (False)."""
+        g, self.grant = self.grant, None
+        assert g is not None
+        self.phase = Phase.SWAPPING_IN
+        self.swap_gen = self.link.generation
+        if not (g.swap_in or self.backend.swapped_bytes or self.room):
+            self.phase = Phase.HOLDING  # nothing to move, no room to wait for: the fast way
+            self._update()
+            return True
+        try:
+            with self._unlocked(), self.swap_lock:
+                if g.swap_in or self.backend.swapped_bytes:
+                    self._swap("in", 0)
+                # Work may grow the session to its limit: not before the node has room.
+                self.wait_room(self.memory_limit)
+        except NodeLost:
+            self._ask_again()
+            return False
+        if self.link.state is not Link.CONNECTED or self.link.generation != self.swap_gen:
+            self._ask_again()  # it went away as the swap-in ended
+            return False
+        self.phase = Phase.HOLDING
+        self._update()
+        return True
+
+    def _ask_again(self) -> None:
+        """A swap-in stopped because the node that granted it went away: re-register
+        what the session has and ask again; if still away, the reconnect asks."""
+        self.phase, self.lease, self.revoke, self.room = Phase.ACQUIRING, 0, None, 0
+        if self.link.state is Link.CONNECTED:
+            if self._figures() != self.told:
+                self.link.send(self._report_msg())
+            self.link.send(p.Acquire())
+        self._update()
+
+    def _withdraw(self) -> None:
+        # Interrupted while asking (Ctrl-C, an error): withdraw from the queue, or give
+        # back a grant that came meanwhile; a grant arriving later is never taken.
+        if self.phase in (Phase.ACQUIRING, Phase.SWAPPING_IN, Phase.YIELDING):
+            self.phase, self.grant, self.revoke, self.lease, self.room = (
+                Phase.IDLE,
+                None,
+                None,
+                0,
+                0,
+            )
+            self.rejoin = False
+            self.link.send(self._release_msg())
+            self._update()
+            self.cond.notify_all()
+
+    def _release(self, again: bool) -> None:
+        """HOLDING -> IDLE (burst end) or -> ACQUIRING (``again``: yield), by YIELDING
+        when the revoke asked for a swap-out, done after the release so the next holder
+        swaps in meanwhile."""
+        rev, self.revoke = self.revoke, None
+        swap_out = rev.swap_out if rev is not None and rev.lease == self.lease else 0
+        if swap_out:
+            self.backend.synchronize()  # the GPU work is done before the lease goes
+        after = Phase.ACQUIRING if again else Phase.IDLE
+        self.phase = Phase.YIELDING if swap_out else after
+        self.lease, self.room, self.grant, self.rejoin = 0, 0, None, again
+        self._update()
+        self.link.send(self._release_msg(again=again, swapping_out=swap_out))
+        if swap_out:
+            try:
+                with self._unlocked(), self.swap_lock:
+                    self._swap("out", swap_out)
+            except SwapError as e:
+                log.error("swap-out asked by the revoke failed: %s", e)
+            finally:
+                self.phase = after
+                self._update()
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        self.cond.release()
+        try:
+            yield
+        finally:
+            self.cond.acquire()
+
+    def _start_idle_thread(self) -> None:
+        if self._idle_thread is None:
+            self._idle_thread = threading.Thread(
+                target=self._idle_loop, name="gpushare-idle", daemon=True
+            )
+            self._idle_thread.start()
+        else:
+            self.cond.notify_all()
+
+    def _idle_loop(self) -> None:
+        # Ends implicit bursts after idle_release seconds without a checkpoint.
+        with self.cond:
+            while self.link.state in LIVE:
+                if not (
+                    self.implicit
+                    and self.phase is Phase.HOLDING
+                    and self.depth == 0
+                    and not self.busy
+                ):
+                    self.cond.wait()
+                    continue
+                idle = _now() - self.last_work
+                if idle >= self.idle_release_s:
+                    self.implicit = False
+                    with contextlib.suppress(GpushareError, OSError):
+                        self._release(again=False)
+                else:
+                    self.cond.wait(self.idle_release_s - idle)
+
+    # --- the backend's hooks --------------------------------------------------------
+
+    def check_access(self) -> None:
+        if not self.holding:
+            raise GpushareError(
+                "GPU memory used outside a lease: do GPU work inside 'with session.gpu():'"
+            )
+
+    def wait_room(self, resident: int) -> None:
+        """Before each piece of a swap-in (the swapping thread, unlocked): the node that
+        granted it is still there, and has room for ``resident`` bytes."""
+        with self.cond:
+            while True:
+                if self.link.state is not Link.CONNECTED or self.link.generation != self.swap_gen:
+                    raise NodeLost(
+                        "the gpushare node went away during this session's swap-in:"
+                        " it stops here and asks again"
+                    )
+                if not self.room or resident <= self.room:
+                    return
+                self.cond.wait()
+
+    def report(self) -> None:
+        self.link.send(self._report_msg())
+
+    # --- messages -------------------------------------------------------------------
+
+    def _figures(self) -> tuple[int, int]:
+        return self.backend.resident_bytes, self.backend.swapped_bytes
+
+    def _report_msg(self) -> p.Report:
+        self.told = resident, swapped = self._figures()
+        return p.Report(resident=resident, swapped=swapped)
+
+    def _release_msg(self, again: bool = False, swapping_out: int = 0) -> p.Release:
+        self.told = resident, swapped = self._figures()
+        return p.Release(resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
+
+    def _swap_done_msg(
+        self, direction: Literal["in", "out"], nbytes: int, seconds: float, error: str = ""
+    ) -> p.SwapDone:
+        self.told = resident, swapped = self._figures()
+        return p.SwapDone(
+            direction=direction,
+            bytes=nbytes,
+            seconds=seconds,
+            resident=resident,
+            swapped=swapped,
+            error=error,
+        )
+
+    def _swap(self, direction: Literal["in", "out"], nbytes: int) -> None:
+        """One swap (swap lock held, condition not), told to the node that asked."""
+        gen = self.link.generation
+        b = self.backend
+        try:
+            r = b.swap_in() if direction == "in" else b.swap_out(nbytes)
+        except NodeLost:
+            raise  # the node that asked is gone; the next hears the figures
+        except SwapError as e:
+            self.link.send(self._swap_done_msg(direction, 0, 0.0, str(e)))
+            raise
+        if self.link.generation != gen:  # asked by a node that went away since
+            self.link.send(self._report_msg())
+            return
+        self.link.send(self._swap_done_msg(direction, r.bytes, r.seconds))
+
+    def on_message(self, msg: p.Message) -> None:
+        if isinstance(msg, p.SwapOut):
+            self._on_swap_out(msg)
+            return
+        with self.cond:
+            if isinstance(msg, p.Grant):
+                self._on_grant(msg)
+            elif isinstance(msg, p.Room):
+                self._set_room(msg.room)
+            elif isinstance(msg, p.Revoke):
+                if msg.lease and msg.lease == self.lease:  # else: for a lease gone already
+                    self.revoke = msg
+            else:
+                log.debug("ignored %s from the node", type(msg).__name__)
+            self._update()
+            self.cond.notify_all()
+
+    def _on_grant(self, g: p.Grant) -> None:
+        resume, self.resume = self.resume, False
+        if resume:
+            # The first grant after a hello that claimed the lease is that lease. If the
+            # burst ended since, the release sent then gives it back.
+            if self.phase is Phase.HOLDING:
+                self.lease, self.revoke = g.lease, None
+            return
+        if self.phase is Phase.HOLDING:  # thawed after a freeze: a new lease, same burst
+            self.lease, self.revoke = g.lease, None
+        elif self.grant is None and (
+            self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin)
+        ):
+            self.grant, self.lease = g, g.lease
+            self._set_room(g.room)
+        else:
+            log.debug("grant %d not asked for (crossed a release): not taken", g.lease)
+
+    def _set_room(self, room: int) -> None:
+        self.room = room if room < self.memory_limit else 0  # its limit: no bound
+
+    def _on_swap_out(self, msg: p.SwapOut) -> None:
+        # On the reader thread. Only memory of a session with no grant: its threads
+        # cannot touch it (check_access), and no grant comes while this thread swaps.
+        with self.cond:
+            granted = self.phase in (Phase.HOLDING, Phase.SWAPPING_IN) or self.grant is not None
+            if granted:  # a holder's memory is not for taking: the node plans anew
+                self.link.send(self._swap_done_msg("out", 0, 0.0, "session holds the GPU"))
+                return
+        with self.swap_lock, contextlib.suppress(SwapError):
+            self._swap("out", msg.bytes)
+
+    # --- the transport's peer (condition held) --------------------------------------
+
+    def on_link_change(self) -> None:
+        # The node that granted or revoked is gone: its revoke is moot (a burst goes on
+        # while it is away), and a grant not taken yet is not the next node's.
+        self.revoke = None
+        if self.grant is not None:
+            self.grant, self.lease = None, 0
+        self._update()
+
+    def resume_hello(self, hello: p.Hello) -> p.Hello:
+        return msgspec.structs.replace(
+            hello,
+            memory_limit=self.memory_limit,
+            weight=self.weight,
+            portion=None,
+            gpu=self.gpu,
+            resident=self.backend.resident_bytes,
+            swapped=self.backend.swapped_bytes,
+            holding=self.phase is Phase.HOLDING,
+        )
+
+    def on_reconnected(self, hello: p.Hello) -> None:
+        """Tell a new node what changed since ``hello`` and what this session asks."""
+        self.resume, self.revoke, self.room, self.lease = hello.holding, None, 0, 0
+        self.told = hello.resident, hello.swapped
+        if hello.holding and self.phase is not Phase.HOLDING:
+            # The burst ended after the hello: give back the lease the node grants for it.
+            self.link.send(self._release_msg())
+        elif self._figures() != self.told:  # memory moved after the hello
+            self.link.send(self._report_msg())
+        if self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin):
+            self.grant = None
+            self.link.send(p.Acquire())
+        self._update()
