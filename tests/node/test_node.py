@@ -27,12 +27,13 @@ G = 2**30
 @pytest.mark.slow
 def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
     # Two sessions of 6 GiB on a 10 GiB GPU: a handoff swaps whenever the other waits
-    # (nearly always: 1100 bursts leave room for the few it did not). Fast modelled link.
+    # (nearly always: 1200 bursts leave room for a tenth that did not, as seen under
+    # load). Fast modelled link.
     node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
     with all_start_together(node, waiting=2):  # both cycling from the first burst
         procs = [
             node.workload(
-                "cycles", "--memory", "6GiB", "--bursts", "550", "--seconds", "240",
+                "cycles", "--memory", "6GiB", "--bursts", "600", "--seconds", "240",
                 "--seed", str(i), "--name", f"c{i}",
             )
             for i in (1, 2)
