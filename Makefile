@@ -12,7 +12,9 @@ STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 # One line per package as pip resolves it (no progress bars: they are noise in a log).
 PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip
-PYTEST := $(BIN)/pytest -q
+# Two workers: most tests wait on real processes and sockets, so the suite takes half
+# the time; hermetic tests (no fixed port or path) make it safe.
+PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 
 .PHONY: demo test lint typecheck unit bench clean system-deps pre-commit
 

@@ -99,7 +99,7 @@ def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:
         from gpushare.tools.admin import AdminClient
 
         with AdminClient(admin) as c:
-            while len(c.status()["gpus"][0]["sessions"]) < n:
+            while len(c.status().gpus[0].sessions) < n:
                 time.sleep(0.02)
         Path(go).touch()
         for pr in procs[:active]:

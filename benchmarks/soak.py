@@ -188,11 +188,11 @@ class Soak:
 
     def grants(self) -> int:
         with AdminClient(self.admin) as c:
-            return sum(g["grants_total"] for g in c.status()["gpus"])
+            return sum(g.grants_total for g in c.status().gpus)
 
     def sessions(self) -> int:
         with AdminClient(self.admin) as c:
-            return sum(len(g["sessions"]) for g in c.status()["gpus"])
+            return sum(len(g.sessions) for g in c.status().gpus)
 
 
 def main() -> int:

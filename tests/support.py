@@ -3,13 +3,17 @@ its arguments, waiting, and where the recorded fixtures are."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import gpushare
+from gpushare.status import to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.tools.demo import wait_for_socket
 
@@ -73,8 +77,9 @@ class NodeProcess:
         return self.start(*extra)
 
     def status(self) -> dict:
+        """The status as ``ctl status --json`` prints it (plain JSON types)."""
         with AdminClient(self.admin) as c:
-            return c.status()
+            return to_json_object(c.status())
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         r = subprocess.run(
@@ -116,3 +121,17 @@ def wait_until(pred, timeout: float = 10.0, what: str = "condition"):
             return v
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def all_start_together(node: NodeProcess, waiting: int, gpu: int = 0) -> Iterator[None]:
+    """Hold the GPU (exclusive mode) until ``waiting`` sessions wait for it, then let
+    them go at once: workloads started in the body contend from their first burst, however
+    late the machine starts one of them."""
+    with gpushare.attach("1MiB", socket=node.socket, name="gate", gpu=gpu) as gate, gate.gpu():
+        yield
+        wait_until(
+            lambda: len(node.status()["gpus"][gpu]["queue"]) >= waiting,
+            timeout=60,
+            what=f"{waiting} sessions waiting",
+        )

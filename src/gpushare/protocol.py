@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from gpushare.settings import Escalation, Mode, Policy
+from gpushare.status import NodeStatus
+
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 20  # 1 MiB: status of hundreds of sessions fits, garbage does not
 _HEADER = struct.Struct(">I")
@@ -157,20 +160,33 @@ class StatusRequest(_Msg, tag="status"):
 
 
 class StatusReply(_Msg, tag="status_reply"):
-    status: dict[str, Any]
+    status: NodeStatus
 
 
 class SetConfig(_Msg, tag="set_config"):
+    """Change settings live (all GPUs, or ``gpu``); ``persist``: write them down too.
+    A value outside its literal is a malformed message; a TQ is checked by the node."""
+
     gpu: int | None = None
     tq_s: float | None = None
-    mode: str | None = None
-    policy: str | None = None
-    escalation: str | None = None
+    mode: Mode | None = None
+    policy: Policy | None = None
+    escalation: Escalation | None = None
     persist: bool = False
 
 
+class GpuConfig(msgspec.Struct, kw_only=True):
+    """One GPU's settings in force, as a :class:`ConfigReply` gives them."""
+
+    index: int
+    tq_s: float
+    mode: Mode
+    policy: Policy
+    escalation: Escalation
+
+
 class ConfigReply(_Msg, tag="config_reply"):
-    gpus: list[dict[str, Any]]
+    gpus: list[GpuConfig]
     persisted_to: str = ""
 
 

@@ -17,18 +17,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpushare.core.arbiter import (
+from gpushare.core.actions import (
     Action,
-    Arbiter,
     EscalateAction,
     EventAction,
-    GpuSettings,
     GrantAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
 )
+from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import ManualClock
+from gpushare.settings import GpuSettings
 
 GiB = 2**30
 CHUNK = 4 * GiB  # the fill clients' swap granularity (coarse: the test runs many)
@@ -144,7 +144,9 @@ class Model:
     # --- clients --------------------------------------------------------------------
     def add(self, c: Client, start: float = 0.0) -> Client:
         self.clients[c.sid] = c
-        self.apply(self.arb.attach(c.sid, f"s{c.sid}", c.limit, c.weight, fills=c.fills))
+        self.apply(
+            self.arb.attach(c.sid, name=f"s{c.sid}", limit=c.limit, weight=c.weight, fills=c.fills)
+        )
         self.at(start, lambda: self._want(c))
         return c
 
@@ -179,11 +181,20 @@ class Model:
                 if c.sid not in self.clients:
                     return
                 secs = self.clock.monotonic() - t0
-                self.apply(self.arb.swap_done(c.sid, "in", back, secs, c.on_gpu, c.in_host))
+                self.apply(
+                    self.arb.swap_done(
+                        c.sid,
+                        direction="in",
+                        nbytes=back,
+                        seconds=secs,
+                        resident=c.on_gpu,
+                        swapped=c.in_host,
+                    )
+                )
                 if c.holding:  # the workload grows to its limit while it holds
                     assert not c.room, "grew past its room"
                     c.on_gpu = c.limit
-                    self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                    self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
 
             if not c.fills:  # all at once: the bytes land as the copy starts
                 c.on_gpu += back
@@ -207,7 +218,7 @@ class Model:
 
                 def landed() -> None:
                     if c.sid in self.clients:
-                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                        self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
                     chunk()
 
                 self.at(k / self.bw, landed)
@@ -227,7 +238,7 @@ class Model:
             return
         c.holding = False
         c.wants = False
-        self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host))
+        self.apply(self.arb.release(c.sid, resident=c.on_gpu, swapped=c.in_host))
         self.at(c.think_s, lambda: self._want(c))
 
     def _yield(self, c: Client, a: RevokeAction) -> None:
@@ -243,7 +254,11 @@ class Model:
         if not again:
             c.wants = False
         if c.fills:  # release first, then swap out chunk by chunk
-            self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, swapping_out=moved))
+            self.apply(
+                self.arb.release(
+                    c.sid, resident=c.on_gpu, swapped=c.in_host, again=again, swapping_out=moved
+                )
+            )
             self._swap_out(c, moved)
             if not again:
                 self.at(c.think_s, lambda: self._want(c))
@@ -255,7 +270,16 @@ class Model:
                 return
             c.on_gpu -= moved
             c.in_host += moved
-            self.apply(self.arb.release(c.sid, c.on_gpu, c.in_host, again, moved, moved / self.bw))
+            self.apply(
+                self.arb.release(
+                    c.sid,
+                    resident=c.on_gpu,
+                    swapped=c.in_host,
+                    again=again,
+                    swapped_out=moved,
+                    seconds=moved / self.bw,
+                )
+            )
             if not again:
                 self.at(c.think_s, lambda: self._want(c))
 
@@ -271,7 +295,16 @@ class Model:
                 done()
                 if c.sid in self.clients:
                     secs = self.clock.monotonic() - t0
-                    self.apply(self.arb.swap_done(c.sid, "out", moved, secs, c.on_gpu, c.in_host))
+                    self.apply(
+                        self.arb.swap_done(
+                            c.sid,
+                            direction="out",
+                            nbytes=moved,
+                            seconds=secs,
+                            resident=c.on_gpu,
+                            swapped=c.in_host,
+                        )
+                    )
 
             def chunk() -> None:
                 if c.sid not in self.clients:
@@ -287,7 +320,7 @@ class Model:
                     c.on_gpu -= k
                     c.in_host += k
                     if c.fills and left[0]:
-                        self.apply(self.arb.report(c.sid, c.on_gpu, c.in_host))
+                        self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
                     chunk()
 
                 self.at(k / self.bw, freed)
@@ -313,7 +346,7 @@ class Model:
     def kill(self, sid: int) -> None:
         c = self.clients.pop(sid)
         c.on_gpu = 0
-        self.apply(self.arb.detach(sid, "killed"))
+        self.apply(self.arb.detach(sid, reason="killed"))
 
     def lease_seconds(self) -> dict[int, float]:
         return {sid: self.arb.lease_seconds(s) for sid, s in self.arb.sessions.items()}

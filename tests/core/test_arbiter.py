@@ -6,19 +6,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpushare.core.arbiter import (
-    SWAP_RETRY_S,
-    Arbiter,
-    ArbiterError,
+from gpushare.core.actions import (
     EscalateAction,
-    GpuSettings,
     GrantAction,
     RevokeAction,
     RoomAction,
-    State,
     SwapOutAction,
 )
+from gpushare.core.arbiter import SWAP_RETRY_S, Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
+from gpushare.core.sessions import State
+from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model
 
 
@@ -42,10 +40,10 @@ def arb(clock, capacity=80 * GiB, **kw):
 def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
     """Session 1 holds ``limit`` bytes resident, session 2 (``swapped`` of its bytes in
     host memory) waits, and the quantum ends: what the tick did (the revoke)."""
-    a.attach(1, "a", limit, fills=fills[0])
-    a.attach(2, "b", limit, swapped=swapped, fills=fills[1])
+    a.attach(1, name="a", limit=limit, fills=fills[0])
+    a.attach(2, name="b", limit=limit, swapped=swapped, fills=fills[1])
     a.acquire(1)
-    a.report(1, limit, 0)
+    a.report(1, resident=limit, swapped=0)
     a.acquire(2)
     clock.advance(a.settings.tq_s)
     return a.tick()
@@ -54,7 +52,7 @@ def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
 def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, f"s{i}", 10 * GiB)
+        a.attach(i, name=f"s{i}", limit=10 * GiB)
     g = actions_of(a.acquire(1), GrantAction)
     assert [x.session for x in g] == [1]
     assert actions_of(a.acquire(2), GrantAction) == []
@@ -68,14 +66,14 @@ def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
     assert [x.session for x in r] == [1]
     assert a.sessions[1].state is State.YIELDING
     # the holder yields and wants more: it goes to the back of the queue
-    g = actions_of(a.release(1, 0, 0, again=True), GrantAction)
+    g = actions_of(a.release(1, resident=0, swapped=0, again=True), GrantAction)
     assert [x.session for x in g] == [2]
     assert list(a.queue) == [3, 1]
 
 
 def test_renewal_when_nobody_waits(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
-    a.attach(1, "a", GiB)
+    a.attach(1, name="a", limit=GiB)
     a.acquire(1)
     lease = a.sessions[1].lease
     clock.advance(12)
@@ -87,12 +85,12 @@ def test_renewal_when_nobody_waits(clock):
 
 def test_release_at_burst_end_grants_next_at_once(clock):
     a = arb(clock, tq_s=30, mode="exclusive")
-    a.attach(1, "a", GiB)
-    a.attach(2, "b", GiB)
+    a.attach(1, name="a", limit=GiB)
+    a.attach(2, name="b", limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
-    g = actions_of(a.release(1, GiB, 0), GrantAction)
+    g = actions_of(a.release(1, resident=GiB, swapped=0), GrantAction)
     assert [x.session for x in g] == [2]
     assert a.sessions[1].state is State.IDLE
     assert a.lease_seconds(a.sessions[1]) == pytest.approx(1)
@@ -101,12 +99,12 @@ def test_release_at_burst_end_grants_next_at_once(clock):
 
 def test_detach_of_holder_frees_lease_and_memory(clock):
     a = arb(clock, capacity=10 * GiB, tq_s=30, mode="exclusive")
-    a.attach(1, "a", 8 * GiB)
-    a.attach(2, "b", 8 * GiB)
+    a.attach(1, name="a", limit=8 * GiB)
+    a.attach(2, name="b", limit=8 * GiB)
     a.acquire(1)
-    a.report(1, 8 * GiB, 0)
+    a.report(1, resident=8 * GiB, swapped=0)
     assert actions_of(a.acquire(2), GrantAction) == []
-    out = a.detach(1, "killed")
+    out = a.detach(1, reason="killed")
     assert [x.session for x in actions_of(out, GrantAction)] == [2]
     assert events_of(out, "detach")[0]["freed_bytes"] == 8 * GiB
     assert 1 not in a.sessions
@@ -115,19 +113,21 @@ def test_detach_of_holder_frees_lease_and_memory(clock):
 def test_planner_swaps_least_recently_served_only_what_is_needed(clock):
     a = arb(clock, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, f"s{i}", 30 * GiB)
+        a.attach(i, name=f"s{i}", limit=30 * GiB)
     # 1 and 2 run in turn and fill their memory; 2 is served last
     for i in (1, 2):
         a.acquire(i)
-        a.report(i, 30 * GiB, 0)
+        a.report(i, resident=30 * GiB, swapped=0)
         clock.advance(1)
-        a.release(i, 30 * GiB, 0)
+        a.release(i, resident=30 * GiB, swapped=0)
     out = a.acquire(3)  # needs 30, has 80 - 60 = 20: 10 must go, from 1 (served first)
     assert actions_of(out, GrantAction) == []
     assert actions_of(out, SwapOutAction) == [SwapOutAction(1, 10 * GiB)]
     # nothing more is asked while that swap is under way
     assert actions_of(a.tick(), SwapOutAction) == []
-    out = a.swap_done(1, "out", 10 * GiB, 0.2, 20 * GiB, 10 * GiB)
+    out = a.swap_done(
+        1, direction="out", nbytes=10 * GiB, seconds=0.2, resident=20 * GiB, swapped=10 * GiB
+    )
     assert [x.session for x in actions_of(out, GrantAction)] == [3]
 
 
@@ -135,14 +135,17 @@ def test_revoke_carries_the_holders_share_of_swap_out(clock):
     a = arb(clock, capacity=50 * GiB, tq_s=1, mode="exclusive")
     (r,) = actions_of(quantum_over(a, clock, 30 * GiB), RevokeAction)
     assert r.session == 1 and r.swap_out == 10 * GiB
-    g = actions_of(a.release(1, 20 * GiB, 10 * GiB, again=True, swapped_out=10 * GiB), GrantAction)
+    g = actions_of(
+        a.release(1, resident=20 * GiB, swapped=10 * GiB, again=True, swapped_out=10 * GiB),
+        GrantAction,
+    )
     assert [x.session for x in g] == [2]
 
 
 def test_grace_expiry_escalates_once(clock):
     a = arb(clock, tq_s=1, grace_s=2, mode="exclusive", escalation="kill")
-    a.attach(1, "a", GiB)
-    a.attach(2, "b", GiB)
+    a.attach(1, name="a", limit=GiB)
+    a.attach(2, name="b", limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -158,8 +161,8 @@ def test_grace_expiry_escalates_once(clock):
 
 def test_tq_change_applies_at_next_quantum(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
-    a.attach(1, "a", GiB)
-    a.attach(2, "b", GiB)
+    a.attach(1, name="a", limit=GiB)
+    a.attach(2, name="b", limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -170,14 +173,14 @@ def test_tq_change_applies_at_next_quantum(clock):
     assert actions_of(a.tick(), RevokeAction) == []
     clock.advance(0.01)
     assert actions_of(a.tick(), RevokeAction)
-    (g,) = actions_of(a.release(1, 0, 0, again=True), GrantAction)
+    (g,) = actions_of(a.release(1, resident=0, swapped=0, again=True), GrantAction)
     assert g.session == 2 and g.quantum_s == 2
 
 
 def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
     a = arb(clock, capacity=80 * GiB, tq_s=5, mode="auto")
     for i in (1, 2, 3):
-        a.attach(i, f"s{i}", 30 * GiB)
+        a.attach(i, name=f"s{i}", limit=30 * GiB)
     assert actions_of(a.acquire(1), GrantAction)
     (g,) = actions_of(a.acquire(2), GrantAction)
     assert g.shared and sorted(a.holders) == [1, 2]
@@ -189,8 +192,8 @@ def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
 
 def test_weighted_policy_scales_quantum(clock):
     a = arb(clock, tq_s=10, policy="weighted", mode="exclusive")
-    a.attach(1, "half", GiB, weight=0.5)
-    a.attach(2, "quarter", GiB, weight=0.25)
+    a.attach(1, name="half", limit=GiB, weight=0.5)
+    a.attach(2, name="quarter", limit=GiB, weight=0.25)
     assert a.quantum(a.sessions[1]) == 10
     assert a.quantum(a.sessions[2]) == 5
 
@@ -198,27 +201,58 @@ def test_weighted_policy_scales_quantum(clock):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda a: a.attach(9, "big", 81 * GiB),
-        lambda a: a.attach(9, "zero", 0),
-        lambda a: a.attach(9, "w", GiB, weight=0),
+        lambda a: a.attach(9, name="big", limit=81 * GiB),
+        lambda a: a.attach(9, name="zero", limit=0),
+        lambda a: a.attach(9, name="w", limit=GiB, weight=0),
         lambda a: a.acquire(42),
-        lambda a: a.release(1, 0, 0),
+        lambda a: a.release(1, resident=0, swapped=0),
         lambda a: a.configure(tq_s=0),
         lambda a: a.configure(mode="bogus"),
-        lambda a: a.report(1, -1, 0),
+        lambda a: a.report(1, resident=-1, swapped=0),
     ],
 )
 def test_bad_inputs_are_refused_with_a_reason(clock, call):
     a = arb(clock)
-    a.attach(1, "a", GiB)
+    a.attach(1, name="a", limit=GiB)
     with pytest.raises(ArbiterError) as e:
         call(a)
     assert str(e.value)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tq_s": 5.0, "mode": "bogus"},
+        {"mode": "exclusive", "tq_s": float("nan")},
+        {"policy": "weighted", "escalation": "shout"},
+        {"tq_s": 0.0, "policy": "weighted", "mode": "exclusive", "escalation": "kill"},
+    ],
+)
+def test_a_bad_value_in_configure_changes_nothing(clock, change):
+    a = arb(clock, tq_s=10)
+    before = vars(a.settings).copy()
+    with pytest.raises(ArbiterError):
+        a.configure(**change)
+    assert vars(a.settings) == before
+    out = a.configure(tq_s=5.0, mode="exclusive")  # a good change applies whole
+    assert (a.settings.tq_s, a.settings.mode) == (5.0, "exclusive")
+    assert events_of(out, "config") == [events_of(out, "config")[0]]
+
+
+def test_inputs_beyond_the_session_are_keyword_only(clock):
+    a = arb(clock)
+    with pytest.raises(TypeError):
+        a.attach(1, "a", GiB)  # type: ignore[misc]
+    a.attach(1, name="a", limit=GiB)
+    with pytest.raises(TypeError):
+        a.report(1, GiB, 0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        a.configure(5.0)  # type: ignore[misc]
+
+
 def test_double_acquire_is_refused(clock):
     a = arb(clock)
-    a.attach(1, "a", GiB)
+    a.attach(1, name="a", limit=GiB)
     a.acquire(1)
     with pytest.raises(ArbiterError, match="already has a burst"):
         a.acquire(1)
@@ -333,7 +367,7 @@ def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
     (g,) = actions_of(out, GrantAction)
     assert g.session == 2 and not g.thaw
     assert a.sessions[1].frozen and list(a.queue) == [1]
-    out = a.release(2, 0, 0)
+    out = a.release(2, resident=0, swapped=0)
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and g.thaw and not a.sessions[1].frozen
 
@@ -348,13 +382,15 @@ def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
     assert actions_of(out, SwapOutAction) == []
     assert actions_of(out, EscalateAction)[-1] == EscalateAction(1, "kill", "frozen_memory_needed")
     assert actions_of(a.tick(), EscalateAction) == []
-    out = a.detach(1, "killed")
+    out = a.detach(1, reason="killed")
     assert [g.session for g in actions_of(out, GrantAction)] == [2]
 
 
 def test_resumed_session_keeps_memory_and_lease(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
-    out = a.attach(1, "survivor", 10 * GiB, resident=6 * GiB, swapped=4 * GiB, holding=True)
+    out = a.attach(
+        1, name="survivor", limit=10 * GiB, resident=6 * GiB, swapped=4 * GiB, holding=True
+    )
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and a.holders == [1]
     assert events_of(out, "attach")[0]["resumed"] is True
@@ -364,18 +400,28 @@ def test_resumed_session_keeps_memory_and_lease(clock):
 def test_failed_swap_out_picks_another_victim_or_waits(clock):
     a = arb(clock, capacity=20 * GiB, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, f"s{i}", 10 * GiB)
+        a.attach(i, name=f"s{i}", limit=10 * GiB)
     for i in (1, 2):
         a.acquire(i)
-        a.report(i, 10 * GiB, 0)
+        a.report(i, resident=10 * GiB, swapped=0)
         clock.advance(1)
-        a.release(i, 10 * GiB, 0)
+        a.release(i, resident=10 * GiB, swapped=0)
     out = a.acquire(3)
     assert actions_of(out, SwapOutAction) == [SwapOutAction(1, 10 * GiB)]
-    out = a.swap_done(1, "out", 0, 0.0, 10 * GiB, 0, error="host memory exhausted")
+    out = a.swap_done(
+        1,
+        direction="out",
+        nbytes=0,
+        seconds=0.0,
+        resident=10 * GiB,
+        swapped=0,
+        error="host memory exhausted",
+    )
     assert events_of(out, "swap_out")[0]["error"] == "host memory exhausted"
     assert actions_of(out, SwapOutAction) == [SwapOutAction(2, 10 * GiB)]  # another way
-    out = a.swap_done(2, "out", 0, 0.0, 10 * GiB, 0, error="copy failed")
+    out = a.swap_done(
+        2, direction="out", nbytes=0, seconds=0.0, resident=10 * GiB, swapped=0, error="copy failed"
+    )
     assert actions_of(out, SwapOutAction) == []  # nobody left to ask: wait
     assert a.next_deadline() == pytest.approx(clock.monotonic() + 1.0)
     clock.advance(1.0)
@@ -384,12 +430,12 @@ def test_failed_swap_out_picks_another_victim_or_waits(clock):
 
 def test_over_limit_seen_by_the_gpu_escalates_once(clock):
     a = arb(clock, escalation="kill")
-    a.attach(1, "greedy", GiB)
-    out = a.over_limit(1, 2 * GiB)
+    a.attach(1, name="greedy", limit=GiB)
+    out = a.over_limit(1, used=2 * GiB)
     assert actions_of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
-    assert actions_of(a.over_limit(1, 3 * GiB), EscalateAction) == []
-    a.over_limit(1, GiB // 2)
-    assert actions_of(a.over_limit(1, 2 * GiB), EscalateAction)
+    assert actions_of(a.over_limit(1, used=3 * GiB), EscalateAction) == []
+    a.over_limit(1, used=GiB // 2)
+    assert actions_of(a.over_limit(1, used=2 * GiB), EscalateAction)
 
 
 def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
@@ -397,7 +443,9 @@ def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
     quantum_over(a, clock, 10 * GiB)
     clock.advance(1)
     a.tick()  # frozen while its yield was on the way
-    out = a.release(1, 6 * GiB, 4 * GiB, again=True, swapped_out=4 * GiB, seconds=0.1)
+    out = a.release(
+        1, resident=6 * GiB, swapped=4 * GiB, again=True, swapped_out=4 * GiB, seconds=0.1
+    )
     assert events_of(out, "swap_out")[0]["bytes"] == 4 * GiB
     assert a.sessions[1].state is State.WAITING and list(a.queue) == [1]
     assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)
@@ -416,46 +464,65 @@ def test_overlapped_switch_swaps_in_as_the_swap_out_frees(clock):
     a = _switch_setup(clock)
     # A stops its GPU work and releases before swapping out: B is granted at once, with
     # room for what is free now (10 GiB), and swaps in while A swaps out.
-    out = a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
+    out = a.release(1, resident=30 * GiB, swapped=0, again=True, swapping_out=20 * GiB)
     (g,) = actions_of(out, GrantAction)
     assert (g.session, g.room, g.swap_in) == (2, 10 * GiB, 30 * GiB)
     rooms = []
     for done in range(1, 21):  # A reports each GiB it frees; B's room grows with it
-        out = a.report(1, (30 - done) * GiB, done * GiB)
+        out = a.report(1, resident=(30 - done) * GiB, swapped=done * GiB)
         rooms += [x.room for x in actions_of(out, RoomAction)]
         assert a.used_bytes() <= a.capacity
         assert actions_of(out, SwapOutAction) == []  # nothing asked twice
     assert rooms == [(10 + i) * GiB for i in range(1, 20)] + [30 * GiB]
     assert a.next_deadline() is not None  # the quantum is bounded once the room is full
-    a.swap_done(1, "out", 20 * GiB, 0.4, 10 * GiB, 20 * GiB)
+    a.swap_done(
+        1, direction="out", nbytes=20 * GiB, seconds=0.4, resident=10 * GiB, swapped=20 * GiB
+    )
     clock.advance(0.5)
-    a.swap_done(2, "in", 30 * GiB, 0.55, 30 * GiB, 0)
+    a.swap_done(2, direction="in", nbytes=30 * GiB, seconds=0.55, resident=30 * GiB, swapped=0)
     assert a.next_deadline() == pytest.approx(clock.monotonic() + 1)  # quantum from here
 
 
 def test_without_overlap_the_next_holder_waits_for_the_whole_swap_out(clock):
     a = _switch_setup(clock, overlap=False)
-    out = a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
+    out = a.release(1, resident=30 * GiB, swapped=0, again=True, swapping_out=20 * GiB)
     assert actions_of(out, GrantAction) == []
     for done in range(1, 20):
-        assert actions_of(a.report(1, (30 - done) * GiB, done * GiB), GrantAction) == []
-    (g,) = actions_of(a.report(1, 10 * GiB, 20 * GiB), GrantAction)
+        assert (
+            actions_of(a.report(1, resident=(30 - done) * GiB, swapped=done * GiB), GrantAction)
+            == []
+        )
+    (g,) = actions_of(a.report(1, resident=10 * GiB, swapped=20 * GiB), GrantAction)
     assert (g.session, g.room) == (2, 0)
 
 
 def test_a_client_that_cannot_fill_gets_no_room(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=1, mode="exclusive")
     quantum_over(a, clock, 30 * GiB, swapped=30 * GiB, fills=(True, False))  # 2: an older client
-    assert actions_of(a.release(1, 30 * GiB, 0, True, swapping_out=20 * GiB), GrantAction) == []
-    (g,) = actions_of(a.report(1, 10 * GiB, 20 * GiB), GrantAction)
+    assert (
+        actions_of(
+            a.release(1, resident=30 * GiB, swapped=0, again=True, swapping_out=20 * GiB),
+            GrantAction,
+        )
+        == []
+    )
+    (g,) = actions_of(a.report(1, resident=10 * GiB, swapped=20 * GiB), GrantAction)
     assert g.room == 0
 
 
 def test_a_failed_swap_out_under_a_filling_holder_is_asked_again(clock):
     a = _switch_setup(clock)
-    a.release(1, 30 * GiB, 0, again=True, swapping_out=20 * GiB)
-    a.report(1, 25 * GiB, 5 * GiB)
-    out = a.swap_done(1, "out", 0, 0.1, 25 * GiB, 5 * GiB, error="host memory exhausted")
+    a.release(1, resident=30 * GiB, swapped=0, again=True, swapping_out=20 * GiB)
+    a.report(1, resident=25 * GiB, swapped=5 * GiB)
+    out = a.swap_done(
+        1,
+        direction="out",
+        nbytes=0,
+        seconds=0.1,
+        resident=25 * GiB,
+        swapped=5 * GiB,
+        error="host memory exhausted",
+    )
     assert actions_of(out, SwapOutAction) == []  # not at once: it just failed
     clock.advance(SWAP_RETRY_S)
     assert actions_of(a.tick(), SwapOutAction) == [SwapOutAction(1, 15 * GiB)]

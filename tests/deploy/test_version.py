@@ -79,8 +79,10 @@ def test_the_command_line_says_the_same():
 
 def test_the_exporter_says_the_same():
     from gpushare.node.metrics import NodeCollector
+    from gpushare.status import NodeInfo, NodeStatus
 
-    (info, *_) = NodeCollector(lambda: {"gpus": []}).collect()
+    empty = NodeStatus(node=NodeInfo(pid=0, started=0.0, config=""), gpus=[])
+    (info, *_) = NodeCollector(lambda: empty).collect()
     assert info.name == "gpushare_build"
     assert info.samples[0].labels["version"] == __version__
 

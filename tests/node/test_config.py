@@ -21,6 +21,10 @@ def test_reads_values_and_gpu_tables(tmp_path):
         ('mode = "fast"', "mode"),
         ("tqq = 3", "tqq"),
         ('tq = "x"', "tq"),
+        ("tq = -1.0", "TQ must be a positive number"),
+        ("tq = 0", "TQ must be a positive number"),
+        ("grace = 0.0", "grace must be a positive number"),
+        ("[gpu.1]\ntq = -2.0", r"\[gpu\.1\]: TQ must be a positive number"),
     ],
 )
 def test_bad_files_give_one_clear_line(tmp_path, text, match):
@@ -47,3 +51,11 @@ def test_persist_refuses_values_the_node_could_not_read(tmp_path):
     with pytest.raises(ConfigError, match="mode"):
         persist(f, None, mode="fastest")
     assert not f.exists()
+    with pytest.raises(ConfigError, match="TQ"):
+        persist(f, 0, tq=-3.0)
+    assert not f.exists()
+
+
+def test_flags_are_checked_as_the_files_are():
+    with pytest.raises(ConfigError, match="TQ must be a positive number"):
+        load(None, None, {"tq": 0.0})

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,9 +14,8 @@ from pathlib import Path
 import pytest
 
 import gpushare
-from gpushare import protocol as p
-from gpushare.errors import DaemonUnavailableError, GpushareError
-from tests.support import sim, wait_until
+from gpushare.errors import DaemonUnavailableError
+from tests.support import all_start_together, sim, wait_until
 
 G = 2**30
 
@@ -56,7 +54,8 @@ def test_holder_that_ignores_revoke_is_frozen_then_thawed(node_factory):
         with gpushare.attach("4GiB", socket=node.socket, name="patient") as s:
             t0 = time.monotonic()
             with s.gpu():  # granted once the stubborn one is frozen
-                assert proc_state(pr.pid) == "T"  # stopped by SIGSTOP
+                # stopped by SIGSTOP: 'T' once the process runs to take the signal
+                wait_until(lambda: proc_state(pr.pid) == "T", timeout=5, what="stopped")
                 waited = time.monotonic() - t0
         assert waited < 5
         # its turn comes again: thawed (SIGCONT), it finishes its sleep and its burst
@@ -116,6 +115,7 @@ def finished_intact(procs: list[subprocess.Popen[str]]) -> None:
     assert all(f["failures"] == 0 and f["checks"] >= 1 for f in figures), figures
 
 
+@pytest.mark.slow
 def test_node_killed_and_restarted_loses_nothing(node_factory):
     node = node_factory(*sim("10GiB", mode="exclusive", tq="0.3", sim_bandwidth="1e12"))
     procs = two_batch_jobs(node, 6)
@@ -128,6 +128,7 @@ def test_node_killed_and_restarted_loses_nothing(node_factory):
     assert sum(e["resident_bytes"] + e["swapped_bytes"] for e in resumed) == 12 * G
 
 
+@pytest.mark.slow
 def test_node_killed_during_an_overlapped_switch_loses_nothing(node_factory):
     # A slow modelled link (2 GB/s): each switch moves 2 GiB each way over a second, and
     # the incoming session spends it waiting for room. The node dies right then.
@@ -143,89 +144,26 @@ def test_node_killed_during_an_overlapped_switch_loses_nothing(node_factory):
     assert len([e for e in events(node, "attach") if e.get("resumed")]) == 2
 
 
+@pytest.mark.slow
 def test_failing_swaps_are_survived(node_factory):
+    # 30 bursts, each a swap cycle: 30% of the swap-outs fail (each costs the node a
+    # second's wait before it asks again); P(none fails, or none succeeds) < 1e-4.
     node = node_factory(
         *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", sim_swap_failure_rate="0.3")
     )
-    procs = [
-        node.workload(
-            "cycles", "--memory", "6GiB", "--bursts", "60", "--seconds", "60", "--seed", str(i)
-        )
-        for i in (1, 2)
-    ]
+    with all_start_together(node, waiting=2):
+        procs = [
+            node.workload(
+                "cycles", "--memory", "6GiB", "--bursts", "15", "--seconds", "60", "--seed", str(i)
+            )
+            for i in (1, 2)
+        ]
     outs = [json.loads(pr.communicate(timeout=90)[0].strip().splitlines()[-1]) for pr in procs]
     assert all(o["failures"] == 0 for o in outs)
     failed = [e for e in events(node, "swap_out") if e.get("error")]
     ok = [e for e in events(node, "swap_out") if not e.get("error")]
     assert failed and ok
     assert "host memory exhausted" in failed[0]["error"]
-
-
-def _raw_session(node, **hello) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    s.connect(node.socket)
-    s.sendall(p.encode(p.Hello(version=1, **hello)))
-    assert isinstance(_recv(s), p.Welcome)
-    return s
-
-
-def _recv(s: socket.socket) -> p.Message:
-    buf = p.FrameBuffer()
-    while True:
-        data = s.recv(65536)
-        if not data:
-            raise ConnectionError("closed")
-        if msgs := buf.feed(data):
-            return msgs[0]
-
-
-def test_reported_memory_over_the_limit_escalates(node_factory):
-    node = node_factory(*sim("16GiB"))
-    s = _raw_session(node, memory_limit=G)
-    s.sendall(p.encode(p.Report(resident=2 * G, swapped=0)))
-    wait_until(lambda: events(node, "escalate"), what="an escalation")
-    e = events(node, "escalate")[0]
-    assert e["reason"] == "over_memory_limit" and e["resident_bytes"] == 2 * G
-    s.close()
-
-
-@pytest.mark.parametrize(
-    "msg",
-    [
-        p.SetConfig(tq_s=1),
-        p.EndSession(session=1),
-        p.StatusRequest(),
-        p.EventsRequest(),
-        p.Revoke(lease=1, swap_out=0, grace_s=1),
-        p.Grant(lease=1, swap_in=0, quantum_s=1),
-        p.SwapOut(bytes=1),
-    ],
-)
-def test_workload_cannot_administer_or_act_for_others(node_factory, msg):
-    node = node_factory(*sim("16GiB", mode="exclusive"))
-    with gpushare.attach("1GiB", socket=node.socket, name="victim") as victim, victim.gpu():
-        s = _raw_session(node, memory_limit=G, name="intruder")
-        s.sendall(p.encode(msg))
-        reply = _recv(s)
-        assert isinstance(reply, p.Error) and reply.code == "denied"
-        assert "only on its own session" in reply.message
-        with pytest.raises((ConnectionError, OSError)):
-            _recv(s)  # and the connection is closed
-        assert victim.holding and node.status()["gpus"][0]["holders"] == [victim.id]
-        refused = events(node, "refused")
-        assert refused and refused[-1]["socket"] == "workload" and refused[-1]["code"] == "denied"
-
-
-def test_release_of_a_lease_it_does_not_hold_is_refused(node_factory):
-    node = node_factory(*sim("16GiB", mode="exclusive"))
-    with gpushare.attach("1GiB", socket=node.socket, name="victim") as victim, victim.gpu():
-        s = _raw_session(node, memory_limit=G)
-        s.sendall(p.encode(p.Release(resident=0, swapped=0, again=True)))
-        reply = _recv(s)
-        assert isinstance(reply, p.Error) and reply.code == "state"
-        assert node.status()["gpus"][0]["holders"] == [victim.id]
-        s.close()
 
 
 def test_admin_can_end_a_session(node_factory):
@@ -238,34 +176,6 @@ def test_admin_can_end_a_session(node_factory):
         pass
     s.close()
     assert node.ctl("end", "999", check=False).returncode == 1
-
-
-def test_message_flood_is_cut_off_alone(node_factory, short_tmp):
-    cfg = short_tmp / "limits.toml"
-    cfg.write_text("max_messages_per_s = 50.0\nmax_sessions_per_uid = 3\nhello_timeout = 0.5\n")
-    node = node_factory(*sim("16GiB", config=str(cfg)))
-    with gpushare.attach("1GiB", socket=node.socket, name="bystander") as by:
-        s = _raw_session(node, memory_limit=G)
-        flood = p.encode(p.Report(resident=0, swapped=0)) * 500
-        with pytest.raises(OSError):
-            for _ in range(20):
-                s.sendall(flood)
-                time.sleep(0.01)
-        assert any(e["code"] == "rate" for e in events(node, "refused"))
-        # sessions per uid: bystander + 2 more, then refused
-        extra = [_raw_session(node, memory_limit=G) for _ in range(2)]
-        with pytest.raises(GpushareError, match="most allowed"):
-            gpushare.attach("1GiB", socket=node.socket)
-        for x in extra:
-            x.close()
-        # a connection that never says hello is dropped after the deadline
-        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        idle.settimeout(5)
-        idle.connect(node.socket)
-        reply = _recv(idle)
-        assert isinstance(reply, p.Error) and reply.code == "timeout"
-        with by.gpu():
-            assert by.holding
 
 
 def _status_as(path: str, uid: int, gid: int) -> str:

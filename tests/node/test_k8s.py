@@ -95,10 +95,12 @@ def test_lists_pods_of_a_real_node():
 def test_node_shows_api_names_for_the_kernels_pod_uid():
     from gpushare.core.clock import ManualClock
     from gpushare.node.config import NodeConfig
-    from gpushare.node.daemon import Conn, Node
+    from gpushare.node.daemon import Node
     from gpushare.node.gpus import simulated_gpus
+    from gpushare.node.guard import Conn
     from gpushare.node.identity import CgroupIdentity
     from gpushare.node.metrics import registry_for
+    from gpushare.status import Claimed
 
     class Writer:  # the node only writes to a connection here
         def is_closing(self) -> bool:
@@ -110,20 +112,20 @@ def test_node_shows_api_names_for_the_kernels_pod_uid():
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 2**34), clock=ManualClock())
     node.pods = PodCache()
     node.pods.replace([pod("pod-kai-training")])
-    node.arbiters[0].attach(1, "trainer", 2**30)
+    node.arbiters[0].attach(1, name="trainer", limit=2**30)
     conn = Conn(
         Writer(),
         4242,
         1000,
         1000,
         session=1,  # type: ignore[arg-type]
-        info={"pod": "something-else"},  # a claim that the API's name overrides
+        claimed=Claimed(pod="something-else"),  # a claim that the API's name overrides
         identity=CgroupIdentity(UID, CID, "containerd", 2),
     )
     node.conns[1] = conn
-    (s,) = node.status()["gpus"][0]["sessions"]
-    assert (s["namespace"], s["pod"], s["container"]) == ("research", "train-half-gpu", "trainer")
-    assert s["identity_verified"] and s["identity_source"] == "kubernetes"
+    (s,) = node.status().gpus[0].sessions
+    assert (s.namespace, s.pod, s.container) == ("research", "train-half-gpu", "trainer")
+    assert s.identity_verified and s.identity_source == "kubernetes"
     labels = {
         "gpu": "0",
         "gpu_uuid": node.gpus[0].uuid,

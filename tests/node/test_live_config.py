@@ -1,56 +1,79 @@
 """Configuration that lasts and changes live: the watched config file (a ConfigMap in
-Kubernetes), the node's state file for --persist, their precedence; and a pod placed by
-KAI attaching with no setting of its own."""
+Kubernetes), the node's state file for --persist, their precedence (a node in process on
+virtual time: a look at the files each second); and a pod placed by KAI attaching with no
+setting of its own (real processes)."""
 
 from __future__ import annotations
 
-import time
+import asyncio
+import logging
 
 import gpushare
-from tests.support import FIXTURES, sim, wait_until
+from gpushare import protocol as p
+from gpushare.node.config import load
+from tests.node.harness import InProcessNode, in_process
+from tests.support import FIXTURES, sim
 
 FIX = FIXTURES
 
 
-def tqs(node) -> list[float]:
-    return [g["tq_s"] for g in node.status()["gpus"]]
+def tqs(node: InProcessNode) -> list[float]:
+    return [a.settings.tq_s for a in node.node.arbiters]
 
 
-def test_config_file_changes_apply_live(node_factory, short_tmp):
-    cfg = short_tmp / "node.toml"
-    cfg.write_text("tq = 30.0\n")
-    node = node_factory(*sim("16GiB", gpus="2", config=str(cfg)))
+@in_process(gpus=2, files={"config": "tq = 30.0\n"})
+async def test_config_file_changes_apply_live(node, caplog):
+    caplog.set_level(logging.INFO, logger="gpushare")
+    cfg = node.dir / "config.toml"
     assert tqs(node) == [30, 30]
     cfg.write_text('tq = 12.0\n[gpu.1]\nmode = "exclusive"\n')
-    wait_until(lambda: tqs(node) == [12, 12], timeout=10, what="the new TQ")
-    assert node.status()["gpus"][1]["mode"] == "exclusive"
-    assert "changed: GPU 0 {'tq_s': 12.0}" in node.log.read_text()
-    cfg.write_text("tq = [broken\n")  # a bad edit: logged, the node keeps what it had
-    wait_until(
-        lambda: "keeping the configuration in force" in node.log.read_text(),
-        timeout=10,
-        what="the parse error to be logged",
-    )
-    assert tqs(node) == [12, 12] and node.proc.poll() is None
+    await node.until(lambda: tqs(node) == [12, 12])  # at the next look (1 s)
+    assert node.node.arbiters[1].settings.mode == "exclusive"
+    assert node.node.arbiters[0].settings.mode == "auto"
+    assert "changed: GPU 0 {'tq_s': 12.0}" in caplog.text
+    assert [e["gpu"] for e in node.events("config")] == [0, 1]
+    # bad edits: logged, and the configuration in force is kept
+    for bad in ("tq = [broken\n", "tq = -1.0\n", '[gpu.1]\nmode = "fastest"\n'):
+        caplog.clear()
+        cfg.write_text(bad)
+        await node.until(lambda: "keeping the configuration in force" in caplog.text)
+        assert tqs(node) == [12, 12] and node.node.arbiters[1].settings.mode == "exclusive"
+    assert len(node.events("config")) == 2
 
 
-def test_state_file_outlasts_restarts_and_beats_the_configmap(node_factory, short_tmp):
-    cfg, state = short_tmp / "node.toml", short_tmp / "state" / "state.toml"
-    cfg.write_text('tq = 30.0\npolicy = "equal"\n')
-    node = node_factory(*sim("16GiB", config=str(cfg), state=str(state)))
-    r = node.ctl("tq", "20", "--persist")
-    assert f"persisted to {state}" in r.stdout
-    assert "tq = 20" in state.read_text() and cfg.read_text() == 'tq = 30.0\npolicy = "equal"\n'
-    node.restart()
-    assert tqs(node) == [20]  # kept across the restart
+@in_process(files={"config": "tq = 30.0\n"})
+async def test_a_live_change_stays_unless_the_file_changes_the_same_key(node):
+    cfg = node.dir / "config.toml"
+    await node.ask(p.SetConfig(tq_s=7))
+    cfg.write_text('tq = 30.0\npolicy = "weighted"\n')
+    await node.until(lambda: node.node.arbiters[0].settings.policy == "weighted")
+    assert tqs(node) == [7]  # kept: the file's TQ did not change
+    cfg.write_text('tq = 10.0\npolicy = "weighted"\n')
+    await node.until(lambda: tqs(node) == [10])  # the file changed it: the file's
+
+
+@in_process(files={"config": "tq = 30.0\n"})
+async def test_keys_read_at_start_wait_for_a_restart(node, caplog):
+    cfg = node.dir / "config.toml"
+    cfg.write_text("tq = 30.0\nreserve = 1024\n")
+    await node.until(lambda: "takes effect when the node restarts" in caplog.text)
+    assert "reserve" in caplog.text and node.node.arbiters[0].capacity == 16 * 2**30
+
+
+@in_process(files={"config": 'tq = 30.0\npolicy = "equal"\n', "state": None})
+async def test_state_file_outlasts_restarts_and_beats_the_configmap(node):
+    cfg, state = node.dir / "config.toml", node.dir / "state.toml"
+    r = await node.ask(p.SetConfig(tq_s=20, persist=True))
+    assert isinstance(r, p.ConfigReply) and r.persisted_to == str(state)
+    assert "tq = 20" in state.read_text()
+    assert cfg.read_text() == 'tq = 30.0\npolicy = "equal"\n'  # the ConfigMap is not ours
+    # a restart reads the files as the running node does
+    assert load(cfg, state, {}).tq == 20
     cfg.write_text('tq = 45.0\npolicy = "weighted"\n')  # the ConfigMap changes
-    wait_until(
-        lambda: node.status()["gpus"][0]["policy"] == "weighted",
-        timeout=10,
-        what="the ConfigMap's policy",
-    )
-    time.sleep(1.5)
+    await node.until(lambda: node.node.arbiters[0].settings.policy == "weighted")
+    await asyncio.sleep(5)  # five more looks at the files
     assert tqs(node) == [20]  # the node's persisted TQ still wins
+    assert load(cfg, state, {}).tq == 20
 
 
 def test_kai_pod_needs_no_setting(node_factory, monkeypatch):

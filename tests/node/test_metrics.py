@@ -18,6 +18,7 @@ from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
 from gpushare.node.metrics import registry_for
 from gpushare.node.utilization import NvmlUtilization
+from gpushare.status import to_json_object
 from tests.support import sim
 
 G = 2**30
@@ -36,15 +37,15 @@ def scripted():
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
     a.configure(tq_s=10, mode="exclusive")
-    a.attach(1, "train", 50 * G)
-    a.attach(2, "infer", 50 * G)
+    a.attach(1, name="train", limit=50 * G)
+    a.attach(2, name="infer", limit=50 * G)
     a.acquire(1)
-    a.report(1, 50 * G, 0)
+    a.report(1, resident=50 * G, swapped=0)
     clock.advance(1.0)
     a.acquire(2)
     clock.advance(9.0)
     a.tick()  # quantum over: revoke 1, whose revoke asks 20 GiB out
-    a.release(1, 30 * G, 20 * G, again=False, swapped_out=20 * G, seconds=0.4)
+    a.release(1, resident=30 * G, swapped=20 * G, again=False, swapped_out=20 * G, seconds=0.4)
     clock.advance(0.5)
     node.utilization[0].credit(0.8, 10.0, [1])
     return node, registry_for(node.status)
@@ -210,7 +211,7 @@ def test_nvml_sampler_reads_device_and_process_utilization():
 
 def test_status_json_carries_the_figures_metrics_need(scripted):
     node, _ = scripted
-    st = json.loads(json.dumps(node.status()))
+    st = json.loads(json.dumps(to_json_object(node.status())))
     g = st["gpus"][0]
     assert g["utilization_ratio"] == 0.8
     s = {x["id"]: x for x in g["sessions"]}

@@ -48,7 +48,7 @@ def concrete(expr: str) -> str:
 
 def exported_names() -> set[str]:
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 2**30), clock=ManualClock())
-    node.arbiters[0].attach(1, "x", 2**20)
+    node.arbiters[0].attach(1, name="x", limit=2**20)
     names = set()
     for fam in registry_for(node.status).collect():
         names |= {s.name for s in fam.samples}
@@ -95,6 +95,7 @@ def _query(port: int, q: str) -> dict:
         return json.loads(resp.read())
 
 
+@pytest.mark.slow
 @needs_prometheus
 def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeypatch):
     mport, pport = free_port(), free_port()

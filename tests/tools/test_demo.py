@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_demo_runs_and_reports_intact_data_and_overlapped_switches(short_tmp):
     workdir = short_tmp / "demo"
     cmd = [sys.executable, "-m", "gpushare", "demo", "--seconds", "8", "--tq", "1"]

@@ -25,7 +25,7 @@ def scenario():
     a = node.arbiters[0]
     a.configure(mode="exclusive", tq_s=5)
     for i, name in enumerate(["a-very-long-session-name-indeed", "b", "c"], start=1):
-        a.attach(i, name, 30 * G)
+        a.attach(i, name=name, limit=30 * G)
         a.acquire(i)
     return node, clock
 
@@ -110,7 +110,7 @@ def test_share_over_the_history_for_sessions_older_than_the_window():
     tr = ShareTracker(window=5)
     tr.update(clock.monotonic(), node.status())
     a = node.arbiters[0]
-    a.release(1, 0, 0)  # 2 takes over
+    a.release(1, resident=0, swapped=0)  # 2 takes over
     clock.advance(4)
     shares = tr.update(clock.monotonic(), node.status())
     assert shares[(0, 1)] == pytest.approx(0.0)  # not since attach (10/14), the last 4 s

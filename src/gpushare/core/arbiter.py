@@ -11,150 +11,30 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Literal
 
+from gpushare.core.actions import (
+    Action,
+    EscalateAction,
+    EventAction,
+    GrantAction,
+    RevokeAction,
+    RoomAction,
+    SwapOutAction,
+)
 from gpushare.core.clock import Clock
 from gpushare.core.planner import MemoryView, plan_grant
+from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
+from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
 
-Mode = Literal["auto", "exclusive"]
-Policy = Literal["equal", "weighted"]
-Escalation = Literal["log", "freeze", "kill"]
-MODES: tuple[Mode, ...] = ("auto", "exclusive")
-POLICIES: tuple[Policy, ...] = ("equal", "weighted")
-ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
 SWAP_FLOOR_BPS = 1e9
-# Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
-WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class ArbiterError(ValueError):
     """An input that is not valid in the session's current state."""
-
-
-class State(StrEnum):
-    IDLE = "idle"
-    WAITING = "waiting"
-    HOLDING = "holding"
-    YIELDING = "yielding"
-
-
-@dataclass
-class GpuSettings:
-    tq_s: float = 30.0
-    mode: Mode = "auto"
-    policy: Policy = "equal"
-    grace_s: float = 5.0
-    escalation: Escalation = "log"
-    overlap: bool = True  # the next holder swaps in while the last one swaps out
-
-
-@dataclass
-class SessionState:
-    id: int
-    name: str
-    limit: int
-    weight: float
-    state: State = State.IDLE
-    resident: int = 0
-    swapped: int = 0
-    pending_out: int = 0
-    fills: bool = False  # its client can swap in chunk by chunk within a room
-    room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
-    swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
-    lease: int = 0
-    lease_start: float = 0.0
-    quantum_end: float = 0.0
-    revoke_deadline: float = 0.0
-    escalated: bool = False
-    wait_start: float = 0.0
-    attached: float = 0.0  # monotonic
-    frozen: bool = False  # stopped by the freeze escalation until its next grant
-    swap_failed_until: float = 0.0
-    over_limit: bool = False
-    last_served: float = -math.inf
-    # totals
-    lease_s: float = 0.0
-    wait_s: float = 0.0  # completed waits
-    wait_max_s: float = 0.0
-    grants: int = 0
-    bursts: int = 0
-    revokes: int = 0
-    escalations: int = 0
-    swap_outs: int = 0
-    swap_ins: int = 0
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    swap_out_s: float = 0.0
-    swap_in_s: float = 0.0
-    wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
-    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=128))
-
-    @property
-    def holding(self) -> bool:
-        return self.state in (State.HOLDING, State.YIELDING)
-
-
-@dataclass(frozen=True)
-class GrantAction:
-    session: int
-    lease: int
-    swap_in: int
-    quantum_s: float
-    shared: bool
-    thaw: bool = False  # the process was frozen: continue it before telling it
-    room: int = 0  # swap in only up to this many resident bytes until a RoomAction
-
-
-@dataclass(frozen=True)
-class RoomAction:
-    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
-
-    session: int
-    room: int
-
-
-@dataclass(frozen=True)
-class RevokeAction:
-    session: int
-    lease: int
-    swap_out: int
-    grace_s: float
-
-
-@dataclass(frozen=True)
-class SwapOutAction:
-    session: int
-    bytes: int
-
-
-@dataclass(frozen=True)
-class EscalateAction:
-    session: int
-    escalation: Escalation
-    reason: str
-
-
-@dataclass(frozen=True)
-class EventAction:
-    record: dict[str, Any] = field(hash=False)
-
-
-Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction
-
-
-def _used(s: SessionState) -> int:
-    """What a session may have on the GPU: a holder its limit (its room while filling),
-    anyone else what is there now."""
-    if s.state in (State.HOLDING, State.YIELDING):
-        return s.room or s.limit
-    if s.swapping_in:  # frozen mid swap-in: all of it may have landed
-        return s.resident + s.swapped
-    return s.resident
 
 
 class Arbiter:
@@ -181,6 +61,7 @@ class Arbiter:
     def attach(
         self,
         sid: int,
+        *,
         name: str,
         limit: int,
         weight: float = 1.0,
@@ -235,7 +116,7 @@ class Arbiter:
             self._grant(s)
         return self._advance()
 
-    def detach(self, sid: int, reason: str = "closed") -> list[Action]:
+    def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
         now = self.clock.monotonic()
         if s.holding:
@@ -259,6 +140,7 @@ class Arbiter:
     def release(
         self,
         sid: int,
+        *,
         resident: int,
         swapped: int,
         again: bool = False,
@@ -316,6 +198,7 @@ class Arbiter:
     def swap_done(
         self,
         sid: int,
+        *,
         direction: Literal["in", "out"],
         nbytes: int,
         seconds: float,
@@ -340,13 +223,13 @@ class Arbiter:
         self._set_memory(s, resident, swapped)
         return self._advance()
 
-    def report(self, sid: int, resident: int, swapped: int) -> list[Action]:
+    def report(self, sid: int, *, resident: int, swapped: int) -> list[Action]:
         s = self._get(sid)
         self._set_memory(s, resident, swapped)
         self._check_limit(s, resident, "resident_bytes")
         return self._advance()
 
-    def over_limit(self, sid: int, used: int) -> list[Action]:
+    def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""
         self._check_limit(self._get(sid), used, "used_bytes")
         return self._advance()
@@ -374,33 +257,20 @@ class Arbiter:
 
     def configure(
         self,
+        *,
         tq_s: float | None = None,
         mode: Mode | None = None,
         policy: Policy | None = None,
         escalation: Escalation | None = None,
     ) -> list[Action]:
-        """Change TQ, mode or policy; quanta already running keep their length."""
-        changes: dict[str, Any] = {}
-        if tq_s is not None:
-            if not (tq_s > 0 and math.isfinite(tq_s)):
-                raise ArbiterError("TQ must be a positive number of seconds")
-            self.settings.tq_s = float(tq_s)
-            changes["tq_s"] = float(tq_s)
-        if mode is not None:
-            if mode not in MODES:
-                raise ArbiterError(f"mode must be one of {', '.join(MODES)}")
-            self.settings.mode = mode
-            changes["mode"] = mode
-        if policy is not None:
-            if policy not in POLICIES:
-                raise ArbiterError(f"policy must be one of {', '.join(POLICIES)}")
-            self.settings.policy = policy
-            changes["policy"] = policy
-        if escalation is not None:
-            if escalation not in ESCALATIONS:
-                raise ArbiterError(f"escalation must be one of {', '.join(ESCALATIONS)}")
-            self.settings.escalation = escalation
-            changes["escalation"] = escalation
+        """Change TQ, mode, policy or escalation; quanta already running keep their
+        length. Every value is checked first: one bad value changes nothing."""
+        try:
+            changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
+        except SettingsError as e:
+            raise ArbiterError(str(e)) from None
+        for key, value in changes.items():
+            setattr(self.settings, key, value)
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -447,7 +317,7 @@ class Arbiter:
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
         rooms while filling)."""
-        return sum(_used(v) for v in self.sessions.values())
+        return sum(v.used for v in self.sessions.values())
 
     # --- the rules ------------------------------------------------------------------
 
@@ -483,7 +353,7 @@ class Arbiter:
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
             # Fast path (the common case, on every handoff): it fits as things are.
-            others = self.used_bytes() - _used(head)
+            others = self.used_bytes() - head.used
             if others + head.limit <= self.capacity:
                 self._grant(head)
                 continue
@@ -644,7 +514,7 @@ class Arbiter:
 
     def _view(self, s: SessionState) -> MemoryView:
         pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
-        resident = s.resident if s.holding else _used(s)
+        resident = s.resident if s.holding else s.used
         return MemoryView(s.id, s.limit, resident, s.holding, s.last_served, s.pending_out, pinned)
 
     def _views(self) -> list[MemoryView]:

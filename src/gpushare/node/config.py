@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from gpushare.core.arbiter import Escalation, Mode, Policy
+from gpushare.settings import Escalation, Mode, Policy, SettingsError, seconds, validate
 
 
 class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -70,11 +70,11 @@ def read_raw(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         return {}
     try:
         raw = tomllib.loads(Path(path).read_text())
-        msgspec.convert(raw, NodeConfig)  # each file must be valid on its own
+        check(msgspec.convert(raw, NodeConfig))  # each file must be valid on its own
         return raw
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    except msgspec.ValidationError as e:
+    except (msgspec.ValidationError, SettingsError) as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
@@ -94,9 +94,22 @@ def merge(*layers: dict[str, Any]) -> NodeConfig:
     if gpu:
         out["gpu"] = gpu
     try:
-        return msgspec.convert(out, NodeConfig)
-    except msgspec.ValidationError as e:
+        return check(msgspec.convert(out, NodeConfig))
+    except (msgspec.ValidationError, SettingsError) as e:
         raise ConfigError(f"configuration: {e}") from None
+
+
+def check(cfg: NodeConfig) -> NodeConfig:
+    """The GPU settings checked as every live change is (gpushare.settings); the
+    literals were checked by their types already."""
+    validate(tq_s=cfg.tq, mode=cfg.mode, policy=cfg.policy, escalation=cfg.escalation)
+    seconds("grace", cfg.grace)
+    for index, o in cfg.gpu.items():
+        try:
+            validate(tq_s=o.tq, mode=o.mode, policy=o.policy, escalation=o.escalation)
+        except SettingsError as e:
+            raise SettingsError(f"[gpu.{index}]: {e}") from None
+    return cfg
 
 
 def load(
@@ -143,8 +156,8 @@ def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> Non
     if not raw["gpu"]:
         del raw["gpu"]
     try:  # never write a file the node could not read back
-        msgspec.convert(raw, NodeConfig)
-    except msgspec.ValidationError as e:
+        check(msgspec.convert(raw, NodeConfig))
+    except (msgspec.ValidationError, SettingsError) as e:
         raise ConfigError(f"not persisted: {e}") from None
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")

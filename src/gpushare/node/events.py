@@ -24,12 +24,37 @@ EVENT_KINDS = (
 )
 
 
+FOLLOW_LIMIT = 10_000  # events a live follower may be behind before it is let go
+
+
+class Follower:
+    """A live reader of the event stream. One that falls :data:`FOLLOW_LIMIT` events
+    behind is let go (the node never waits for a reader) and told so: ``None`` ends its
+    queue, and :attr:`dropped` says why."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        # Unbounded, kept under the limit here: the end marker always fits.
+        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.dropped = False
+
+    def put(self, rec: dict[str, Any]) -> bool:
+        """Queue one event; False once the follower is behind (it is then ended)."""
+        if self.queue.qsize() >= self.limit:
+            self.dropped = True
+            self.queue.put_nowait(None)
+            return False
+        self.queue.put_nowait(rec)
+        return True
+
+
 class EventBus:
     def __init__(
         self, log_path: str = "", backlog: int = 50_000, rotate_bytes: int = 64 * 2**20
     ) -> None:
         self.backlog: deque[dict[str, Any]] = deque(maxlen=backlog)
-        self.followers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self.followers: set[Follower] = set()
+        self.follow_limit = FOLLOW_LIMIT
         self.log_path = log_path
         self.rotate_bytes = rotate_bytes
         self._file: TextIO | None = None
@@ -48,27 +73,31 @@ class EventBus:
                 self._file.close()
                 os.replace(self.log_path, self.log_path + ".1")
                 self._open()
-        for q in list(self.followers):
-            try:
-                q.put_nowait(rec)
-            except asyncio.QueueFull:  # a follower that cannot keep up is let go
-                self.followers.discard(q)
-                q.put_nowait(None) if not q.full() else None
+        for f in list(self.followers):
+            if not f.put(rec):  # a follower that cannot keep up is let go
+                self.followers.discard(f)
 
     def select(
         self, since_ts: float | None = None, session: int | None = None
     ) -> list[dict[str, Any]]:
         return [r for r in self.backlog if matches(r, since_ts, session)]
 
-    def follow(self) -> asyncio.Queue[dict[str, Any] | None]:
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
-        self.followers.add(q)
-        return q
+    def follow(self) -> Follower:
+        f = Follower(self.follow_limit)
+        self.followers.add(f)
+        return f
+
+    def unfollow(self, f: Follower) -> None:
+        self.followers.discard(f)
+
+    def end_followers(self) -> None:
+        """Every live follower's stream ends (the node stops)."""
+        for f in self.followers:
+            f.queue.put_nowait(None)
+        self.followers.clear()
 
     def close(self) -> None:
-        for q in self.followers:
-            if not q.full():
-                q.put_nowait(None)
+        self.end_followers()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -203,5 +202,4 @@ class PodWatcher:
                 )
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.max_backoff)
-            else:
-                time.sleep(0)  # the watch ended by itself (timeout): list again
+            # else the watch ended by itself (its timeout): list again

@@ -1,4 +1,5 @@
-"""GPU utilization, attributed to sessions through the lease.
+"""GPU utilization sampling, attributed to sessions through the lease; and the GPU's own
+view of each session's memory (NVML), checked against its limit.
 
 NVML's device utilization is sampled once a second. In an exclusive period the whole
 sample is credited to the one holder: the lease says who used the GPU. In a shared
@@ -11,7 +12,19 @@ lease, 0.0 otherwise (a simulated workload computes during its lease).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.attribution import Attribution
+from gpushare.core.clock import Clock
+from gpushare.node.dispatch import Dispatch
+from gpushare.node.gpus import GpuInfo
+from gpushare.node.guard import Conn
+
+log = logging.getLogger("gpushare.node.utilization")
 
 
 class NvmlUtilization:
@@ -45,3 +58,53 @@ class NvmlUtilization:
             self._last_ts = max(self._last_ts, int(smp.timeStamp))
             out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil) / 100.0)
         return out
+
+
+class Sampler:
+    """Once a period: each GPU's utilization, credited to its lease holders; where NVML
+    shows each process's memory, a session over its limit goes to its arbiter."""
+
+    def __init__(
+        self,
+        gpus: Sequence[GpuInfo],
+        arbiters: Sequence[Arbiter],
+        utilization: Sequence[Attribution],
+        nvml: Mapping[int, NvmlUtilization],
+        conns: Mapping[int, Conn],
+        clock: Clock,
+        dispatch: Dispatch,
+        allowance: Callable[[], int],
+    ) -> None:
+        self.gpus, self.arbiters, self.utilization = gpus, arbiters, utilization
+        self.nvml, self.conns, self.clock, self.dispatch = nvml, conns, clock, dispatch
+        self.allowance = allowance  # NVML bytes a process may use beyond its session's
+
+    async def run(self, period: float = 1.0) -> None:
+        last = self.clock.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = self.clock.monotonic()
+            self.sample(now - last)
+            last = now
+
+    def sample(self, dt: float) -> None:
+        for g, arb, att in zip(self.gpus, self.arbiters, self.utilization, strict=True):
+            sampler = self.nvml.get(g.index)
+            used: dict[int, int] = {}
+            try:
+                if sampler is None:  # the simulated GPU's model: busy while leased
+                    ratio, procs = (1.0 if arb.holders else 0.0), None
+                else:
+                    ratio = sampler.device()
+                    procs = sampler.processes() if len(arb.holders) > 1 else None
+                    used = sampler.memory()
+            except Exception as e:  # a flaky driver must not stop the node
+                log.warning("GPU %d: utilization sample failed: %s", g.index, e)
+                continue
+            pids = {sid: c.pid for sid, c in self.conns.items() if c.gpu == g.index}
+            att.credit(ratio, dt, list(arb.holders), procs, pids)
+            if sampler is not None:  # the GPU's own view of each session's memory
+                allowance = self.allowance()
+                for sid, pid in pids.items():
+                    if pid in used and sid in arb.sessions:
+                        self.dispatch.apply(arb, arb.over_limit(sid, used=used[pid] - allowance))

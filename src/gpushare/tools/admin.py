@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from typing import Any
 from gpushare import protocol as p
 from gpushare.client.env import DEFAULT_ADMIN_SOCKET
 from gpushare.errors import DaemonUnavailableError, GpushareError
+from gpushare.status import NodeStatus
 
 
 def default_admin_socket() -> str:
@@ -58,10 +60,16 @@ class AdminClient:
         return msg
 
     def request(self, msg: p.Message) -> p.Message:
-        self._sock.sendall(p.encode(msg))
+        self._send(msg)
         return self._recv()
 
-    def status(self) -> dict[str, Any]:
+    def _send(self, msg: p.Message) -> None:
+        # The node may refuse (and close) as soon as we connect: its error frame is
+        # still there to read, and says why better than the broken pipe.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._sock.sendall(p.encode(msg))
+
+    def status(self) -> NodeStatus:
         r = self.request(p.StatusRequest())
         assert isinstance(r, p.StatusReply)
         return r.status
@@ -75,9 +83,7 @@ class AdminClient:
         self, follow: bool = False, since_s: float | None = None, session: int | None = None
     ) -> Iterator[dict[str, Any] | None]:
         """Events; ``None`` marks the end of the backlog (then live ones, if following)."""
-        self._sock.sendall(
-            p.encode(p.EventsRequest(follow=follow, since_s=since_s, session=session))
-        )
+        self._send(p.EventsRequest(follow=follow, since_s=since_s, session=session))
         if follow:
             self._sock.settimeout(None)
         while True:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from gpushare._version import __version__
 from gpushare.errors import GpushareError
+from gpushare.settings import ESCALATIONS, MODES, POLICIES
 from gpushare.units import parse_duration, parse_size
 
 log = logging.getLogger("gpushare")
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="admin socket, mode 0600 (default /run/gpushare/admin.sock)",
     )
     n.add_argument("--tq", type=_seconds, metavar="SECONDS", help="time quantum (default 30)")
-    n.add_argument("--mode", choices=["auto", "exclusive"], help="default auto")
-    n.add_argument("--policy", choices=["equal", "weighted"], help="default equal")
+    n.add_argument("--mode", choices=MODES, help="default auto")
+    n.add_argument("--policy", choices=POLICIES, help="default equal")
     n.add_argument(
         "--grace",
         type=_seconds,
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--escalation",
-        choices=["log", "freeze", "kill"],
+        choices=ESCALATIONS,
         help="what happens to a holder that does not yield in time (default log)",
     )
     n.add_argument(
@@ -169,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write it to the node's state file (--state) or config file: a restart keeps it",
     )
     for name, choices, what in [
-        ("mode", ["auto", "exclusive"], "how sessions share a GPU"),
-        ("policy", ["equal", "weighted"], "how quanta are sized"),
-        ("escalation", ["log", "freeze", "kill"], "what happens to a holder that ignores a revoke"),
+        ("mode", MODES, "how sessions share a GPU"),
+        ("policy", POLICIES, "how quanta are sized"),
+        ("escalation", ESCALATIONS, "what happens to a holder that ignores a revoke"),
     ]:
         sp = cs.add_parser(name, help=f"set the {name}: {what}, live")
         sp.add_argument("value", choices=choices)

@@ -7,35 +7,36 @@ import sys
 from typing import Any, TextIO
 
 from gpushare import protocol as p
+from gpushare.status import NodeStatus, to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.units import format_size
 
 
-def show_status(status: dict[str, Any], out: TextIO = sys.stdout) -> None:
-    for g in status["gpus"]:
-        sim = "  [SIMULATED]" if g["simulated"] else ""
+def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
+    for g in status.gpus:
+        sim = "  [SIMULATED]" if g.simulated else ""
         out.write(
-            f"GPU {g['index']}  {g['name']}{sim}  mode {g['mode']}  policy {g['policy']}"
-            f"  TQ {g['tq_s']:g} s  in use {format_size(g['used_bytes'])}"
-            f" of {format_size(g['usable_bytes'])}\n"
+            f"GPU {g.index}  {g.name}{sim}  mode {g.mode}  policy {g.policy}"
+            f"  TQ {g.tq_s:g} s  in use {format_size(g.used_bytes)}"
+            f" of {format_size(g.usable_bytes)}\n"
         )
-        names = {s["id"]: s["name"] for s in g["sessions"]}
-        holders = ", ".join(names.get(i, str(i)) for i in g["holders"]) or "-"
-        queue = ", ".join(names.get(i, str(i)) for i in g["queue"]) or "-"
+        names = {s.id: s.name for s in g.sessions}
+        holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
+        queue = ", ".join(names.get(i, str(i)) for i in g.queue) or "-"
         out.write(f"  holder: {holders}   queue: {queue}\n")
-        if not g["sessions"]:
+        if not g.sessions:
             out.write("  no sessions\n")
             continue
         out.write(
             f"  {'ID':>4} {'NAME':<16} {'STATE':<9} {'RESIDENT':>10} {'SWAPPED':>10}"
             f" {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}\n"
         )
-        for s in g["sessions"]:
+        for s in g.sessions:
             out.write(
-                f"  {s['id']:>4} {s['name'][:16]:<16} {s['state']:<9}"
-                f" {format_size(s['resident_bytes']):>10} {format_size(s['swapped_bytes']):>10}"
-                f" {format_size(s['memory_limit_bytes']):>10} {s['lease_seconds_total']:>8.1f}"
-                f" {s['wait_seconds_total']:>7.1f} {s['grants_total']:>6}\n"
+                f"  {s.id:>4} {s.name[:16]:<16} {s.state:<9}"
+                f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
+                f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
+                f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"
             )
 
 
@@ -43,7 +44,7 @@ def status(path: str | None, as_json: bool) -> int:
     with AdminClient(path) as c:
         st = c.status()
     if as_json:
-        print(json.dumps(st, indent=2))
+        print(json.dumps(to_json_object(st), indent=2))
     else:
         show_status(st)
     return 0
@@ -55,8 +56,8 @@ def configure(path: str | None, gpu: int | None, persist: bool, **change: Any) -
         r = c.configure(gpu=gpu, persist=persist, **change)
     for g in r.gpus:
         print(
-            f"GPU {g['index']}: TQ {g['tq_s']:g} s, mode {g['mode']}, policy {g['policy']},"
-            f" escalation {g['escalation']} (from the next quantum)"
+            f"GPU {g.index}: TQ {g.tq_s:g} s, mode {g.mode}, policy {g.policy},"
+            f" escalation {g.escalation} (from the next quantum)"
         )
     if r.persisted_to:
         print(f"persisted to {r.persisted_to}")

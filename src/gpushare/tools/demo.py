@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.errors import DaemonUnavailableError, GpushareError
+from gpushare.status import GpuStatus
 from gpushare.tools.admin import AdminClient
 from gpushare.tools.report import figures, read_events, switches
 from gpushare.units import format_size
@@ -146,8 +147,8 @@ def _progress(asock: str, procs: list[tuple[str, subprocess.Popen[bytes]]], seco
     last_print = -1.0
     with AdminClient(asock) as c:
         while any(p.poll() is None for _, p in procs):
-            g = c.status()["gpus"][0]
-            peak = max(peak, g["used_bytes"])
+            g = c.status().gpus[0]
+            peak = max(peak, g.used_bytes)
             t = time.monotonic() - t0
             if t - last_print >= 1.0:
                 last_print = t
@@ -156,14 +157,14 @@ def _progress(asock: str, procs: list[tuple[str, subprocess.Popen[bytes]]], seco
     return peak
 
 
-def _progress_line(g: dict[str, Any], t: float, seconds: float) -> None:
-    by_id = {s["id"]: s for s in g["sessions"]}
-    holder = ",".join(by_id[i]["name"] for i in g["holders"] if i in by_id) or "-"
+def _progress_line(g: GpuStatus, t: float, seconds: float) -> None:
+    by_id = {s.id: s for s in g.sessions}
+    holder = ",".join(by_id[i].name for i in g.holders if i in by_id) or "-"
     parts = []
-    for s in g["sessions"]:
+    for s in g.sessions:
         parts.append(
-            f"{s['name']} {s['lease_seconds_total']:4.1f}s"
-            f"{' (' + format_size(s['swapped_bytes']) + ' out)' if s['swapped_bytes'] else ''}"
+            f"{s.name} {s.lease_seconds_total:4.1f}s"
+            f"{' (' + format_size(s.swapped_bytes) + ' out)' if s.swapped_bytes else ''}"
         )
     print(
         f"[{min(t, seconds):4.0f}/{seconds:.0f} s] holder {holder:<9} GPU time: "

@@ -12,8 +12,9 @@ import time
 import tty
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
+from gpushare.status import NodeStatus, SessionStatus
 from gpushare.tools.admin import AdminClient
 
 WINDOW_S = 60.0
@@ -27,23 +28,19 @@ class ShareTracker:
         self.window = window
         self.hist: deque[tuple[float, dict[tuple[int, int], float]]] = deque()
 
-    def update(self, t: float, status: dict[str, Any]) -> dict[tuple[int, int], float]:
-        now = {
-            (g["index"], s["id"]): s["lease_seconds_total"]
-            for g in status["gpus"]
-            for s in g["sessions"]
-        }
+    def update(self, t: float, status: NodeStatus) -> dict[tuple[int, int], float]:
+        now = {(g.index, s.id): s.lease_seconds_total for g in status.gpus for s in g.sessions}
         self.hist.append((t, now))
         while len(self.hist) > 2 and t - self.hist[1][0] >= self.window:
             self.hist.popleft()
         t0, then = self.hist[0]
         shares = {}
-        for g in status["gpus"]:
-            for s in g["sessions"]:
-                k = (g["index"], s["id"])
-                if s["attached_seconds"] <= self.window or k not in then or t - t0 < 0.2:
+        for g in status.gpus:
+            for s in g.sessions:
+                k = (g.index, s.id)
+                if s.attached_seconds <= self.window or k not in then or t - t0 < 0.2:
                     # attached within the window (or no history yet): since it attached
-                    shares[k] = s["lease_seconds_total"] / max(s["attached_seconds"], 1e-9)
+                    shares[k] = s.lease_seconds_total / max(s.attached_seconds, 1e-9)
                 else:  # over the history this view has, up to the window
                     shares[k] = (now[k] - then[k]) / (t - t0)
         return shares
@@ -55,47 +52,45 @@ def _bar(resident: int, swapped: int, limit: int, width: int = BAR) -> str:
     return "[" + "#" * r + "~" * w + "." * (width - r - w) + "]"
 
 
-def render(status: dict[str, Any], shares: dict[tuple[int, int], float], width: int) -> list[str]:
+def render(status: NodeStatus, shares: dict[tuple[int, int], float], width: int) -> list[str]:
     width = max(width, 80)
     lines = [
-        f"gpushare top  {time.strftime('%H:%M:%S')}  node pid {status['node']['pid']}   q quits"[
-            :width
-        ]
+        f"gpushare top  {time.strftime('%H:%M:%S')}  node pid {status.node.pid}   q quits"[:width]
     ]
-    for g in status["gpus"]:
-        sim = " [SIMULATED]" if g["simulated"] else ""
+    for g in status.gpus:
+        sim = " [SIMULATED]" if g.simulated else ""
         lines.append("")
         lines.append(
-            f"GPU {g['index']} {g['name']}{sim} {g['mode']}/{g['policy']} TQ {g['tq_s']:g}s"
-            f" mem {g['used_bytes'] / 2**30:.0f}/{g['usable_bytes'] / 2**30:.0f}G"[:width]
+            f"GPU {g.index} {g.name}{sim} {g.mode}/{g.policy} TQ {g.tq_s:g}s"
+            f" mem {g.used_bytes / 2**30:.0f}/{g.usable_bytes / 2**30:.0f}G"[:width]
         )
-        names = {s["id"]: _who(s) for s in g["sessions"]}
-        holders = ", ".join(names.get(i, str(i)) for i in g["holders"]) or "-"
-        queue = ", ".join(names.get(i, str(i)) for i in g["queue"]) or "-"
+        names = {s.id: _who(s) for s in g.sessions}
+        holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
+        queue = ", ".join(names.get(i, str(i)) for i in g.queue) or "-"
         lines.append(f"  holder: {holders}   queue: {queue}"[:width])
         lines.append(
             f"  {'SESSION':<18} {'STATE':<9} {'SHARE':>6} {'WAITp95':>7}"
             f" {'MEM #res ~swp':<{BAR + 2}} {'GiB res/lim':>11} {'OUT/IN':>7}"[:width]
         )
-        for s in g["sessions"]:
-            share = shares.get((g["index"], s["id"]), 0.0)
-            gib = f"{s['resident_bytes'] / 2**30:.1f}/{s['memory_limit_bytes'] / 2**30:.1f}"
+        for s in g.sessions:
+            share = shares.get((g.index, s.id), 0.0)
+            gib = f"{s.resident_bytes / 2**30:.1f}/{s.memory_limit_bytes / 2**30:.1f}"
             lines.append(
-                f"  {names[s['id']][:18]:<18} {s['state']:<9} {share:>6.1%}"
-                f" {s['wait_seconds_p95']:>6.2f}s"
-                f" {_bar(s['resident_bytes'], s['swapped_bytes'], s['memory_limit_bytes'])}"
-                f" {gib:>11} {s['swap_out_total']:>3}/{s['swap_in_total']:<3}"[:width]
+                f"  {names[s.id][:18]:<18} {s.state:<9} {share:>6.1%}"
+                f" {s.wait_seconds_p95:>6.2f}s"
+                f" {_bar(s.resident_bytes, s.swapped_bytes, s.memory_limit_bytes)}"
+                f" {gib:>11} {s.swap_out_total:>3}/{s.swap_in_total:<3}"[:width]
             )
-        if not g["sessions"]:
+        if not g.sessions:
             lines.append("  no sessions")
     return lines
 
 
-def _who(s: dict[str, Any]) -> str:
-    if s["pod"]:
-        return f"{s['namespace']}/{s['pod']}" if s["namespace"] else s["pod"]
-    claimed = s.get("claimed", {}).get("pod", "")
-    return f"{claimed}?" if claimed else str(s["name"])  # ?: claimed, not verified
+def _who(s: SessionStatus) -> str:
+    if s.pod:
+        return f"{s.namespace}/{s.pod}" if s.namespace else s.pod
+    claimed = s.claimed.pod
+    return f"{claimed}?" if claimed else s.name  # ?: claimed, not verified
 
 
 def frames(client: AdminClient) -> Iterator[list[str]]:

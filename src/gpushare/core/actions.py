@@ -1,0 +1,60 @@
+"""What the arbiter decides: each input returns a list of these actions.
+
+The node turns them into messages to workloads, signals and log lines (its dispatch
+module is the one place they leave); the tests and the model read them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushare.settings import Escalation
+
+
+@dataclass(frozen=True)
+class GrantAction:
+    session: int
+    lease: int
+    swap_in: int
+    quantum_s: float
+    shared: bool
+    thaw: bool = False  # the process was frozen: continue it before telling it
+    room: int = 0  # swap in only up to this many resident bytes until a RoomAction
+
+
+@dataclass(frozen=True)
+class RoomAction:
+    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
+
+    session: int
+    room: int
+
+
+@dataclass(frozen=True)
+class RevokeAction:
+    session: int
+    lease: int
+    swap_out: int
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class SwapOutAction:
+    session: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class EscalateAction:
+    session: int
+    escalation: Escalation
+    reason: str
+
+
+@dataclass(frozen=True)
+class EventAction:
+    record: dict[str, Any] = field(hash=False)
+
+
+Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction

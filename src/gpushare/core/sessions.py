@@ -1,0 +1,74 @@
+"""A session as the arbiter keeps it: its state, its memory and its running totals."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+# Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
+WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class State(StrEnum):
+    IDLE = "idle"
+    WAITING = "waiting"
+    HOLDING = "holding"
+    YIELDING = "yielding"
+
+
+@dataclass
+class SessionState:
+    id: int
+    name: str
+    limit: int
+    weight: float
+    state: State = State.IDLE
+    resident: int = 0
+    swapped: int = 0
+    pending_out: int = 0
+    fills: bool = False  # its client can swap in chunk by chunk within a room
+    room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
+    swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
+    lease: int = 0
+    lease_start: float = 0.0
+    quantum_end: float = 0.0
+    revoke_deadline: float = 0.0
+    escalated: bool = False
+    wait_start: float = 0.0
+    attached: float = 0.0  # monotonic
+    frozen: bool = False  # stopped by the freeze escalation until its next grant
+    swap_failed_until: float = 0.0
+    over_limit: bool = False
+    last_served: float = -math.inf
+    # totals
+    lease_s: float = 0.0
+    wait_s: float = 0.0  # completed waits
+    wait_max_s: float = 0.0
+    grants: int = 0
+    bursts: int = 0
+    revokes: int = 0
+    escalations: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_out_s: float = 0.0
+    swap_in_s: float = 0.0
+    wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=128))
+
+    @property
+    def holding(self) -> bool:
+        return self.state in (State.HOLDING, State.YIELDING)
+
+    @property
+    def used(self) -> int:
+        """What it may have on the GPU: a holder its limit (its room while filling),
+        anyone else what is there now."""
+        if self.holding:
+            return self.room or self.limit
+        if self.swapping_in:  # frozen mid swap-in: all of it may have landed
+            return self.resident + self.swapped
+        return self.resident

@@ -1,0 +1,105 @@
+"""The configuration in force, and its changes while the node runs: the config file
+watched (a ConfigMap update lands this way) and applied from the next quantum, and
+``ctl ... --persist`` written down. A bad edit is logged and the configuration in force
+kept."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from gpushare.core.arbiter import Arbiter
+from gpushare.node.config import ConfigError, NodeConfig, gpu_settings, load, persist
+from gpushare.node.dispatch import Dispatch
+
+log = logging.getLogger("gpushare.node.live_config")
+
+# Keys read once at start: a change to them waits for the next start.
+RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve")
+
+
+class NotPersisted(Exception):
+    """A live change that could not be written down (the message says why)."""
+
+
+class LiveConfig:
+    def __init__(
+        self,
+        config: NodeConfig,
+        arbiters: list[Arbiter],
+        dispatch: Dispatch,
+        path: str = "",
+        state_path: str = "",
+        flags: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.arbiters = arbiters
+        self.dispatch = dispatch
+        self.path = path
+        self.state_path = state_path
+        self.flags = flags or {}
+        self._text = self._read()
+
+    def _read(self) -> bytes | None:
+        try:
+            return open(self.path, "rb").read() if self.path else None
+        except OSError:
+            return None
+
+    async def watch(self, period: float = 1.0) -> None:
+        """Apply changes to the config file live, looking once a period."""
+        while True:
+            await asyncio.sleep(period)
+            text = self._read()
+            if text == self._text:
+                continue
+            self._text = text
+            self.reload()
+
+    def reload(self) -> None:
+        """Merge the files and flags again; apply what changed in them, from the next
+        quantum. A live change made with ctl stays unless the same key changed."""
+        try:
+            new = load(self.path, self.state_path, self.flags)
+        except ConfigError as e:
+            log.error("%s: keeping the configuration in force", e)
+            return
+        for arb in self.arbiters:
+            arb.settings.overlap = new.overlap  # the next switch is planned with it
+            before, after = gpu_settings(self.config, arb.gpu), gpu_settings(new, arb.gpu)
+            change = {k: v for k, v in after.items() if before[k] != v}
+            if change:
+                log.info(
+                    "config %s changed: GPU %d %s (from the next quantum)",
+                    self.path,
+                    arb.gpu,
+                    change,
+                )
+                self.dispatch.apply(arb, arb.configure(**change))
+        restart = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
+        if restart:
+            log.warning(
+                "config %s changed %s: takes effect when the node restarts",
+                self.path,
+                ", ".join(restart),
+            )
+        self.config = new
+
+    def persist(self, gpu: int | None, values: dict[str, Any]) -> str:
+        """Write ``values`` (config file keys) to the state file, or the config file
+        without one; the file written, or :class:`NotPersisted`."""
+        target = self.state_path or self.path
+        if not target:
+            raise NotPersisted(
+                "changed live but not persisted: the node runs without --config FILE"
+                " or --state FILE"
+            )
+        try:
+            persist(target, gpu, **values)
+            self.config = load(self.path, self.state_path, self.flags)
+            self._text = self._read()
+        except (OSError, ValueError) as e:
+            raise NotPersisted(f"changed live, not persisted: {e}") from None
+        log.info("persisted %s to %s", values, target)
+        return target

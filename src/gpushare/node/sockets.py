@@ -1,0 +1,71 @@
+"""The node's Unix sockets: listening (with the right mode from birth, a stale socket
+replaced, a live one left alone) and reading one frame."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gpushare import protocol as p
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Handlers:
+    """The connection handlers running now, so that a stopping node ends them (their
+    peers see the end, their sessions detach) rather than leaving them to be cancelled."""
+
+    def __init__(self) -> None:
+        self._live: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    def track(self, handler: Handler) -> Handler:
+        async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._live[task] = writer
+            try:
+                await handler(reader, writer)
+            finally:
+                self._live.pop(task, None)
+
+        return run
+
+    async def close(self, timeout: float = 2.0) -> None:
+        for writer in self._live.values():
+            writer.close()
+        if self._live:
+            await asyncio.wait(list(self._live), timeout=timeout)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> p.Message:
+    header = await reader.readexactly(p.HEADER_SIZE)
+    body = await reader.readexactly(p.frame_length(header))
+    return p.decode(body)
+
+
+async def serve_unix(cb: Handler, path: str, mode: int) -> asyncio.Server:
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create {d}: {e.strerror}; choose another socket path") from None
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale, from a node that died
+        else:
+            raise OSError(f"another gpushare node is serving {path}")
+        finally:
+            probe.close()
+    old = os.umask(0o777 & ~mode)  # born with the right mode: no window where it is wider
+    try:
+        srv = await asyncio.start_unix_server(cb, path=path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    return srv

@@ -1,0 +1,101 @@
+"""The status snapshot, typed: what ``ctl status --json`` prints, the admin socket's
+``StatusReply`` carries, the exporter, ``top`` and the demo read.
+
+The node builds it (``gpushare.node.snapshot``); the tools decode it. The names of
+DESIGN.md's contract are fields here and stay; more fields may be added. Field order is
+the JSON's key order.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpushare.settings import Escalation, Mode, Policy
+
+
+class Claimed(msgspec.Struct, kw_only=True):
+    """What the client said about its pod (shown apart: only checked claims count)."""
+
+    pod: str = ""
+    namespace: str = ""
+    container: str = ""
+
+
+class SessionStatus(msgspec.Struct, kw_only=True):
+    id: int
+    name: str
+    frozen: bool
+    state: str  # idle, waiting, holding, yielding
+    weight: float
+    memory_limit_bytes: int
+    resident_bytes: int
+    swapped_bytes: int
+    pending_swap_out_bytes: int
+    room_bytes: int  # > 0: swapping in within this room (an overlapped switch)
+    lease_seconds_total: float
+    wait_seconds_total: float
+    wait_seconds_max: float
+    grants_total: int
+    bursts_total: int
+    revokes_total: int
+    escalations_total: int
+    swap_out_total: int
+    swap_in_total: int
+    swap_out_bytes_total: int
+    swap_in_bytes_total: int
+    swap_out_seconds_total: float
+    swap_in_seconds_total: float
+    attached_seconds: float
+    wait_seconds_completed_total: float
+    wait_seconds_buckets: list[int]  # per bucket of core.sessions.WAIT_BUCKETS, then +Inf
+    wait_seconds_p95: float
+    utilization_seconds_total: float
+    # who it is: the kernel's view, names only where checked
+    pid: int
+    uid: int
+    pod: str
+    namespace: str
+    container: str
+    identity_verified: bool
+    identity_source: str  # "kubernetes", "claim" (checked against the kernel) or ""
+    claimed: Claimed
+    pod_uid: str
+    container_id: str
+    runtime: str
+
+
+class GpuStatus(msgspec.Struct, kw_only=True):
+    index: int
+    name: str
+    uuid: str
+    simulated: bool
+    memory_bytes: int
+    usable_bytes: int
+    used_bytes: int
+    utilization_ratio: float
+    grants_total: int
+    shared_utilization_seconds_total: float
+    tq_s: float
+    mode: Mode
+    policy: Policy
+    escalation: Escalation
+    holders: list[int]
+    queue: list[int]
+    sessions: list[SessionStatus]
+
+
+class NodeInfo(msgspec.Struct, kw_only=True):
+    pid: int
+    started: float  # Unix seconds
+    config: str  # the config file, if any
+
+
+class NodeStatus(msgspec.Struct, kw_only=True):
+    node: NodeInfo
+    gpus: list[GpuStatus]
+
+
+def to_json_object(status: NodeStatus) -> dict[str, object]:
+    """The snapshot as plain JSON types, keys in field order (``ctl status --json``)."""
+    out: dict[str, object] = msgspec.to_builtins(status)
+    return out

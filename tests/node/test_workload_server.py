@@ -1,0 +1,203 @@
+"""The workload socket, in process on virtual time: every refusal is logged, made a
+`refused` event and answered with an error frame; a refused message changes no state and
+harms no one else; a message not valid now is answered and the session goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import msgspec
+import pytest
+
+from gpushare import protocol as p
+from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+HELLO = p.encode(p.Hello(version=p.PROTOCOL_VERSION, memory_limit=G))
+NOT_MINE = [  # messages a workload may not send: the admin's, or the node's own
+    p.SetConfig(tq_s=1),
+    p.EndSession(session=1),
+    p.StatusRequest(),
+    p.EventsRequest(),
+    p.Revoke(lease=1, swap_out=0, grace_s=1),
+    p.Grant(lease=1, swap_in=0, quantum_s=1),
+    p.SwapOut(bytes=1),
+]
+REFUSALS = [
+    pytest.param(b"\xff" * 64, "protocol", id="garbage"),  # a length beyond any frame
+    pytest.param(struct.pack(">I", p.MAX_FRAME + 1) + b"x" * 16, "protocol", id="oversized"),
+    pytest.param(_frame(b"\x81\xa1t\xa5bogus"), "protocol", id="unknown-tag"),
+    pytest.param(p.encode(p.Acquire()), "protocol", id="not-a-hello"),
+    pytest.param(p.encode(p.Hello(version=99)), "version", id="version"),
+    pytest.param(p.encode(p.Hello(version=1, gpu=7)), "gpu", id="gpu-index"),
+    pytest.param(
+        p.encode(p.Hello(version=1, gpu_uuid="GPU-00000000-0000-0000-0000-000000000000")),
+        "gpu",
+        id="gpu-uuid",
+    ),
+    pytest.param(p.encode(p.Hello(version=1, memory_limit=10**15)), "attach", id="too-big"),
+    pytest.param(p.encode(p.Hello(version=1, weight=-1.0)), "attach", id="bad-weight"),
+    *[
+        pytest.param(HELLO + p.encode(m), "denied", id=f"denied-{type(m).__name__}")
+        for m in NOT_MINE
+    ],
+]
+
+
+async def bystander(node: InProcessNode) -> Workload:
+    """A session holding the GPU, which no refusal of another may disturb."""
+    by = await node.workload(memory_limit=2 * G, name="bystander")
+    await by.send(p.Acquire())
+    await by.expect(p.Grant)
+    return by
+
+
+def unharmed(node: InProcessNode, by: Workload) -> None:
+    (g,) = node.node.status().gpus
+    assert [s.name for s in g.sessions] == ["bystander"]
+    assert g.holders == [by.session] and g.queue == []
+
+
+async def refused(node: InProcessNode, peer: Peer, code: str) -> p.Error:
+    """The peer's error frame, then the end; and the event, written before the answer."""
+    err = await peer.expect(p.Error)
+    assert err.code == code and err.message
+    assert await peer.closed()
+    ev = node.events("refused")[-1]
+    assert (ev["code"], ev["socket"], ev["reason"]) == (code, "workload", err.message)
+    assert ev["pid"] == os.getpid() and ev["uid"] == os.getuid()
+    return err
+
+
+@pytest.mark.parametrize(("data", "code"), REFUSALS)
+@in_process(mode="exclusive")
+async def test_each_refusal_is_logged_an_event_and_an_error_frame(node, caplog, data, code):
+    by = await bystander(node)
+    peer = await Peer.connect(node.socket)
+    await peer.send_raw(data)
+    with caplog.at_level(logging.WARNING, logger="gpushare.node"):
+        err = await refused(node, peer, code)
+    assert f"refused pid {os.getpid()}" in caplog.text and err.message in caplog.text
+    assert len(node.events("refused")) == 1
+    unharmed(node, by)
+    if code == "denied":
+        assert "only on its own session" in err.message
+
+
+@in_process()
+async def test_refusals_name_the_fix(node):
+    for hello, words in [
+        (p.Hello(version=99), "use the same gpushare version"),
+        (p.Hello(version=1, gpu=7), "choose gpu=0..0"),
+        (p.Hello(version=1, memory_limit=10**15), "ask for less"),
+    ]:
+        peer = await Peer.connect(node.socket)
+        await peer.send(hello)
+        err = await peer.expect(p.Error)
+        assert words in err.message, err.message
+    assert len(node.events("refused")) == 3 and not node.events("attach")
+
+
+@in_process(max_messages_per_s=50.0)
+async def test_a_message_flood_is_cut_off_alone(node):
+    by = await bystander(node)
+    w = await node.workload(memory_limit=G)
+    await w.send_raw(p.encode(p.Report(resident=0, swapped=0)) * 500)
+    err = await refused(node, w, "rate")
+    assert "50 messages per second" in err.message
+    unharmed(node, by)  # the flooder's session is gone, the bystander holds on
+
+
+@in_process(max_sessions_per_uid=3)
+async def test_sessions_per_uid_are_bounded(node):
+    by = await bystander(node)
+    extra = [await node.workload(memory_limit=G) for _ in range(2)]
+    peer = await Peer.connect(node.socket)
+    await peer.send(p.Hello(version=1, memory_limit=G))
+    err = await refused(node, peer, "limit")
+    assert "most allowed" in err.message and "max_sessions_per_uid" in err.message
+    for x in extra:
+        x.close()
+    await node.until(lambda: len(node.node.conns) == 1)
+    unharmed(node, by)
+    again = await node.workload(memory_limit=G)  # room again once others closed
+    assert again.session > by.session
+
+
+@in_process(hello_timeout=0.5)
+async def test_a_connection_that_never_says_hello_is_dropped(node):
+    t0 = node.clock.monotonic()
+    idle = await Peer.connect(node.socket)
+    err = await refused(node, idle, "timeout")
+    assert "no hello within 0.5 s" in err.message
+    assert node.clock.monotonic() - t0 == pytest.approx(0.5)
+
+
+@in_process(mode="exclusive")
+async def test_a_message_not_valid_now_is_answered_and_the_session_goes_on(node):
+    by = await bystander(node)
+    w = await node.workload(memory_limit=G)
+    await w.send(p.Release(resident=0, swapped=0, again=True))  # it holds no lease
+    err = await w.expect(p.Error)
+    assert err.code == "state" and "holds no lease" in err.message
+    assert not node.events("refused")
+    g = node.node.status().gpus[0]
+    assert g.holders == [by.session]
+    await w.send(p.Acquire())  # still attached: it queues behind the holder
+    await node.until(lambda: node.node.arbiters[0].queue)
+    assert list(node.node.arbiters[0].queue) == [w.session]
+
+
+@in_process(escalation="kill")
+async def test_reported_memory_over_the_limit_escalates_once(node):
+    w = await node.workload(memory_limit=G)
+    await w.send(p.Report(resident=2 * G, swapped=0))
+    await node.until(lambda: node.events("escalate"))
+    (e,) = node.events("escalate")
+    assert e["reason"] == "over_memory_limit" and e["resident_bytes"] == 2 * G
+    assert e["action"] == "kill" and node.signals == [(os.getpid(), 9)]
+    await w.send(p.Report(resident=3 * G, swapped=0))  # still over: not again
+    await node.settle()
+    assert len(node.events("escalate")) == 1
+
+
+@in_process(gpus=2, memory="40GiB")
+async def test_hello_picks_the_gpu_by_uuid_and_the_limit_from_the_portion(node):
+    uuid = node.node.gpus[1].uuid
+    w = await node.workload(gpu_uuid=uuid, portion=0.5, weight=0.5, name="kai")
+    assert (w.welcome.gpu, w.welcome.gpu_uuid) == (1, uuid)
+    assert w.welcome.memory_limit == 20 * G and w.welcome.weight == 0.5
+    assert w.welcome.simulated and w.welcome.sim_link.endswith(".link1")
+    (s,) = node.node.status().gpus[1].sessions
+    assert (s.name, s.pid, s.memory_limit_bytes) == ("kai", os.getpid(), 20 * G)
+
+
+@in_process()
+async def test_claims_count_only_where_the_kernel_agrees(node):
+    # this process, as the kernel would show it inside a pod (a /proc root of our own)
+    uid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f"
+    proc = node.dir / "proc" / str(os.getpid())
+    proc.mkdir(parents=True)
+    pod_slice = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    scope = f"cri-containerd-{'ab' * 32}.scope"
+    path = f"/kubepods.slice/kubepods-burstable.slice/{pod_slice}/{scope}"
+    (proc / "cgroup").write_text(f"0::{path}\n")
+    node.node.live.config = msgspec.structs.replace(
+        node.node.live.config, proc_root=str(node.dir / "proc")
+    )
+    claim = {"pod": "trainer-7", "namespace": "research", "container": "main"}
+    true = await node.workload(memory_limit=G, pod_uid=uid, **claim)
+    false = await node.workload(memory_limit=G, pod_uid="another-pod", **claim)
+    by_id = {s.id: s for s in node.node.status().gpus[0].sessions}
+    s, f = by_id[true.session], by_id[false.session]
+    assert (s.namespace, s.pod, s.container) == ("research", "trainer-7", "main")
+    assert s.identity_verified and s.identity_source == "claim" and s.pod_uid == uid
+    assert s.runtime == "containerd" and s.container_id == "ab" * 32
+    assert (f.namespace, f.pod, f.container, f.identity_verified) == ("", "", "", False)
+    assert (f.claimed.pod, f.claimed.namespace) == ("trainer-7", "research")  # shown apart
