@@ -34,6 +34,13 @@ class GpuSettings:
     grace_s: float = 5.0
     escalation: Escalation = "log"
     overlap: bool = True  # the next holder swaps in while the last one swaps out
+    # docs/scheduling.md: how long a quantum waits for its holder to ask again (the
+    # node's idle_release), the longest interactive turn (0: none), the turn credit
+    # earned per idle second, and whether the next holder swaps in ahead of its grant.
+    anticipate_s: float = 0.5
+    turn_s: float = 1.0
+    turn_share: float = 0.25
+    prefetch: bool = True
 
 
 class Change(TypedDict, total=False):

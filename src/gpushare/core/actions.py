@@ -32,6 +32,17 @@ class RoomAction:
 
 
 @dataclass(frozen=True)
+class PrefetchAction:
+    """The next holder may swap in now, before its grant, up to ``room`` resident bytes
+    (no GPU work: the lease is another's). ``seq`` numbers the asks: its client says
+    which one it is done with."""
+
+    session: int
+    room: int
+    seq: int
+
+
+@dataclass(frozen=True)
 class RevokeAction:
     session: int
     lease: int
@@ -57,4 +68,12 @@ class EventAction:
     record: dict[str, Any] = field(hash=False)
 
 
-Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction
+Action = (
+    GrantAction
+    | RevokeAction
+    | RoomAction
+    | PrefetchAction
+    | SwapOutAction
+    | EscalateAction
+    | EventAction
+)

@@ -18,12 +18,13 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    PrefetchAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
 )
 from gpushare.core.clock import Clock
-from gpushare.core.planner import MemoryView, plan_grant
+from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
 
@@ -31,6 +32,12 @@ SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this lo
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
 SWAP_FLOOR_BPS = 1e9
+# docs/scheduling.md has the rules these figures belong to.
+ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to ask again
+EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
+TURN_MIN_S = 0.02  # a turn shorter than this is not worth its two switches
+RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
+PREFETCH_STEP = 256 * 2**20  # a prefetch asks for at least this much (or all that is left)
 
 
 class ArbiterError(ValueError):
@@ -53,6 +60,7 @@ class Arbiter:
         self.queue: deque[int] = deque()
         self.holders: list[int] = []
         self._lease_seq = 0
+        self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
 
@@ -69,11 +77,12 @@ class Arbiter:
         swapped: int = 0,
         holding: bool = False,
         fills: bool = False,
+        prefetch: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
         outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
         its client can swap in within a room, so its swap-in may overlap another's
-        swap-out."""
+        swap-out; ``prefetch``: it swaps in ahead of its grant when told."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if limit <= 0:
@@ -94,6 +103,8 @@ class Arbiter:
             weight=weight,
             attached=self.clock.monotonic(),
             fills=fills,
+            prefetch=prefetch,
+            idle_since=self.clock.monotonic(),
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
@@ -125,6 +136,8 @@ class Arbiter:
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
+        if s.reserved:
+            self._unreserve(s)
         del self.sessions[sid]
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
@@ -133,8 +146,27 @@ class Arbiter:
         s = self._get(sid)
         if s.state is not State.IDLE:
             raise ArbiterError(f"session {sid} already has a burst open ({s.state})")
+        now = self.clock.monotonic()
         s.bursts += 1
-        self._enqueue(s)
+        idle = now - s.idle_since
+        if s.bursts > 1:  # a gap between two bursts (not attach to the first)
+            sample = min(idle, 2 * self.settings.anticipate_s)
+            s.gap_ewma = sample if s.gap_ewma is None else _ewma(s.gap_ewma, sample)
+        if s.reserved:  # back within its window: the rest of its quantum, at once
+            self._unreserve(s)
+            s.continued = True
+            self._enqueue(s, front=True)
+            return self._advance()
+        rate = self.settings.turn_share * self._weight_share(s)
+        s.credit = min(self.settings.turn_s, s.credit + rate * idle)
+        if s.resume_s and now < s.front_until:  # its quantum was paused by a turn
+            self._enqueue(s, front=True)
+        elif self._may_take_turn(s, idle, now):
+            s.turn = True
+            self._enqueue(s, front=True)
+        else:
+            s.resume_s = 0.0
+            self._enqueue(s)
         return self._advance()
 
     def release(
@@ -157,10 +189,14 @@ class Arbiter:
         if swapping_out < 0:
             raise ArbiterError("swapping_out must not be negative")
         if s.state is State.WAITING and not again:
-            # The burst ended before it was granted (the workload gave up waiting).
+            # The burst ended before it was granted (the workload gave up waiting). Its
+            # client stopped any prefetch before saying so (the same thread does both).
             self.queue.remove(sid)
             self._end_wait(s, now)
             s.state = State.IDLE
+            s.idle_since = now
+            s.turn, s.resume_s, s.continued = False, 0.0, False
+            s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
             self._set_memory(s, resident, swapped)
             return self._advance()
         if s.state is State.WAITING and s.frozen:
@@ -175,7 +211,10 @@ class Arbiter:
         revoked = s.state is State.YIELDING
         held = now - s.lease_start
         s.lease_s += held
+        s.burst_lease += held
         self.holders.remove(sid)
+        turn = s.turn
+        self._settle_quantum(s, now, revoked)
         if swapped_out:
             self._count_swap(s, "out", swapped_out, seconds)
         # The release answers the revoke's ask, whatever was done: what is still missing
@@ -186,13 +225,25 @@ class Arbiter:
         self._set_memory(s, resident, swapped)
         s.pending_out = min(swapping_out, s.resident)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")
-        self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
-        s.lease = 0
+        lease, s.lease = s.lease, 0
         s.escalated = False
+        window = 0.0
         if again:
-            self._enqueue(s)
+            self._enqueue(s, front=s.resume_s > 0)  # paused by a turn: it goes on next
         else:
             s.state = State.IDLE
+            s.idle_since = now
+            s.resume_s = 0.0
+            s.burst_ewma = (
+                s.burst_lease if s.burst_ewma is None else _ewma(s.burst_ewma, s.burst_lease)
+            )
+            s.burst_lease = 0.0
+            if not revoked and not turn:
+                window = self._anticipation(s, now)
+        fields: dict[str, Any] = {"anticipate_s": window} if window else {}
+        self._event("release", sid, lease=lease, seconds=held, reason=reason, **fields)
+        if window:
+            self._reserve(s, now + window)
         return self._advance()
 
     def swap_done(
@@ -205,21 +256,33 @@ class Arbiter:
         resident: int,
         swapped: int,
         error: str = "",
+        prefetch: int = 0,
     ) -> list[Action]:
+        """A swap ended (or failed: ``error``). ``prefetch``: the swap-in was the
+        prefetch asked by that :class:`PrefetchAction` (its ``seq``), and the client is
+        done with every ask up to it."""
         s = self._get(sid)
+        if prefetch and (direction != "in" or prefetch > s.prefetch_seq):
+            raise ArbiterError(f"no prefetch {prefetch} was asked of session {sid}")
         if error:
-            if direction == "out":
-                s.pending_out = 0  # the planner will look for another way
+            if direction == "out" or prefetch:
+                if direction == "out":
+                    s.pending_out = 0  # the planner will look for another way
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
+        elif prefetch:
+            self._count_swap(s, direction, nbytes, seconds, prefetch=True)
         else:
             self._count_swap(s, direction, nbytes, seconds)
-        if direction == "in":
+        if prefetch:
+            if prefetch == s.prefetch_seq:  # no later ask is out: counted at what it has
+                s.prefetch_acked, s.prefetch_room = prefetch, 0
+        elif direction == "in":
             s.swapping_in = False
             if s.state is State.HOLDING:
                 # The quantum is GPU time: it starts once the memory is back (or the
                 # swap-in failed, and the workload gives the lease back).
-                s.quantum_end = self.clock.monotonic() + self.quantum(s)
+                s.quantum_end = self.clock.monotonic() + s.quantum_len
         self._set_memory(s, resident, swapped)
         return self._advance()
 
@@ -291,6 +354,8 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
+        if self.reserved is not None:
+            times.append(self.sessions[self.reserved].reserve_until)
         if self.queue or any(self.sessions[h].room for h in self.holders):
             # a plan (or a filling holder) waiting on a failed swap: look again at retry
             now = self.clock.monotonic()
@@ -323,7 +388,14 @@ class Arbiter:
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
+        if self.reserved is not None:
+            r = self.sessions[self.reserved]
+            if r.reserve_until <= now:  # it did not ask again in time: the GPU moves on
+                self._unreserve(r)
+            elif self.queue and self.sessions[self.queue[0]].turn:
+                self._pause_reserved(r, now)
         self._grant_what_fits()
+        self._preempt_for_turn(now)
         self._fill_rooms()
         for sid in list(self.holders):
             s = self.sessions[sid]
@@ -331,29 +403,40 @@ class Arbiter:
                 if self.queue:
                     self._revoke(s, now)
                 else:  # nobody waits: a new quantum, no needless switch
-                    s.quantum_end = now + self.quantum(s)
+                    if s.turn:  # the turn is over; it holds on as anyone would
+                        s.turn, s.credit = False, 0.0
+                    s.quantum_len = self.quantum(s)
+                    s.quantum_end = now + s.quantum_len
             elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
                 s.escalated = True
                 esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
                 if esc == "freeze":
                     self._freeze(s, now)
                     self._grant_what_fits()
+        self._plan_prefetch(now)
         out, self._out = self._out, []
         return out
 
     def _may_join_holders(self) -> bool:
-        if not self.holders:
+        if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
             return False
         wanting = [*self.holders, *self.queue]
+        if self.reserved is not None:
+            wanting.append(self.reserved)
         return sum(self.sessions[i].limit for i in wanting) <= self.capacity
 
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
-            # Fast path (the common case, on every handoff): it fits as things are.
-            others = self.used_bytes() - head.used
+            # Fast path (the common case, on every handoff): it fits as things are. A
+            # filling holder counts at its limit: a holder joining in mode auto may not
+            # take what its room is to grow into (it could never fill).
+            filling = sum(
+                x.limit - x.room for x in map(self.sessions.get, self.holders) if x and x.room
+            )
+            others = self.used_bytes() - head.used + filling
             if others + head.limit <= self.capacity:
                 self._grant(head)
                 continue
@@ -399,6 +482,7 @@ class Arbiter:
         s.escalated = False
         s.pending_out = 0
         s.room = 0
+        s.turn, s.resume_s = False, 0.0
         self._enqueue(s)
 
     def _grant(self, s: SessionState, room: int = 0) -> None:
@@ -412,9 +496,29 @@ class Arbiter:
         s.grants += 1
         self.grants_total += 1
         s.lease_start = now
-        q = self.quantum(s)
+        kind: dict[str, Any] = {}
+        if s.continued:  # asked again within its window: what is left of its quantum
+            q = max(0.0, s.quantum_end - now)
+            s.continued = False
+            s.continues += 1
+            kind["continued"] = True
+        elif s.turn:
+            q = min(max(s.credit, TURN_MIN_S), self.settings.turn_s)
+            s.turns += 1
+            kind["turn"] = True
+        elif s.resume_s:  # paused by a turn: the rest of it
+            q, s.resume_s = s.resume_s, 0.0
+            kind["resumed"] = True
+        else:  # GPU time held past earlier quanta comes off this one, up to half of it
+            q = self.quantum(s)
+            take = min(s.debt, q / 2)
+            q -= take
+            s.debt -= take
+        s.quantum_len = q
         s.room = room
         s.swapping_in = bool(s.swapped)
+        # A prefetch in flight is moot: the holder counts at its limit (or its room).
+        s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
         # The quantum starts when the swap-in is done (swap_done); a filling holder's
         # bound waits for its room too.
         s.quantum_end = math.inf if room else self._quantum_end(s)
@@ -431,12 +535,13 @@ class Arbiter:
             quantum_s=q,
             shared=shared,
             **({"room_bytes": room} if room else {}),
+            **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
-        return self.clock.monotonic() + self.quantum(s) + s.swapped / SWAP_FLOOR_BPS
+        return self.clock.monotonic() + s.quantum_len + s.swapped / SWAP_FLOOR_BPS
 
     def _fill_rooms(self) -> None:
         """Grow each filling holder's room into what swap-outs have freed, and ask for
@@ -458,9 +563,10 @@ class Arbiter:
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
 
-    def _revoke(self, s: SessionState, now: float) -> None:
+    def _revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
         s.state = State.YIELDING
         s.revoke_deadline = now + self.settings.grace_s
+        s.revoked_at = now
         s.revokes += 1
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
@@ -473,15 +579,149 @@ class Arbiter:
                     swap_out = n
                 else:
                     self._ask_swap_out(sid, n)
-        self._event("revoke", s.id, lease=s.lease, reason="quantum", swap_out_bytes=swap_out)
+        self._event("revoke", s.id, lease=s.lease, reason=reason, swap_out_bytes=swap_out)
         self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- scheduling (docs/scheduling.md) ----------------------------------------------
+
+    def _settle_quantum(self, s: SessionState, now: float, revoked: bool) -> None:
+        """A lease ends: a turn is paid from the credit; GPU time held past a quantum
+        (the way to the safe point, a late answer) is owed, taken off later quanta; a
+        quantum paused by a turn keeps what was left of it at the revoke."""
+        if s.turn:
+            s.credit = max(0.0, s.credit - (now - s.lease_start))
+            s.turn = False
+        elif s.resume_s:
+            s.resume_s = max(0.0, s.resume_s - (now - s.revoked_at))
+            if s.resume_s < RESUME_MIN_S:
+                s.resume_s = 0.0
+        elif revoked and not math.isinf(s.quantum_end):
+            s.debt = min(s.debt + max(0.0, now - s.quantum_end), self.quantum(s))
+
+    def _anticipation(self, s: SessionState, now: float) -> float:
+        """How long the rest of ``s``'s quantum waits for it to ask again after its
+        burst ended: within its quantum, at most ``anticipate_s``, and four of its usual
+        gaps between bursts (at least the floor); none when its gaps are long (a session
+        that is done for now, as Kiwi releases it early)."""
+        left = s.quantum_end - now
+        if math.isinf(left) or left <= 0 or s.frozen:
+            return 0.0
+        cap = self.settings.anticipate_s
+        g = s.gap_ewma
+        if g is not None and g > cap / 2:
+            return 0.0
+        return min(left, cap, max(ANTICIPATE_FLOOR_S, 4 * (g or 0.0)))
+
+    def _reserve(self, s: SessionState, until: float) -> None:
+        if self.reserved is not None:
+            self._unreserve(self.sessions[self.reserved])
+        self.reserved = s.id
+        s.reserved, s.reserve_until = True, until
+
+    def _unreserve(self, s: SessionState) -> None:
+        s.reserved, s.reserve_until = False, 0.0
+        if self.reserved == s.id:
+            self.reserved = None
+
+    def _pause_reserved(self, r: SessionState, now: float) -> None:
+        """A turn comes while a quantum waits for its holder: the turn goes first; if the
+        holder asks before its window (lengthened by a turn) is over, it goes next with
+        what was left of its quantum."""
+        r.resume_s = max(0.0, r.quantum_end - now)
+        r.front_until = r.reserve_until + self.settings.turn_s
+        self._unreserve(r)
+
+    def _weight_share(self, s: SessionState) -> float:
+        if self.settings.policy == "weighted":
+            return s.weight / max(x.weight for x in self.sessions.values())
+        return 1.0
+
+    def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
+        """An interactive turn: the session asked (not for the first time) after idling at
+        least ``anticipate_s``,
+        its credit covers its usual burst, the GPU is taken, and no one waiting has waited
+        a whole round yet (the queue's length in quanta): turns never starve a queue."""
+        st = self.settings
+        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.bursts < 2:
+            return False  # (a first burst: nothing known of how it asks)
+        if not self.holders and self.reserved is None:
+            return False  # nothing to go ahead of
+        if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):
+            return False
+        guard = st.tq_s * (len(self.holders) + len(self.queue) + 1)
+        return all(now - self.sessions[q].wait_start < guard for q in self.queue)
+
+    def _preempt_for_turn(self, now: float) -> None:
+        """A turn at the front of the queue that cannot join the holders: they are
+        revoked at once, each keeping what is left of its quantum for after the turn.
+        Holders still swapping in are revoked once their memory is back."""
+        if not self.queue or not self.sessions[self.queue[0]].turn:
+            return
+        for sid in list(self.holders):
+            h = self.sessions[sid]
+            if h.state is not State.HOLDING or h.turn or h.swapping_in or h.room:
+                continue
+            h.resume_s = max(0.0, h.quantum_end - now)
+            self._revoke(h, now, reason="turn")
+
+    def _expected_back(self, s: SessionState, now: float) -> bool:
+        """An idle session that usually asks again soon (within twice its usual gap)."""
+        g = s.gap_ewma
+        return s.state is State.IDLE and g is not None and now - s.idle_since < max(2 * g, 1e-3)
+
+    def _plan_prefetch(self, now: float) -> None:
+        """While the GPU is held, the head of the queue swaps in (without the lease) what
+        fits beside everyone's count (holders at their limits), in steps as memory frees;
+        for the rest, idle sessions not expected back soon and waiting sessions further
+        back in the queue (furthest first) swap out, only as much as needed."""
+        st = self.settings
+        if not (st.prefetch and self.queue) or (not self.holders and self.reserved is None):
+            return
+        h = self.sessions[self.queue[0]]
+        if not h.prefetch or not h.swapped or h.frozen or h.pending_out or h.swapping_in:
+            return
+        if h.swap_failed_until > now:
+            return
+        want = h.resident + h.swapped
+        have = max(h.resident, h.prefetch_room) if h.prefetching else h.resident
+        free = self.capacity - self.used_bytes()
+        more = min(free, want - have)
+        if more > 0 and (more >= PREFETCH_STEP or have + more == want):
+            have += more
+            h.prefetch_room = have
+            h.prefetch_seq += 1
+            self._event("prefetch", h.id, room_bytes=have, bytes=have - h.resident)
+            self._out.append(PrefetchAction(h.id, have, h.prefetch_seq))
+        need = want - have - sum(v.pending_out for v in self.sessions.values() if v is not h)
+        if need <= 0:
+            return
+        idle = sorted(
+            (v for v in self.sessions.values() if v.state is State.IDLE and not v.reserved),
+            key=lambda v: (self._expected_back(v, now), v.last_served, v.id),
+        )
+        victims = [self._view(v) for v in idle if not self._expected_back(v, now)]
+        victims += [self._view(self.sessions[q]) for q in reversed(self.queue) if q != h.id]
+        for sid, n in take_from(victims, need)[0]:
+            self._ask_swap_out(sid, n)
 
     # --- helpers --------------------------------------------------------------------
 
-    def _enqueue(self, s: SessionState) -> None:
+    def _enqueue(self, s: SessionState, front: bool = False) -> None:
+        """Join the queue: at its back, or (``front``) at its front, behind the sessions
+        there already that go first: turns before paused quanta (docs/scheduling.md)."""
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
-        self.queue.append(s.id)
+        if not front:
+            self.queue.append(s.id)
+            return
+        i = 0
+        for i, sid in enumerate(self.queue):  # noqa: B007  the place to insert at
+            q = self.sessions[sid]
+            if not (q.turn or (q.resume_s and not s.turn)):
+                break
+        else:
+            i = len(self.queue)
+        self.queue.insert(i, s.id)
 
     def _end_wait(self, s: SessionState, now: float) -> float:
         waited = now - s.wait_start
@@ -491,7 +731,9 @@ class Arbiter:
         s.recent_waits.append(waited)
         return waited
 
-    def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:
+    def _count_swap(
+        self, s: SessionState, direction: str, nbytes: int, seconds: float, prefetch: bool = False
+    ) -> None:
         if direction == "out":  # pending_out went down with resident (_set_memory)
             s.swap_outs += 1
             s.swap_out_bytes += nbytes
@@ -500,7 +742,8 @@ class Arbiter:
             s.swap_ins += 1
             s.swap_in_bytes += nbytes
             s.swap_in_s += seconds
-        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds)
+        fields = {"prefetch": True} if prefetch else {}
+        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
 
     @staticmethod
     def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
@@ -513,9 +756,14 @@ class Arbiter:
         s.swapped = swapped
 
     def _view(self, s: SessionState) -> MemoryView:
-        pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
+        now = self.clock.monotonic()
+        pinned = s.frozen or s.swap_failed_until > now or s.prefetching
         resident = s.resident if s.holding else s.used
-        return MemoryView(s.id, s.limit, resident, s.holding, s.last_served, s.pending_out, pinned)
+        holding = s.holding or s.reserved  # a quantum waiting for its holder is its
+        keep = self._expected_back(s, now)
+        return MemoryView(
+            s.id, s.limit, resident, holding, s.last_served, s.pending_out, pinned, keep
+        )
 
     def _views(self) -> list[MemoryView]:
         return [self._view(s) for s in self.sessions.values()]
@@ -546,3 +794,7 @@ class Arbiter:
             rec["session"] = sid
         rec.update(fields)
         self._out.append(EventAction(rec))
+
+
+def _ewma(old: float, sample: float) -> float:
+    return old + EWMA * (sample - old)

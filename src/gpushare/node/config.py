@@ -10,6 +10,7 @@ the config file itself), then command-line flags. Within the merged result a
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import tomllib
@@ -36,6 +37,9 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     escalation: Escalation = "log"
     idle_release: float = 0.5
     overlap: bool = True  # a switch's swap-in runs while the swap-out frees memory
+    prefetch: bool = True  # the next holder swaps in during the quantum, where memory allows
+    turn: float = 1.0  # the longest interactive turn, seconds (0: no turns)
+    turn_share: float = 0.25  # turn credit earned per idle second (docs/scheduling.md)
     reserve: str | int = 0
     # NVML counts a process's CUDA context and libraries' workspaces beside the memory
     # its session accounts for: a process is over its limit only past this much more.
@@ -104,6 +108,11 @@ def check(cfg: NodeConfig) -> NodeConfig:
     literals were checked by their types already."""
     validate(tq_s=cfg.tq, mode=cfg.mode, policy=cfg.policy, escalation=cfg.escalation)
     seconds("grace", cfg.grace)
+    seconds("idle_release", cfg.idle_release)
+    if not (cfg.turn >= 0 and math.isfinite(cfg.turn)):
+        raise SettingsError("turn must be 0 (no interactive turns) or a positive number of seconds")
+    if not 0 < cfg.turn_share <= 1:
+        raise SettingsError("turn_share must be more than 0 and at most 1")
     for index, o in cfg.gpu.items():
         try:
             validate(tq_s=o.tq, mode=o.mode, policy=o.policy, escalation=o.escalation)
@@ -119,6 +128,17 @@ def load(
 ) -> NodeConfig:
     """Defaults, then the config file, the state file and the flags."""
     return merge(read_raw(path), read_raw(state), flags or {})
+
+
+def scheduling(cfg: NodeConfig) -> dict[str, Any]:
+    """The arbiters' scheduling settings (docs/scheduling.md) from the node's keys: a
+    quantum waits for its holder to ask again up to ``idle_release``."""
+    return {
+        "anticipate_s": cfg.idle_release,
+        "turn_s": cfg.turn,
+        "turn_share": cfg.turn_share,
+        "prefetch": cfg.prefetch,
+    }
 
 
 def gpu_settings(cfg: NodeConfig, index: int) -> dict[str, Any]:

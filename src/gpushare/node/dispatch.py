@@ -21,6 +21,7 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    PrefetchAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
@@ -84,6 +85,8 @@ class Dispatch:
                 c.send(p.SwapOut(bytes=a.bytes))
             elif isinstance(a, RoomAction):
                 c.send(p.Room(room=a.room))
+            elif isinstance(a, PrefetchAction):
+                c.send(p.Prefetch(room=a.room, seq=a.seq))
         self._schedule(arb)
 
     def end_session(self, c: Conn, reason: str) -> None:

@@ -119,6 +119,7 @@ class WorkloadServer:
                 swapped=h.swapped,
                 holding=h.holding,
                 fills=h.fills,
+                prefetch=h.prefetch,
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
@@ -171,6 +172,7 @@ class WorkloadServer:
                 resident=msg.resident,
                 swapped=msg.swapped,
                 error=msg.error,
+                prefetch=msg.prefetch,
             )
         if isinstance(msg, p.Report):
             return arb.report(sid, resident=msg.resident, swapped=msg.swapped)

@@ -119,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="swap the next holder in only after the last one swapped out (default: overlap"
         " the two, the link is full duplex)",
     )
+    n.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        default=None,
+        help="do not swap the next holder in during the quantum (default: where memory allows)",
+    )
+    n.add_argument(
+        "--turn",
+        type=float,
+        metavar="SECONDS",
+        help="the longest interactive turn, 0 for none (default 1; docs/scheduling.md)",
+    )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
     n.add_argument(
         "--proc-root",
@@ -352,6 +365,8 @@ def _node(args: argparse.Namespace) -> int:
         "kubernetes": args.kubernetes,
         "metrics_address": args.metrics_address,
         "overlap": args.overlap,
+        "prefetch": args.prefetch,
+        "turn": args.turn,
     }
     flags = {k: v for k, v in flags.items() if v is not None}
     try:
