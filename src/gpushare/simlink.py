@@ -18,6 +18,18 @@ OUT, IN = 0, 1  # the link's lanes: device to host, host to device
 _LANES = struct.Struct("=dd")  # per lane: CLOCK_MONOTONIC time it is booked until
 
 
+def book(booked: list[float], lane: int, nbytes: int, bandwidth: float, now: float) -> float:
+    """The timing model: ``nbytes`` on ``lane`` start when it is free (transfers the same
+    way take turns) and run at ``bandwidth``, or at :data:`DUPLEX` of it while the other
+    lane is busy; ``booked`` (each lane's end time) is updated, the end returned. Pure:
+    the shared link and ``gpushare simulate``'s virtual one both book with it."""
+    start = max(now, booked[lane])
+    rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
+    end = start + nbytes / rate
+    booked[lane] = end
+    return end
+
+
 class SimLink:
     """The PCIe link of one simulated GPU: when each lane is booked until.
 
@@ -64,11 +76,7 @@ class SimLink:
         """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done."""
         with self._locked():
             booked = list(_LANES.unpack_from(self._mem))
-            now = time.monotonic()
-            start = max(now, booked[lane])
-            rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
-            end: float = start + nbytes / rate
-            booked[lane] = end
+            end = book(booked, lane, nbytes, bandwidth, time.monotonic())
             _LANES.pack_into(self._mem, 0, *booked)
             return end
 

@@ -105,6 +105,7 @@ class Arbiter:
             fills=fills,
             prefetch=prefetch,
             idle_since=self.clock.monotonic(),
+            credit=self.settings.turn_s,  # a notebook's first cell is a turn too
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
@@ -637,13 +638,12 @@ class Arbiter:
         return 1.0
 
     def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
-        """An interactive turn: the session asked (not for the first time) after idling at
-        least ``anticipate_s``,
+        """An interactive turn: the session asked after idling at least ``anticipate_s``,
         its credit covers its usual burst, the GPU is taken, and no one waiting has waited
         a whole round yet (the queue's length in quanta): turns never starve a queue."""
         st = self.settings
-        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.bursts < 2:
-            return False  # (a first burst: nothing known of how it asks)
+        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen:
+            return False
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
         if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):
