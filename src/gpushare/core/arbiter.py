@@ -37,7 +37,7 @@ ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to as
 EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
 TURN_MIN_S = 0.02  # a turn shorter than this is not worth its two switches
 RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
-PREFETCH_STEP = 256 * 2**20  # a prefetch asks for at least this much (or all that is left)
+PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is left)
 
 
 class ArbiterError(ValueError):
@@ -151,8 +151,8 @@ class Arbiter:
         s.bursts += 1
         idle = now - s.idle_since
         if s.bursts > 1:  # a gap between two bursts (not attach to the first)
-            sample = min(idle, 2 * self.settings.anticipate_s)
-            s.gap_ewma = sample if s.gap_ewma is None else _ewma(s.gap_ewma, sample)
+            s.gap_last = min(idle, 2 * self.settings.anticipate_s)
+            s.gap_ewma = s.gap_last if s.gap_ewma is None else _ewma(s.gap_ewma, s.gap_last)
         if s.reserved:  # back within its window: the rest of its quantum, at once
             self._unreserve(s)
             s.continued = True
@@ -603,12 +603,14 @@ class Arbiter:
         """How long the rest of ``s``'s quantum waits for it to ask again after its
         burst ended: within its quantum, at most ``anticipate_s``, and four of its usual
         gaps between bursts (at least the floor); none when its gaps are long (a session
-        that is done for now, as Kiwi releases it early)."""
+        that is done for now is released early, as Kiwi does)."""
         left = s.quantum_end - now
         if math.isinf(left) or left <= 0 or s.frozen:
             return 0.0
         cap = self.settings.anticipate_s
-        g = s.gap_ewma
+        # Its usual gap, or the last one if shorter: one long pause (a data loader, a
+        # start) does not cost the next few bursts their windows.
+        g = None if s.gap_ewma is None else min(s.gap_ewma, s.gap_last)
         if g is not None and g > cap / 2:
             return 0.0
         return min(left, cap, max(ANTICIPATE_FLOOR_S, 4 * (g or 0.0)))

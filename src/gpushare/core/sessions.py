@@ -57,6 +57,7 @@ class SessionState:
     credit: float = 0.0  # turn credit, seconds of GPU time
     idle_since: float = 0.0  # monotonic: when its last burst ended (or it attached)
     gap_ewma: float | None = None  # seconds from a burst's end to the next ask
+    gap_last: float = 0.0
     burst_ewma: float | None = None  # lease seconds per burst
     burst_lease: float = 0.0  # lease seconds of the burst in progress
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)

@@ -80,6 +80,22 @@ def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str,
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
+def short(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
+    """Short bursts back to back (``with s.gpu():`` around 100 ms of work, a loop)."""
+    m = _memory(s, memory, seed)
+    check = _Checker(s, m, seed)
+    steps = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with s.gpu():
+            check()
+            for _ in range(10):
+                time.sleep(STEP_S)
+                steps += 1
+                s.checkpoint()
+    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+
+
 def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100) -> dict[str, Any]:
     """Many short bursts back to back: every grant after another session's is a swap cycle."""
     m = _memory(s, memory, seed)
@@ -93,7 +109,7 @@ def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100
     return {"steps": 0, "checks": check.checks, "failures": check.failures}
 
 
-KINDS = {"batch": batch, "interactive": interactive, "cycles": cycles}
+KINDS = {"batch": batch, "interactive": interactive, "short": short, "cycles": cycles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
+    ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
     a = ap.parse_args(argv)
     memory = parse_size(a.memory)
-    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind)
+    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind, weight=a.weight)
     try:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, memory, a.seed, a.bursts)
