@@ -39,7 +39,7 @@ def test_a_waiting_session_swaps_in_ahead_of_its_grant_without_the_lease():
         reports, done = until_swap_done(node)
         assert (done.direction, done.bytes, done.prefetch) == ("in", 2 * G, 1)
         assert (done.resident, done.swapped) == (2 * G, 0)
-        assert [r.resident for r in reports] == [PIECE * i for i in range(1, 9)]  # each piece
+        assert reports == []  # its progress is not the node's concern: the SwapDone says
         # memory only: still no lease, no GPU work allowed, the burst still waits
         assert s._lease.phase is Phase.ACQUIRING and not s.holding
         with pytest.raises(GpushareError, match="outside a lease"):
@@ -86,7 +86,7 @@ def test_a_grant_ends_a_prefetch_and_its_swap_in_brings_the_rest():
 
         s.backend.wait_room = wait_room
         node.send(p.Prefetch(room=2 * G, seq=1))
-        assert isinstance(node.recv(), p.Report)  # one piece in
+        wait_until(lambda: s.backend.resident_bytes == PIECE, what="one piece in")
         node.send(p.Grant(lease=2, swap_in=2 * G - PIECE, quantum_s=30.0))
         node.sync(s)
         first.set()
@@ -124,7 +124,7 @@ def test_a_prefetch_stops_when_the_node_goes_away_and_the_next_node_hears_the_fi
 
         s.backend.wait_room = wait_room
         node.send(p.Prefetch(room=2 * G, seq=1))
-        assert isinstance(node.recv(), p.Report)
+        wait_until(lambda: s.backend.resident_bytes == PIECE, what="one piece in")
         node.drop()
         hello = node.take()  # it reconnects: its hello says what it has
         gate.set()

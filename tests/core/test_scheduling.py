@@ -134,12 +134,13 @@ def had_a_burst(a, clock, sid, resident=GiB):
 
 
 def notebook_beside_batch(clock, **kw):
-    """Batch session 1 holds (TQ 30); 2 waits; notebook 3 has idled 4 s since it attached
-    (with the credit it attached with: a turn)."""
+    """Batch session 1 holds (TQ 30); 2 waits; notebook 3 ran a first burst and has idled
+    4 s since (with the credit it attached with: a turn)."""
     a = arb(clock, tq_s=30, turn_s=1.0, turn_share=0.25, **kw)
     a.attach(1, name="batch1", limit=10 * GiB)
     a.attach(2, name="batch2", limit=10 * GiB)
     a.attach(3, name="notebook", limit=10 * GiB)
+    had_a_burst(a, clock, 3)  # (a first burst is never a turn: nothing is known of it)
     a.acquire(1)
     a.acquire(2)
     clock.advance(4.0)
@@ -183,11 +184,12 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
 @pytest.mark.parametrize(
     ("idle", "burst_ewma", "turn_s", "takes"),
     [
-        (4.0, None, 1.0, True),
-        (0.1, None, 1.0, False),  # asked again soon: not rarely
+        (4.0, 0.1, 1.0, True),
+        (0.1, 0.1, 1.0, False),  # asked again soon: not rarely
         (4.0, 2.0, 1.0, False),  # its bursts are longer than its credit: not briefly
-        (0.6, None, 1.0, True),  # 0.15 s of credit covers a turn of at least 20 ms
-        (4.0, None, 0.0, False),  # turns off
+        (0.6, 0.1, 1.0, True),  # 0.15 s of credit covers its 0.1 s bursts
+        (4.0, 0.1, 0.0, False),  # turns off
+        (4.0, None, 1.0, False),  # no burst of its own yet: nothing known of it
     ],
 )
 def test_who_gets_a_turn(clock, idle, burst_ewma, turn_s, takes):

@@ -440,6 +440,11 @@ class Lease:
                 self.cond.wait()
 
     def report(self) -> None:
+        # A swap-in's progress is not the node's concern: a holder counts at its limit
+        # (or its room), a prefetching session at its room, and the SwapDone carries the
+        # figures. Untold, the node is not kept busy with them during a switch.
+        if self.phase is Phase.SWAPPING_IN or self.prefetching:
+            return
         self.link.send(self._report_msg())
 
     # --- messages -------------------------------------------------------------------

@@ -105,7 +105,7 @@ class Arbiter:
             fills=fills,
             prefetch=prefetch,
             idle_since=self.clock.monotonic(),
-            credit=self.settings.turn_s,  # a notebook's first cell is a turn too
+            credit=self.settings.turn_s,  # a notebook's first cell after it is a turn
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
@@ -212,7 +212,7 @@ class Arbiter:
         revoked = s.state is State.YIELDING
         held = now - s.lease_start
         s.lease_s += held
-        s.burst_lease += held
+        s.burst_lease += max(0.0, now - s.gpu_since)  # GPU time: after the swap-in
         self.holders.remove(sid)
         turn = s.turn
         self._settle_quantum(s, now, revoked)
@@ -283,7 +283,8 @@ class Arbiter:
             if s.state is State.HOLDING:
                 # The quantum is GPU time: it starts once the memory is back (or the
                 # swap-in failed, and the workload gives the lease back).
-                s.quantum_end = self.clock.monotonic() + s.quantum_len
+                s.gpu_since = self.clock.monotonic()
+                s.quantum_end = s.gpu_since + s.quantum_len
         self._set_memory(s, resident, swapped)
         return self._advance()
 
@@ -518,6 +519,7 @@ class Arbiter:
         s.quantum_len = q
         s.room = room
         s.swapping_in = bool(s.swapped)
+        s.gpu_since = math.inf if s.swapping_in or room else now
         # A prefetch in flight is moot: the holder counts at its limit (or its room).
         s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
         # The quantum starts when the swap-in is done (swap_done); a filling holder's
@@ -589,8 +591,8 @@ class Arbiter:
         """A lease ends: a turn is paid from the credit; GPU time held past a quantum
         (the way to the safe point, a late answer) is owed, taken off later quanta; a
         quantum paused by a turn keeps what was left of it at the revoke."""
-        if s.turn:
-            s.credit = max(0.0, s.credit - (now - s.lease_start))
+        if s.turn:  # its GPU time (its swap-in is a switch's cost, as anyone's)
+            s.credit = max(0.0, s.credit - max(0.0, now - s.gpu_since))
             s.turn = False
         elif s.resume_s:
             s.resume_s = max(0.0, s.resume_s - (now - s.revoked_at))
@@ -640,12 +642,13 @@ class Arbiter:
         return 1.0
 
     def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
-        """An interactive turn: the session asked after idling at least ``anticipate_s``,
+        """An interactive turn: the session asked (not for the first time) after idling at
+        least ``anticipate_s``,
         its credit covers its usual burst, the GPU is taken, and no one waiting has waited
         a whole round yet (the queue's length in quanta): turns never starve a queue."""
         st = self.settings
-        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen:
-            return False
+        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.burst_ewma is None:
+            return False  # (no burst of its own yet: nothing says it asks briefly)
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
         if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):

@@ -58,9 +58,10 @@ class SessionState:
     idle_since: float = 0.0  # monotonic: when its last burst ended (or it attached)
     gap_ewma: float | None = None  # seconds from a burst's end to the next ask
     gap_last: float = 0.0
-    burst_ewma: float | None = None  # lease seconds per burst
-    burst_lease: float = 0.0  # lease seconds of the burst in progress
+    burst_ewma: float | None = None  # GPU seconds per burst
+    burst_lease: float = 0.0  # GPU seconds of the burst in progress
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
+    gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
     debt: float = 0.0  # GPU seconds held past earlier quanta, taken off later ones
     # totals
     lease_s: float = 0.0

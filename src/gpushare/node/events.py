@@ -19,6 +19,7 @@ EVENT_KINDS = (
     "release",
     "swap_out",
     "swap_in",
+    "prefetch",
     "config",
     "escalate",
 )
