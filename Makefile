@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml src/gpushare/_version.py
 	@test -n "$(PYTHON)" || { echo "make: need Python >= 3.11 on PATH (or PYTHON=...)"; exit 1; }
 	@echo "make: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
-	@echo "make: installing gpushare and its extras node, plot, k8s, nvml, test, lint" \
+	@echo "make: installing gpushare and its extras node, plot, cli, k8s, nvml, test, lint" \
 	  "(about 80 packages: a line each as pip finds it, then a minute or more to install)"
 	@# The full log in $(VENV)/pip.log; on screen a line per package, and the log's end on failure.
 	@start=$$(date +%s); \

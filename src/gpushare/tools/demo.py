@@ -43,7 +43,7 @@ def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout: float = 1
     raise GpushareError(f"the node did not open {path} within {timeout:.0f} s")
 
 
-def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
+def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclusive") -> int:
     wd = Path(workdir or tempfile.mkdtemp(prefix="gpushare-demo-"))
     wd.mkdir(parents=True, exist_ok=True)
     wsock, asock, evlog = str(wd / "workloads.sock"), str(wd / "admin.sock"), wd / "events.jsonl"

@@ -101,10 +101,16 @@ def frames(client: AdminClient) -> Iterator[list[str]]:
         yield render(st, shares, shutil.get_terminal_size((80, 24)).columns)
 
 
-def run_top(path: str | None, once: bool, interval: float = 0.5, out: TextIO = sys.stdout) -> int:
+def run_top(
+    path: str | None,
+    once: bool,
+    interval: float = 0.5,
+    out: TextIO = sys.stdout,
+    as_json: bool = False,
+) -> int:
     with AdminClient(path) as client:
         gen = frames(client)
-        if once:
+        if once or not (sys.stdin.isatty() and out.isatty()):
             out.write("\n".join(next(gen)) + "\n")
             return 0
         with _cbreak(sys.stdin) as interactive:
