@@ -24,8 +24,10 @@ from gpushare.settings import (
     Mode,
     Policy,
     SettingsError,
-    check as check_value,
     validate,
+)
+from gpushare.settings import (
+    check as check_value,
 )
 from gpushare.units import parse_size
 
