@@ -90,28 +90,29 @@ def figure(rows: list[Lane], t0: float, t1: float, title: str = "", whole_s: flo
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    day = 86400.0
+    # x: seconds since the local midnight before t0, so ticks fall on round clock times
+    midnight = datetime.fromtimestamp(t0).replace(hour=0, minute=0, second=0, microsecond=0)
+    origin = midnight.timestamp()
 
-    def x(ts: float) -> float:  # matplotlib's date numbers: days
-        return float(mdates.date2num(datetime.fromtimestamp(ts)))
+    def x(ts: float) -> float:
+        return ts - origin
 
     w, h = figure_size_px(len(rows))
     fig, ax = plt.subplots(figsize=(w / DPI, h / DPI), dpi=DPI)
     colors = plt.get_cmap("tab10")
     for i, ln in enumerate(rows):
         ax.broken_barh(
-            [(x(a), width / day) for a, width in bars(ln.leases, t0, t1)],
+            [(x(a), width) for a, width in bars(ln.leases, t0, t1)],
             (i - 0.35, 0.7),
             facecolors=colors(i % 10),
         )
         swaps = bars(((s, s + d) for s, d, _ in ln.swaps), t0, t1)
         for (start, width), (_, _, d) in zip(swaps, ln.swaps, strict=True):
             ax.broken_barh(
-                [(x(start), width / day)],
+                [(x(start), width)],
                 (i + 0.38, 0.12),
                 facecolors="black" if d == "out" else "grey",
             )
@@ -122,9 +123,10 @@ def figure(rows: list[Lane], t0: float, t1: float, title: str = "", whole_s: flo
     tenths = t1 - t0 < 30  # ticks less than a second apart: say which part of it
 
     def clock(num: float, _pos: object = None) -> str:
-        t = mdates.num2date(num).astimezone()
+        t = datetime.fromtimestamp(origin + num)
         return t.strftime("%H:%M:%S") + (f".{t.microsecond // 100_000}" if tenths else "")
 
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, steps=[1, 2, 3, 5, 6, 10]))
     ax.xaxis.set_major_formatter(FuncFormatter(clock))
     zone = datetime.fromtimestamp(t0).astimezone().tzname() or "local"
     ax.set_xlabel(
