@@ -39,6 +39,7 @@ from gpushare.node.guard import Conn, Guard, admin_gid
 from gpushare.node.k8s import PodCache, PodWatcher
 from gpushare.node.live_config import LiveConfig
 from gpushare.node.sockets import Handlers, serve_unix
+from gpushare.node.totals import Totals
 from gpushare.node.utilization import NvmlUtilization, Sampler
 from gpushare.node.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
@@ -78,6 +79,7 @@ class Node:
             self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
         self.conns: dict[int, Conn] = {}  # attached sessions' connections, by session id
         self.utilization = [Attribution() for _ in gpus]
+        self.totals = [Totals() for _ in gpus]  # by workload, sessions gone included
         self.pods: PodCache | None = None  # pod names from the Kubernetes API
         self.started = self.clock.wall()
         # The sockets served, from the config at start (a reload that changes them
@@ -97,6 +99,7 @@ class Node:
             dispatch=self.dispatch,
             utilization=self.utilization,
             sim_link=self._sim_link,
+            retire=self._retire,
         )
         self.admin = AdminServer(
             live=self.live,
@@ -133,8 +136,16 @@ class Node:
     def status(self) -> NodeStatus:
         info = NodeInfo(pid=os.getpid(), started=self.started, config=self.live.path)
         return snapshot.take(
-            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods
+            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods, self.totals
         )
+
+    def _retire(self, gpu: int, sid: int) -> None:
+        """A session leaves: its final figures go to its workload's totals."""
+        a = self.arbiters[gpu]
+        s = a.sessions.get(sid)
+        if s is not None:
+            st = snapshot.session(a, s, self.utilization[gpu], self.conns.get(sid), self.pods)
+            self.totals[gpu].retire(st)
 
     def reload(self) -> None:
         self.live.reload()

@@ -35,11 +35,13 @@ class WorkloadServer:
         dispatch: Dispatch,
         utilization: Sequence[Attribution],
         sim_link: Callable[[int], str],
+        retire: Callable[[int, int], None] = lambda gpu, sid: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
         self.guard, self.dispatch, self.utilization = guard, dispatch, utilization
         self.sim_link = sim_link
+        self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
         self._next_session = 1
 
     def socket_path(self) -> str:
@@ -76,6 +78,7 @@ class WorkloadServer:
             self.guard.refuse(conn, "workload", e)
         finally:
             if arb is not None and conn.session in self.conns:
+                self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
                 self.utilization[arb.gpu].forget(conn.session)
                 reason = "ended" if conn.ended else "disconnected"
