@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushare import protocol as p
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
@@ -20,7 +21,6 @@ from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
 from gpushare.node.metrics import registry_for
 from gpushare.node.utilization import NvmlUtilization
-from gpushare import protocol as p
 from gpushare.status import SessionStatus, to_json_object
 from tests.node.harness import in_process
 from tests.support import sim

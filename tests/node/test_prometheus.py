@@ -166,6 +166,7 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
             ("trainer", "trainer-7")
         ]
         s.close()
+
         # gone: its session's series go, its workload's totals stay, by name
         def totals() -> list:
             q = 'gpushare_workload_lease_seconds_total{name="trainer"} and on()'
