@@ -47,6 +47,12 @@ class _Checker:
                 self.failures += 1
 
 
+def _turn_s(s: Session) -> float:
+    """How long a yield may wait for the next turn, about: near the end, a workload ends
+    its burst instead of waiting past its deadline."""
+    return 2 * (s.tq_s or 1.0)
+
+
 def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
     """One long burst of steps until time is up, yielding at checkpoints when revoked."""
     m = _memory(s, memory, seed)
@@ -58,6 +64,8 @@ def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
             check()
             time.sleep(STEP_S)
             steps += 1
+            if s._revoked and end - time.monotonic() < _turn_s(s):
+                break  # the burst ends here, the lease goes back: no wait past the end
             s.checkpoint()
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
@@ -70,13 +78,18 @@ def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str,
     steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if end - time.monotonic() < _turn_s(s):  # a cell now could wait past the end
+            time.sleep(max(0.0, end - time.monotonic()))
+            break
         with s.gpu():
             check()
             for _ in range(rng.randint(10, 30)):
                 time.sleep(STEP_S)
                 steps += 1
+                if s._revoked and end - time.monotonic() < _turn_s(s):
+                    break
                 s.checkpoint()
-        time.sleep(rng.uniform(0.5, 1.5))
+        time.sleep(max(0.0, min(rng.uniform(0.5, 1.5), end - time.monotonic())))
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
@@ -102,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--memory", default="30GiB")
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--until", type=float, help="stop at this Unix time instead (the demo's one deadline)"
+    )
     ap.add_argument("--name", default="")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
     a = ap.parse_args(argv)
+    if a.until is not None:  # however late this process started, all end together
+        a.seconds = max(0.0, a.until - time.time())
     memory = parse_size(a.memory)
     s = attach(memory=memory, socket=a.socket, name=a.name or a.kind)
     try:
