@@ -4,6 +4,7 @@ on stderr and a non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -15,7 +16,7 @@ import pytest
 
 import gpushare
 from tests.node.test_metrics import free_port
-from tests.support import sim
+from tests.support import REPO, sim
 
 GPUSHARE = [sys.executable, "-m", "gpushare"]
 
@@ -306,3 +307,47 @@ def test_usage_mistakes_are_one_line(node):
     for args in (["ctl"], ["ctl", "tq", "5", "--gpu", "x"], ["bogus"], ["ctl", "end"]):
         line = one_line(gpushare_cmd(*args), 2)
         assert "error:" in line and "--help" in line
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+def test_the_readme_example_programs_take_turns_gated(node_factory):
+    # README step 3: two unmodified PyTorch loops under gpushare run, 10 + 10 GiB on 16
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.5"))
+    train = str(REPO / "deploy" / "examples" / "train.py")
+    procs = {
+        name: subprocess.Popen(
+            [
+                *GPUSHARE,
+                "run",
+                "--socket",
+                node.socket,
+                "--memory",
+                "10GiB",
+                "--name",
+                name,
+                "--",
+                sys.executable,
+                train,
+                "--steps",
+                "100",
+                "--step-seconds",
+                "0.02",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("train-a", "train-b")
+    }
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert "attached as session" in err and f"({name}) on GPU 0" in err
+        assert "memory limit 10.0 GiB, TQ 0.5 s" in err
+        assert "step 100 loss" in out
+    events = node.event_list()
+    sessions = {e["session"]: e["name"] for e in events if e["event"] == "attach"}
+    grants = [sessions[e["session"]] for e in events if e["event"] == "grant"]
+    assert {"train-a", "train-b"} <= set(grants)
+    assert any(e["event"] == "revoke" for e in events)  # they took turns
