@@ -16,7 +16,7 @@ import pytest
 
 import gpushare
 from tests.node.test_metrics import free_port
-from tests.support import REPO, sim
+from tests.support import REPO, sim, wait_until
 
 GPUSHARE = [sys.executable, "-m", "gpushare"]
 
@@ -289,6 +289,40 @@ def test_run_says_it_attached_and_stops_when_its_session_is_ended(node):
     mine = [e for e in events if e.get("session") == s["id"]]
     assert [e["event"] for e in mine][-2:] == ["release", "detach"]
     assert mine[-2]["reason"] == "ended" and mine[-1]["reason"] == "ended"
+
+
+def test_run_ended_while_waiting_for_the_lease_stops_without_a_traceback(node):
+    # The program waits in a gated call when its session is ended: it is stopped there,
+    # not left to raise from inside PyTorch's hook (seen following the README).
+    wait = "from gpushare.client.runner import SESSION\nprint('asking', flush=True)\n"
+    wait += "with SESSION.gpu():\n    print('granted', flush=True)\n"
+    with gpushare.attach("1GiB", socket=node.socket, name="holder") as holder, holder.gpu():
+        p = subprocess.Popen(
+            [*GPUSHARE, "run", "--socket", node.socket, "--memory", "1GiB", "--name", "waiter",
+             "--", sys.executable, "-c", wait],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "asking\n"
+            waiter = wait_until(
+                lambda: next(
+                    (s for s in node.status()["gpus"][0]["sessions"] if s["state"] == "waiting"),
+                    None,
+                ),
+                timeout=30,
+                what="the program to wait for the lease",
+            )
+            assert ctl(node, "end", str(waiter["id"])).returncode == 0
+            out, err = p.communicate(timeout=30)
+        finally:
+            p.kill()
+    assert p.returncode == -15 and "granted" not in out  # SIGTERM, as a deleted pod
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "gpushare run: error: session ended: ended by an administrator: stopping the program"
+        " (SIGTERM, SIGKILL after 10 s)"
+    )
 
 
 def test_run_memory_mistakes_speak_in_sizes(node):

@@ -327,12 +327,13 @@ class Transport:
         if not (msg.code in FATAL and self.on_ended is not None):  # else on_ended says it
             log.error("gpushare node: %s", msg.message)
         if msg.code in FATAL:  # the node is ending this session: do not come back
-            with self.cond:
-                ended = self.state is Link.CONNECTED
-                if ended:
-                    self.end(Link.ENDED, msg.message)
-            if ended and self.on_ended is not None:
+            if self.on_ended is not None and self.state is Link.CONNECTED:
+                # First, before a thread waiting on the lease wakes to an error: the
+                # program is stopped, not left to fail in the middle of a step.
                 self.on_ended(msg.message)
+            with self.cond:
+                if self.state is Link.CONNECTED:
+                    self.end(Link.ENDED, msg.message)
 
     def _reconnect(self) -> bool:
         """Until connected again (True), or closed or refused for good (False)."""
@@ -348,11 +349,11 @@ class Transport:
                     self._connector, hello, self.reconnect_timeout
                 )
             except AttachRefusedError as e:
+                if self.on_ended is not None:  # first, as above
+                    self.on_ended(f"refused on reconnecting: {e}")
                 with self.cond:
                     self.end(Link.ENDED, f"refused on reconnecting: {e}")
                 log.error("gpushare node refused this session on reconnecting: %s", e)
-                if self.on_ended is not None:
-                    self.on_ended(f"refused on reconnecting: {e}")
                 return False
             except DaemonUnavailableError:
                 with self.cond:  # close() wakes this wait
