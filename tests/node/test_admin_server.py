@@ -29,7 +29,7 @@ TODAY_NODE = ["pid", "started", "config"]
 TODAY_GPU = [
     "index", "name", "uuid", "simulated", "memory_bytes", "usable_bytes", "used_bytes",
     "utilization_ratio", "grants_total", "shared_utilization_seconds_total", "tq_s", "mode",
-    "policy", "escalation", "holders", "queue", "sessions",
+    "policy", "escalation", "holders", "queue", "sessions", "workloads",
 ]  # fmt: skip
 TODAY_SESSION = [
     "id", "name", "frozen", "state", "weight", "memory_limit_bytes", "resident_bytes",
