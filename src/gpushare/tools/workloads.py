@@ -53,8 +53,11 @@ def _turn_s(s: Session) -> float:
     return 2 * (s.tq_s or 1.0)
 
 
-def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
-    """One long burst of steps until time is up, yielding at checkpoints when revoked."""
+def batch(
+    s: Session, seconds: float, memory: int, seed: int, deadline: bool = False
+) -> dict[str, Any]:
+    """One long burst of steps until time is up, yielding at checkpoints when revoked;
+    with ``deadline`` (``--until``), ending the burst rather than waiting past the end."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     steps = 0
@@ -64,21 +67,24 @@ def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
             check()
             time.sleep(STEP_S)
             steps += 1
-            if s._revoked and end - time.monotonic() < _turn_s(s):
+            if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
                 break  # the burst ends here, the lease goes back: no wait past the end
             s.checkpoint()
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
-def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
-    """Short bursts (a notebook cell) with think time between them."""
+def interactive(
+    s: Session, seconds: float, memory: int, seed: int, deadline: bool = False
+) -> dict[str, Any]:
+    """Short bursts (a notebook cell) with think time between them; with ``deadline``, no
+    burst that could wait past the end."""
     rng = random.Random(seed)
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        if end - time.monotonic() < _turn_s(s):  # a cell now could wait past the end
+        if deadline and end - time.monotonic() < _turn_s(s):  # it could wait past the end
             time.sleep(max(0.0, end - time.monotonic()))
             break
         with s.gpu():
@@ -86,7 +92,7 @@ def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str,
             for _ in range(rng.randint(10, 30)):
                 time.sleep(STEP_S)
                 steps += 1
-                if s._revoked and end - time.monotonic() < _turn_s(s):
+                if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
                     break
                 s.checkpoint()
         time.sleep(max(0.0, min(rng.uniform(0.5, 1.5), end - time.monotonic())))
@@ -129,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, memory, a.seed, a.bursts)
+        elif a.kind == "batch":
+            out = batch(s, a.seconds, memory, a.seed, deadline=a.until is not None)
         else:
-            out = KINDS[a.kind](s, a.seconds, memory, a.seed)
+            out = interactive(s, a.seconds, memory, a.seed, deadline=a.until is not None)
     finally:
         s.close()
     waits = s.waits[1:] or [0.0]  # the first grant is the allocation's
