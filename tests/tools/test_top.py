@@ -259,3 +259,21 @@ def test_share_over_the_history_for_sessions_older_than_the_window():
     shares = tr.update(clock.monotonic(), node.status())
     assert shares[(0, 1)] == pytest.approx(0.0)  # not since attach (10/14), the last 4 s
     assert shares[(0, 2)] == pytest.approx(1.0)
+
+
+def test_enter_on_a_heading_opens_the_first_session_below_it():
+    # Home scrolls to the GPU's heading; Enter before the next refresh opened nothing (CI saw it)
+    urwid = pytest.importorskip("urwid")
+    from gpushare.tools.top_ui import TopView
+
+    node, _clock = scenario()
+    view = TopView(client=None, interval=1)  # type: ignore[arg-type]
+    view.status = node.status()
+    view.sort = "name"
+    view.draw()
+    view.walker.set_focus(0)  # what Home does: the heading, not a row
+    assert view.focused() is None
+    view.key("enter")
+    assert view.detail == (0, 1)  # "a-very-long-..." sorts first by name
+    text = " ".join(w.text for w in view.walker if isinstance(w, urwid.Text))
+    assert "memory_limit_bytes" in text

@@ -187,6 +187,20 @@ class TopView:
         w = self.walker.get_focus()[0] if self.walker else None
         return (w.row.gpu, w.row.id) if isinstance(w, SessionRow) else None
 
+    def chosen(self) -> tuple[int, int] | None:
+        """The session Enter opens: the focused row, or the first row below a focused heading.
+
+        Home scrolls to position 0 (the GPU's heading); Enter there, before the next refresh moves
+        the focus back onto a row, still means the row the user sees first.
+        """
+        if not self.walker:
+            return None
+        at = self.walker.focus or 0
+        for w in self.walker[at:]:
+            if isinstance(w, SessionRow):
+                return (w.row.gpu, w.row.id)
+        return None
+
     def draw(self) -> None:
         st = self.status
         if st is None:
@@ -266,7 +280,7 @@ class TopView:
         elif key in ("h", "?"):
             self.helping = True
         elif key == "enter":
-            self.detail, self.fresh = self.focused(), True
+            self.detail, self.fresh = self.chosen(), True
         elif key == "s":
             self.sort = SORT_KEYS[(SORT_KEYS.index(self.sort) + 1) % len(SORT_KEYS)]
         elif key in ("1", "2", "3", "4", "5", "6"):
