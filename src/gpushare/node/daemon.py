@@ -84,9 +84,11 @@ class Node:
         self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
-        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller)
-        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
+        self.dispatch = Dispatch(
+            self.clock, self.events, self.conns, signaller, refuse=self.guard.refuse
+        )
+        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
