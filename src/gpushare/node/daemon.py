@@ -203,8 +203,9 @@ class Node:
 
             return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
 
+        exposition = metrics.Exposition()  # written in the exporter's thread
         self._stop_metrics = metrics.serve(
-            metrics.registry_for(take), cfg.metrics_port, cfg.metrics_address
+            lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
         )
         self.metrics_port = cfg.metrics_port
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, self.metrics_port)
