@@ -21,6 +21,7 @@ import itertools
 import math
 import platform
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
@@ -39,6 +40,9 @@ from gpushare.status import GpuStatus, NodeStatus, SessionStatus
 
 DEFAULT_PORT = 9423
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# While the exporter serves, a thread that wants the GIL (the event loop) waits at most
+# this long for the one writing a scrape's text (Python's default is 5 ms).
+SWITCH_INTERVAL_S = 0.0005
 
 # --- what is exported -------------------------------------------------------------------
 # (metric, help, the GpuStatus figure) for GPU-level gauges
@@ -390,12 +394,15 @@ def serve(scrape: Callable[[], bytes], port: int, address: str) -> Callable[[], 
     Server.address_family = family
     server = make_server(str(sockaddr[0]), port, app(scrape), Server, handler_class=_Quiet)
     thread = threading.Thread(target=server.serve_forever, name="gpushare-metrics", daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
     thread.start()
 
     def stop() -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+        sys.setswitchinterval(interval)
 
     return stop
 
