@@ -13,7 +13,7 @@ from gpushare import protocol as p
 from tests.support import REPO, sim, wait_until
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from node_costs import mass_attach  # noqa: E402
+from node_costs import mass_attach
 
 BURST = 300
 
