@@ -14,7 +14,8 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
   attached and idle; scrapes are HTTP GETs as Prometheus makes them (gzip), back to back;
 * handoff latency at 64 sessions cycling (one driver process, raw protocol: from the
   holder's release written to the next session's grant read), and grants per second,
-  alone and while another process scrapes the exporter back to back;
+  alone and while another process scrapes the exporter back to back (the median of
+  three runs of each, taken in turn);
 * mass attach: 600 and 1,000 ``gpushare.attach()`` at once (10 processes of 60 and 100
   threads, the default 10 s timeout) against a fresh node: how many succeed.
 
@@ -32,6 +33,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -171,15 +173,17 @@ class Raw:
         self.sock.close()
 
 
-def take_turns(sessions: list[Raw], handoffs: int) -> list[float]:
-    """``sessions`` cycle in FIFO order, each burst empty: the holder releases and asks
-    again, the next one's grant is read. Returns each handoff's seconds (release written
-    to grant read)."""
+def take_turns(sessions: list[Raw], handoffs: int, start: bool = False) -> list[float]:
+    """``sessions`` cycle in FIFO order (``start``: the first is granted, the others
+    queue), each burst empty: the holder releases and asks again, the next one's grant
+    is read. Returns each handoff's seconds (release written to grant read); leaves
+    ``sessions`` in their order now (the holder first)."""
     p = sessions[0].p
-    sessions[0].send(p.Acquire())
-    sessions[0].expect(p.Grant)
-    for s in sessions[1:]:
-        s.send(p.Acquire())
+    if start:
+        sessions[0].send(p.Acquire())
+        sessions[0].expect(p.Grant)
+        for s in sessions[1:]:
+            s.send(p.Acquire())
     q = deque(sessions)
     out = []
     for _ in range(handoffs):
@@ -189,6 +193,7 @@ def take_turns(sessions: list[Raw], handoffs: int) -> list[float]:
         q[0].expect(p.Grant)
         out.append(time.perf_counter() - t0)
         q.append(holder)
+    sessions[:] = q
     return out
 
 
@@ -208,7 +213,8 @@ class NodeRun:
         self.admin = str(self.dir / "a.sock")
         self.port = free_port()
         cfg = self.dir / "node.toml"
-        cfg.write_text("max_sessions_per_uid = 5000\n")
+        # attaches by the thousand, and sessions taking turns as fast as they can
+        cfg.write_text("max_sessions_per_uid = 5000\nmax_messages_per_s = 1e6\n")
         env = {**os.environ, "PYTHONPATH": str(src)}
         self.proc = subprocess.Popen(
             [
@@ -281,10 +287,10 @@ def node_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[st
         with node(src, tmp) as nd:
             idle = [Raw(nd.socket, f"idle{i}") for i in range(n - 2)]
             pair = [Raw(nd.socket, "a"), Raw(nd.socket, "b")]
-            take_turns(pair, 200)  # warm
+            take_turns(pair, 200, start=True)  # warm
             grants, c0, t0 = 0, nd.cpu(), time.monotonic()
             while time.monotonic() - t0 < seconds:
-                grants += len(take_turns_more(pair, 500))
+                grants += len(take_turns(pair, 500))
             grant_cpu = (nd.cpu() - c0) / grants
             grant_rate = grants / (time.monotonic() - t0)
             nd.scrape()  # the first: every session's lines written
@@ -304,72 +310,70 @@ def node_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[st
     return out
 
 
-def take_turns_more(pair: list[Raw], handoffs: int) -> list[float]:
-    """More turns of a pair already taking turns (the first holds, the other waits)."""
-    p = pair[0].p
-    q = deque(pair)
-    out = []
-    for _ in range(handoffs):
-        holder = q.popleft()
-        t0 = time.perf_counter()
-        holder.send(p.Release(resident=0, swapped=0), p.Acquire())
-        q[0].expect(p.Grant)
-        out.append(time.perf_counter() - t0)
-        q.append(holder)
-    pair[:] = list(q)
-    return out
-
-
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def handoff_part(src: Path, tmp: Path, cycling: int, handoffs: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for scraping in (False, True):
-        with node(src, tmp) as nd:
-            sessions = [Raw(nd.socket, f"c{i}") for i in range(cycling)]
-            take_turns(sessions, 500)  # warm, every session granted
-            sessions = sessions[500 % cycling :] + sessions[: 500 % cycling]
-            scraper = None
-            stop = nd.dir / "stop-scraping"
-            if scraping:
-                scraper = subprocess.Popen(
-                    [sys.executable, __file__, "--scraper", str(nd.port), str(stop)],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                nd.scrape()
-                time.sleep(0.5)  # the scraper under way
-            t0 = time.monotonic()
-            lat = take_turns_more(sessions, handoffs)
-            wall = time.monotonic() - t0
-            scrapes = 0
-            if scraper:
-                stop.touch()
-                scrapes = int(scraper.communicate(timeout=60)[0].strip() or 0)
-            out["scraping" if scraping else "alone"] = {
-                "p50_us": percentile(lat, 0.5) * 1e6,
-                "p99_us": percentile(lat, 0.99) * 1e6,
-                "grants_per_s": len(lat) / wall,
-                "scrapes": scrapes,
-            }
-            for s in sessions:
-                s.close()
-    return out
+def handoff_part(src: Path, tmp: Path, cycling: int, handoffs: int, repeats: int) -> dict[str, Any]:
+    """Runs alone and while scraping, in turn, ``repeats`` of each: each figure is the
+    median over the runs (one run's tail on a busy machine is its scheduler's)."""
+    runs: dict[str, list[dict[str, float]]] = {"alone": [], "scraping": []}
+    for _ in range(repeats):
+        for scraping in (False, True):
+            runs["scraping" if scraping else "alone"].append(
+                handoff_run(src, tmp, cycling, handoffs, scraping)
+            )
+    return {
+        k: {f: statistics.median(r[f] for r in rs) for f in rs[0]} | {"runs": len(rs)}
+        for k, rs in runs.items()
+    }
+
+
+def handoff_run(
+    src: Path, tmp: Path, cycling: int, handoffs: int, scraping: bool
+) -> dict[str, float]:
+    with node(src, tmp) as nd:
+        sessions = [Raw(nd.socket, f"c{i}") for i in range(cycling)]
+        take_turns(sessions, 500, start=True)  # warm, every session granted
+        scraper = None
+        stop = nd.dir / "stop-scraping"
+        if scraping:
+            scraper = subprocess.Popen(
+                [sys.executable, __file__, "--scraper", str(nd.port), str(stop)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            nd.scrape()
+            time.sleep(0.5)  # the scraper under way
+        t0 = time.monotonic()
+        lat = take_turns(sessions, handoffs)
+        t1 = time.monotonic()
+        scrapes = 0
+        if scraper:
+            stop.touch()
+            done = json.loads(scraper.communicate(timeout=60)[0])
+            scrapes = sum(1 for t in done if t0 <= t <= t1)
+        for s in sessions:
+            s.close()
+    return {
+        "p50_us": percentile(lat, 0.5) * 1e6,
+        "p99_us": percentile(lat, 0.99) * 1e6,
+        "grants_per_s": len(lat) / (t1 - t0),
+        "scrapes_per_s": scrapes / (t1 - t0),
+    }
 
 
 def scraper(port: int, stop: Path) -> None:
-    """Scrapes back to back until ``stop`` exists; prints how many."""
+    """Scrapes back to back until ``stop`` exists; prints when each ended (JSON)."""
     url = f"http://127.0.0.1:{port}/metrics"
-    n = 0
+    done = []
     while not stop.exists():
         req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
         with urllib.request.urlopen(req, timeout=60) as r:
             r.read()
-        n += 1
-    print(n)
+        done.append(time.monotonic())  # CLOCK_MONOTONIC: the same in every process
+    print(json.dumps(done))
 
 
 def attach_client(sock: str, threads: int, go: Path, out: Path, stop: Path) -> None:
@@ -457,26 +461,27 @@ def mass_attach(sock: str, folder: Path, processes: int, threads: int) -> dict[s
     }
 
 
-def burst_refused(nd: NodeRun, n: int) -> int:
-    """``n`` connects at once while the node accepts nothing (stopped): how many the
-    listen backlog refuses (EAGAIN; a client tries those again)."""
-    nd.proc.send_signal(signal.SIGSTOP)
+def connect_burst(
+    proc: subprocess.Popen[Any], path: str, n: int
+) -> tuple[list[socket.socket], int]:
+    """``n`` connects at once to ``path`` while its node (``proc``) accepts nothing (it is
+    stopped meanwhile): the sockets the listen backlog took, and how many it refused
+    (EAGAIN; a client tries those again)."""
+    proc.send_signal(signal.SIGSTOP)
     socks, refused = [], 0
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.setblocking(False)
             try:
-                s.connect(nd.socket)
+                s.connect(path)
                 socks.append(s)
             except BlockingIOError:
                 refused += 1
                 s.close()
     finally:
-        nd.proc.send_signal(signal.SIGCONT)
-        for s in socks:
-            s.close()
-    return refused
+        proc.send_signal(signal.SIGCONT)
+    return socks, refused
 
 
 def mass_part(src: Path, tmp: Path, counts: list[int]) -> dict[str, Any]:
@@ -485,7 +490,9 @@ def mass_part(src: Path, tmp: Path, counts: list[int]) -> dict[str, Any]:
         with node(src, tmp) as nd:
             out[str(n)] = mass_attach(nd.socket, nd.dir, 10, n // 10)
         with node(src, tmp) as nd:
-            out[str(n)]["refused_at_first_try"] = burst_refused(nd, n)
+            socks, out[str(n)]["refused_at_first_try"] = connect_burst(nd.proc, nd.socket, n)
+            for s in socks:
+                s.close()
     return out
 
 
@@ -531,7 +538,9 @@ def measure(trees: dict[str, Path], tmp: Path, quick: bool) -> dict[str, dict[st
         ),
         "render": lambda src: in_tree(src, "render", [str(n) for n in sizes]),
         "node": lambda src: node_part(src, tmp, sizes, 1.0 if quick else 2.0),
-        "handoff64": lambda src: handoff_part(src, tmp, 64, 1000 if quick else 3000),
+        "handoff64": lambda src: handoff_part(
+            src, tmp, 64, 1000 if quick else 3000, 1 if quick else 3
+        ),
         "mass_attach": lambda src: mass_part(src, tmp, [300] if quick else [600, 1000]),
     }
     out: dict[str, dict[str, Any]] = {label: {} for label in trees}
@@ -562,6 +571,8 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
             (f"handoff p99, 64 cycling, {k}", "us", v["p99_us"]),
             (f"  grants per second, {k}", "/s", v["grants_per_s"]),
         ]
+        if v["scrapes_per_s"]:
+            out.append(("  scrapes per second meanwhile", "/s", v["scrapes_per_s"]))
     for n, v in r["mass_attach"].items():
         out.append((f"mass attach: {n} at once, succeeded", "", v["ok"]))
         out.append((f"  seconds to all answered, {n}", "s", v["seconds"]))

@@ -4,16 +4,13 @@ every attach succeeds."""
 
 from __future__ import annotations
 
-import errno
-import signal
-import socket
 import sys
 
 from gpushare import protocol as p
 from tests.support import REPO, sim, wait_until
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from node_costs import mass_attach
+from node_costs import connect_burst, mass_attach
 
 BURST = 300
 
@@ -34,21 +31,7 @@ def test_a_burst_of_attaches_all_succeed(node_factory, short_tmp):
 def test_the_backlog_holds_a_burst_the_node_is_not_accepting(node_factory, short_tmp):
     node = node_factory(*sim("80GiB"), *many_sessions_allowed(short_tmp))
     assert node.proc is not None
-    node.proc.send_signal(signal.SIGSTOP)  # busy: accepting nothing
-    socks, refused = [], 0
-    try:
-        for _ in range(BURST):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(node.socket)
-                socks.append(s)
-            except BlockingIOError as e:  # the backlog is full
-                assert e.errno == errno.EAGAIN
-                refused += 1
-                s.close()
-    finally:
-        node.proc.send_signal(signal.SIGCONT)
+    socks, refused = connect_burst(node.proc, node.socket, BURST)  # the node stopped
     assert refused == 0  # asyncio's default backlog (100) refused 199 of them
     for i, s in enumerate(socks):
         s.setblocking(True)

@@ -292,9 +292,7 @@ class Exposition:
         for g, lab in gpus:
             yield f"gpushare_gpu_info{lab.with_('name', _escape(g.name))} 1.0\n"
         for metric, h, fig in _GPU_GAUGES:
-            yield _header(f"gpushare_{metric}", "gauge", h)
-            for g, lab in gpus:
-                yield f"gpushare_{metric}{lab.plain} {value(fig(g))}\n"
+            yield from _per_gpu(f"gpushare_{metric}", "gauge", h, fig, gpus)
         yield _header("gpushare_mode", "gauge", "1 for the GPU's arbitration mode.")
         for g, lab in gpus:
             for m in MODES:
@@ -304,9 +302,7 @@ class Exposition:
             for pol in POLICIES:
                 yield f"gpushare_policy{lab.with_('policy', pol)} {_one_if(g.policy == pol)}\n"
         for metric, h, fig in _GPU_COUNTERS:
-            yield _header(f"gpushare_{metric}_total", "counter", h)
-            for g, lab in gpus:
-                yield f"gpushare_{metric}_total{lab.plain} {value(fig(g))}\n"
+            yield from _per_gpu(f"gpushare_{metric}_total", "counter", h, fig, gpus)
         yield _header("gpushare_sessions", "gauge", "Sessions by state.")
         for g, lab in gpus:
             counts = dict.fromkeys([x.value for x in State], 0)
@@ -338,6 +334,18 @@ class Exposition:
                 rows.append(had[1])
         self._sessions = kept  # sessions gone are forgotten
         return rows
+
+
+def _per_gpu(
+    name: str,
+    kind: str,
+    help_: str,
+    fig: Callable[[GpuStatus], float],
+    gpus: list[tuple[GpuStatus, Labels]],
+) -> Iterator[str]:
+    yield _header(name, kind, help_)
+    for g, lab in gpus:
+        yield f"{name}{lab.plain} {value(fig(g))}\n"
 
 
 def _bool(b: bool) -> str:
