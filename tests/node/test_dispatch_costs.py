@@ -1,7 +1,7 @@
 """What dispatch costs per message, in process on virtual time: the GPU's timer is set
-again only when the next deadline moves earlier (a timer that fires early ticks for
-nothing, harmlessly), a round's frames leave in one write per connection, and a peer
-that stops reading is refused and closed without holding up anyone else."""
+again only when the next deadline moves earlier (a timer that fires before anything is
+due does not tick the arbiter), a round's frames leave in one write per connection,
+and a peer that stops reading is refused and closed without holding up anyone else."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from tests.node.harness import G, in_process
 
 
 @in_process(mode="exclusive", tq=5)
-async def test_grants_within_the_set_timer_set_no_timer_and_the_early_tick_is_harmless(node):
+async def test_grants_within_the_set_timer_set_no_timer_and_an_early_one_does_not_tick(
+    node, monkeypatch
+):
+    arb = node.node.arbiters[0]
+    ticks: list[float] = []
+    real_tick = arb.tick
+    monkeypatch.setattr(arb, "tick", lambda: (ticks.append(node.clock.monotonic()), real_tick())[1])
     a = await node.workload(memory_limit=G, name="a")
     t0 = node.clock.monotonic()
     await a.send(p.Acquire())
@@ -29,13 +35,15 @@ async def test_grants_within_the_set_timer_set_no_timer_and_the_early_tick_is_ha
     last_grant = node.clock.monotonic()
     assert last_grant - t0 == pytest.approx(2.0)
     assert node.node.dispatch.timers_set == 1  # not one per message
-    # At t0 + 5 the timer fires early for the last quantum: nothing is due, nothing said
+    # At t0 + 5 the timer fires early for the last quantum: nothing is due, no tick
     await node.until(lambda: node.clock.monotonic() > t0 + 5)
     assert node.node.dispatch.timers_set == 2  # set again, for the last quantum's end
+    assert ticks == []
     b = await node.workload(memory_limit=G, name="b")
     await b.send(p.Acquire())
-    await a.expect(p.Revoke)  # a said nothing else between: the early tick was silent
+    await a.expect(p.Revoke)  # a was told nothing between
     assert node.clock.monotonic() == pytest.approx(last_grant + 5)
+    assert ticks == [pytest.approx(last_grant + 5)]  # the arbiter ticked when it was due
     kinds = [e["event"] for e in node.events()]
     assert kinds == ["attach", "grant", *["release", "grant"] * 40, "attach", "revoke"]
 

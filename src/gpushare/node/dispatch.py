@@ -9,9 +9,10 @@ of the node's memory: it is refused and closed, and the others go on.
 After every batch the GPU's timer is checked against the arbiter's next deadline,
 relative to the node's clock (so a virtual clock drives it as well). It is set again
 only when that deadline is earlier than the one it is set for: a timer that fires
-before anything is due ticks the arbiter, which then has nothing to do, and is set for
-the next deadline from there. So a message costs no timer work in the common case (a
-grant's quantum ends after the timer already set).
+before anything is due (its deadline went, or moved later) does not tick the arbiter,
+it is only set for the next deadline from there. So a message costs no timer work in
+the common case (a grant's quantum ends after the timer already set), and the arbiter
+is ticked exactly when something is due, as before.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class Dispatch:
     def _schedule(self, arb: Arbiter) -> None:
         when = arb.next_deadline()
         if when is None:
-            return  # a timer already set fires for nothing, harmlessly
+            return  # a timer already set fires, finds nothing due, and is not set again
         armed = self._timers.get(arb.gpu)
         if armed is not None:
             if armed[0] <= when:
@@ -178,4 +179,8 @@ class Dispatch:
 
     def _on_timer(self, arb: Arbiter) -> None:
         self._timers.pop(arb.gpu, None)
-        self.apply(arb, arb.tick())
+        when = arb.next_deadline()
+        if when is not None and when <= self.clock.monotonic():
+            self.apply(arb, arb.tick())
+        else:  # set for a deadline that went or moved later: nothing is due yet
+            self._schedule(arb)
