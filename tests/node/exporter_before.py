@@ -1,12 +1,14 @@
-"""The exporter as it was before its text was written by gpushare itself (gpushare at
-commit ea541dc: prometheus_client's families, rendered by its ``generate_latest``), kept
+"""The exporter as it was before gpushare wrote its text itself (gpushare at commit
+81033a6: prometheus_client's families, rendered by its ``generate_latest``), kept
 verbatim as the reference that the exporter's output is checked against: every series
 it has is still there, with the same help, type, labels and values, byte for byte."""
 
 from __future__ import annotations
 
 import platform
+import pwd
 from collections.abc import Callable, Iterator
+from functools import lru_cache
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -20,7 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpushare._version import __version__
 from gpushare.core.sessions import WAIT_BUCKETS, State
 from gpushare.settings import MODES, POLICIES
-from gpushare.status import NodeStatus, SessionStatus
+from gpushare.status import NodeStatus, SessionStatus, WorkloadStatus
 
 DEFAULT_PORT = 9423
 GPU_LABELS = ["gpu", "gpu_uuid", "simulated"]
@@ -176,6 +178,74 @@ class NodeCollector(Collector):
         yield from (fam for _, fam in s_counters)
         yield from (gauge for _, gauge in s_gauges)
         yield from (swaps, swap_bytes, swap_secs, waits, sstate)
+        yield from session_info(st)
+        yield from workload_totals(st)
+
+
+@lru_cache(maxsize=1024)
+def user_name(uid: int) -> str:
+    """The uid's name on this node, else the number (a container's user, say)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def session_info(st: NodeStatus) -> Iterator[Metric]:
+    """``gpushare_session_info{gpu, gpu_uuid, namespace, pod, container, session, name,
+    user} 1``: one series per session, so that any per-session series joins to the name
+    a person knows, ``* on(instance, gpu, session) group_left(name) gpushare_session_info``
+    (no pid: it would make a series per process for nothing a name does not say)."""
+    info = InfoMetricFamily(
+        "gpushare_session",
+        "Who each session is: its name and user (join on gpu and session).",
+        labels=SESSION_LABELS,
+    )
+    for g in st.gpus:
+        for s in g.sessions:
+            sl = [str(g.index), g.uuid, s.namespace, s.pod, s.container, str(s.id)]
+            info.add_metric(sl, {"name": s.name, "user": user_name(s.uid)})
+    yield info
+
+
+WORKLOAD_LABELS = ["gpu", "gpu_uuid", "namespace", "pod", "container", "name"]
+_WORKLOAD_COUNTERS: list[tuple[str, Callable[[WorkloadStatus], float], str]] = [
+    ("sessions", lambda w: w.sessions_total, "Sessions this workload attached."),
+    ("lease_seconds", lambda w: w.lease_seconds_total, "Seconds its sessions held a lease."),
+    ("wait_seconds", lambda w: w.wait_seconds_total, "Seconds its sessions waited for the GPU."),
+    ("grants", lambda w: w.grants_total, "Leases granted to its sessions."),
+    ("revokes", lambda w: w.revokes_total, "Leases revoked from its sessions."),
+    (
+        "utilization_seconds",
+        lambda w: w.utilization_seconds_total,
+        "GPU utilization attributed to its sessions, busy-seconds.",
+    ),
+]
+
+
+def workload_totals(st: NodeStatus) -> Iterator[Metric]:
+    """``gpushare_workload_*_total{gpu, gpu_uuid, namespace, pod, container, name}``: a
+    workload's figures summed over its sessions of that name and pod, those that detached
+    included, counting on across them from the node's start: a job shorter than the
+    scrape interval is counted all the same."""
+    fams = [
+        (f, CounterMetricFamily(f"gpushare_workload_{n}", h, labels=WORKLOAD_LABELS))
+        for n, f, h in _WORKLOAD_COUNTERS
+    ]
+    swap_bytes = CounterMetricFamily(
+        "gpushare_workload_swap_bytes",
+        "Bytes its sessions swapped, by direction.",
+        labels=[*WORKLOAD_LABELS, "direction"],
+    )
+    for g in st.gpus:
+        for w in g.workloads:
+            wl = [str(g.index), g.uuid, w.namespace, w.pod, w.container, w.name]
+            for figure, fam in fams:
+                fam.add_metric(wl, figure(w))
+            swap_bytes.add_metric([*wl, "out"], w.swap_out_bytes_total)
+            swap_bytes.add_metric([*wl, "in"], w.swap_in_bytes_total)
+    yield from (fam for _, fam in fams)
+    yield swap_bytes
 
 
 def registry_for(snapshot: Callable[[], NodeStatus]) -> CollectorRegistry:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
 import random
 import urllib.error
 import urllib.request
@@ -21,8 +22,8 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
 from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
-from gpushare.node.metrics import CONTENT_TYPE, Exposition, serve, value
-from gpushare.status import NodeStatus, SessionStatus
+from gpushare.node.metrics import _SESSIONS, CONTENT_TYPE, Exposition, serve, value
+from gpushare.status import NodeStatus, SessionStatus, WorkloadStatus
 from tests.node import exporter_before
 from tests.node.test_metrics import free_port
 
@@ -85,6 +86,8 @@ def odd(st: NodeStatus, rng: random.Random) -> NodeStatus:
         sessions = [
             msgspec.structs.replace(
                 s,
+                name=rng.choice(names),
+                uid=rng.choice([0, os.getuid(), 987654]),  # 987654: no such user
                 pod=rng.choice(names),
                 namespace=rng.choice(names),
                 container=rng.choice(names),
@@ -94,7 +97,22 @@ def odd(st: NodeStatus, rng: random.Random) -> NodeStatus:
             )
             for s in g.sessions
         ]
-        gpus.append(msgspec.structs.replace(g, name=rng.choice(names), sessions=sessions))
+        workloads = [
+            msgspec.structs.replace(
+                w,
+                name=rng.choice(names),
+                pod=rng.choice(names),
+                lease_seconds_total=rng.choice([0.0, 12345678.9, 1e22]),
+                swap_in_bytes_total=rng.choice([0, 2**60]),
+            )
+            for w in g.workloads
+        ]
+        workloads.append(WorkloadStatus(name=rng.choice(names), sessions_total=rng.randrange(9)))
+        gpus.append(
+            msgspec.structs.replace(
+                g, name=rng.choice(names), sessions=sessions, workloads=workloads
+            )
+        )
     return msgspec.structs.replace(st, gpus=gpus)
 
 
@@ -139,7 +157,7 @@ def changed(v: object) -> object:
     return msgspec.structs.replace(v, pod="changed")  # type: ignore[type-var]
 
 
-@pytest.mark.parametrize("field", [f for f in msgspec.structs.fields(SessionStatus)])
+@pytest.mark.parametrize("field", msgspec.structs.fields(SessionStatus), ids=lambda f: f.name)
 def test_a_change_of_any_one_figure_of_a_session_is_written(field):
     """A scrape reuses a session's lines only when nothing it shows changed: changed
     alone, each field of the status shows in the text as the reference writes it."""
@@ -155,6 +173,20 @@ def test_a_change_of_any_one_figure_of_a_session_is_written(field):
         st, gpus=[msgspec.structs.replace(g, sessions=sessions), *st.gpus[1:]]
     )
     check_against_before(exp, st2)
+
+
+@pytest.mark.parametrize("field", msgspec.structs.fields(WorkloadStatus), ids=lambda f: f.name)
+def test_a_change_of_any_one_figure_of_a_workload_is_written(field):
+    node, _ = scripted_node()
+    exp = Exposition()
+    st = node.status()
+    g = st.gpus[0]
+    assert g.workloads
+    exp.render(st)
+    w = g.workloads[0]
+    w2 = msgspec.structs.replace(w, **{field.name: changed(getattr(w, field.name))})
+    g2 = msgspec.structs.replace(g, workloads=[w2, *g.workloads[1:]])
+    check_against_before(exp, msgspec.structs.replace(st, gpus=[g2, *st.gpus[1:]]))
 
 
 def test_no_gpus_and_no_sessions():
@@ -174,8 +206,9 @@ def test_a_session_gone_is_forgotten_and_its_id_on_another_gpu_is_its_own():
     node.arbiters[0].detach(1)
     node.arbiters[1].attach(1, name="again", limit=G)  # the same id, elsewhere
     check_against_before(exp, node.status())
-    assert {k[2] for k in exp._sessions} == {1, 2, 3, 4, 7}
-    assert {k[0] for k in exp._sessions if k[2] == 1} == {1}
+    kept = exp._last[id(_SESSIONS)]
+    assert {k[2] for k in kept} == {1, 2, 3, 4, 7}
+    assert {k[0] for k in kept if k[2] == 1} == {1}
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from gpushare.core.clock import Clock
 from gpushare.core.planner import MemoryView, plan_grant
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.units import format_size
 
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
@@ -96,8 +97,8 @@ class Arbiter:
             raise ArbiterError("memory limit must be positive")
         if limit > self.capacity:
             raise ArbiterError(
-                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
-                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
+                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
             )
         if not (weight > 0 and math.isfinite(weight)):
             raise ArbiterError("weight must be a positive number")
@@ -136,9 +137,11 @@ class Arbiter:
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
         now = self.clock.monotonic()
-        if s.holding:
-            s.lease_s += now - s.lease_start
+        if s.holding:  # its lease ends with it: a release, for whoever counts leases
+            held = now - s.lease_start
+            s.lease_s += held
             self.holders.remove(sid)
+            self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
@@ -284,14 +287,22 @@ class Arbiter:
         policy: Policy | None = None,
         escalation: Escalation | None = None,
     ) -> list[Action]:
-        """Change TQ, mode, policy or escalation; quanta already running keep their
-        length. Every value is checked first: one bad value changes nothing."""
+        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
+        now that the change makes shorter ends no later than its start plus its new
+        length (a longer one keeps its end). Every value is checked first: one bad value
+        changes nothing."""
         try:
             changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
+        running = {sid: self.quantum(self.sessions[sid]) for sid in self.holders}
         for key, value in changes.items():
             setattr(self.settings, key, value)
+        for sid, before in running.items():
+            s = self.sessions[sid]
+            cut = before - self.quantum(s)
+            if cut > 0 and s.state is State.HOLDING and not math.isinf(s.quantum_end):
+                s.quantum_end -= cut
         if changes:
             self._event("config", None, **changes)
         return self._advance()

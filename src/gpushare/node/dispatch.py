@@ -134,6 +134,7 @@ class Dispatch:
     def end_session(self, c: Conn, reason: str) -> None:
         """An administrator ends a session: it is told, thawed if frozen, and its
         connection closed (its reader sees the end; the detach follows from there)."""
+        c.ended = True  # its detach says so: reason "ended"
         c.send(p.Error(code="ended", message=f"session ended: {reason}"))
         if c.frozen:
             self._signal(c, signal.SIGCONT)

@@ -33,6 +33,7 @@ class Conn:
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     frozen: bool = False
+    ended: bool = False  # an administrator ended its session (ctl end)
     tokens: float = 0.0
     refilled: float = 0.0
 

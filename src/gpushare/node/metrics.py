@@ -11,7 +11,11 @@ scrape, so a scrape of many idle sessions costs little more than joining strings
 Names: prefix ``gpushare_``, base units, counters end in ``_total``, ratios are 0-1.
 Per-session series carry ``gpu``, ``gpu_uuid``, ``namespace``, ``pod``, ``container``,
 ``session`` (no pid label); GPU-level series carry ``gpu``, ``gpu_uuid`` and
-``simulated``. A series is added by a line in one of the tables below.
+``simulated``. A session's name and user are on one info series per session
+(``gpushare_session_info``), joined on ``session`` (Prometheus' advice: names that
+change rarely on an info series, not on every series); a workload's totals by name and
+pod outlive its sessions (``gpushare_workload_*_total``, node/totals.py). A series is
+added by a line in one of the tables below.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import gzip
 import itertools
 import math
 import platform
+import pwd
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -117,12 +124,30 @@ _SHOWN = attrgetter(
     "namespace",
     "pod",
     "container",
+    "name",
+    "uid",
     "state",
     "wait_seconds_completed_total",
     "wait_seconds_buckets",
     *(f for _, f, _ in _SESSION_COUNTERS),
     *(f for _, f, _ in _SESSION_GAUGES),
     *(f for _, _, o, i in _SESSION_SWAPS for f in (o, i)),
+)
+# (metric, the WorkloadStatus field, help) for a workload's counters
+_WORKLOAD_COUNTERS: list[tuple[str, str, str]] = [
+    ("sessions", "sessions_total", "Sessions this workload attached."),
+    ("lease_seconds", "lease_seconds_total", "Seconds its sessions held a lease."),
+    ("wait_seconds", "wait_seconds_total", "Seconds its sessions waited for the GPU."),
+    ("grants", "grants_total", "Leases granted to its sessions."),
+    ("revokes", "revokes_total", "Leases revoked from its sessions."),
+    (
+        "utilization_seconds",
+        "utilization_seconds_total",
+        "GPU utilization attributed to its sessions, busy-seconds.",
+    ),
+]
+_WORKLOAD_SHOWN = attrgetter(
+    *(f for _, f, _ in _WORKLOAD_COUNTERS), "swap_out_bytes_total", "swap_in_bytes_total"
 )
 _LE = [repr(float(b)) for b in WAIT_BUCKETS] + ["+Inf"]
 _STATES = [st.value for st in State]
@@ -178,6 +203,11 @@ class Labels:
         pre, post = self.around(name)
         return f"{pre}{v}{post}"
 
+    def plus(self, **more: str) -> str:
+        """These and ``more`` (values as they are: escaped here)."""
+        pairs = sorted([*self._pairs, *((k, f'{k}="{_escape(v)}"') for k, v in more.items())])
+        return "{" + ",".join(p for _, p in pairs) + "}"
+
     def around(self, name: str) -> tuple[str, str]:
         """What goes before and after the value of label ``name``, added to these."""
         split = self._splits.get(name)
@@ -191,17 +221,26 @@ class Labels:
         return split
 
 
-# --- the sessions' lines -----------------------------------------------------------------
-SessionLines = Callable[[SessionStatus, Labels], str]
+# --- the lines of a session, of a workload -------------------------------------------------
+Lines = Callable[[Any, Labels], str]  # one row's (a SessionStatus, a WorkloadStatus)
 
 
-def _one(metric: str, field: str) -> SessionLines:
+@lru_cache(maxsize=1024)
+def user_name(uid: int) -> str:
+    """The uid's name on this node, else the number (a container's user, say)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _one(metric: str, field: str) -> Lines:
     get = attrgetter(field)
     return lambda s, lab: f"{metric}{lab.plain} {value(get(s))}\n"
 
 
-def _by_direction(metric: str, out: str, in_: str) -> SessionLines:
-    def lines(s: SessionStatus, lab: Labels) -> str:
+def _by_direction(metric: str, out: str, in_: str) -> Lines:
+    def lines(s: Any, lab: Labels) -> str:
         pre, post = lab.around("direction")
         return (
             f"{metric}{pre}out{post} {value(getattr(s, out))}\n"
@@ -233,8 +272,12 @@ def _state(s: SessionStatus, lab: Labels) -> str:
     )
 
 
+def _info(s: SessionStatus, lab: Labels) -> str:
+    return f"gpushare_session_info{lab.plus(name=s.name, user=user_name(s.uid))} 1.0\n"
+
+
 # (header, its lines for one session), in the order they are exposed
-_SESSION_FAMILIES: list[tuple[str, SessionLines]] = [
+_SESSION_FAMILIES: list[tuple[str, Lines]] = [
     *(
         (_header(f"gpushare_{m}_total", "counter", h), _one(f"gpushare_{m}_total", f))
         for m, f, h in _SESSION_COUNTERS
@@ -256,7 +299,73 @@ _SESSION_FAMILIES: list[tuple[str, SessionLines]] = [
         _waits,
     ),
     (_header("gpushare_session_state", "gauge", "1 for the session's state."), _state),
+    (
+        _header(
+            "gpushare_session_info",
+            "gauge",
+            "Who each session is: its name and user (join on gpu and session).",
+        ),
+        _info,
+    ),
 ]
+_WORKLOAD_FAMILIES: list[tuple[str, Lines]] = [
+    *(
+        (
+            _header(f"gpushare_workload_{m}_total", "counter", h),
+            _one(f"gpushare_workload_{m}_total", f),
+        )
+        for m, f, h in _WORKLOAD_COUNTERS
+    ),
+    (
+        _header(
+            "gpushare_workload_swap_bytes_total",
+            "counter",
+            "Bytes its sessions swapped, by direction.",
+        ),
+        _by_direction(
+            "gpushare_workload_swap_bytes_total", "swap_out_bytes_total", "swap_in_bytes_total"
+        ),
+    ),
+]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A kind of row (a session, a workload): its families, what tells one from another
+    on a GPU, what its lines show, and its labels."""
+
+    families: list[tuple[str, Lines]]
+    ident: Callable[[Any], Hashable]
+    shown: Callable[[Any], Any]
+    labels: Callable[[GpuStatus, Any], Labels]
+
+
+_SESSIONS = _Rows(
+    _SESSION_FAMILIES,
+    attrgetter("id"),
+    _SHOWN,
+    lambda g, s: Labels(
+        gpu=str(g.index),
+        gpu_uuid=g.uuid,
+        namespace=s.namespace,
+        pod=s.pod,
+        container=s.container,
+        session=str(s.id),
+    ),
+)
+_WORKLOADS = _Rows(
+    _WORKLOAD_FAMILIES,
+    attrgetter("name", "namespace", "pod", "container"),
+    _WORKLOAD_SHOWN,
+    lambda g, w: Labels(
+        gpu=str(g.index),
+        gpu_uuid=g.uuid,
+        namespace=w.namespace,
+        pod=w.pod,
+        container=w.container,
+        name=w.name,
+    ),
+)
 
 _BUILD = _header("gpushare_build_info", "gauge", "gpushare version and Python.") + (
     f"gpushare_build_info{Labels(version=__version__, python=platform.python_version()).plain}"
@@ -266,12 +375,12 @@ _BUILD = _header("gpushare_build_info", "gauge", "gpushare version and Python.")
 
 class Exposition:
     """Writes the exposition of a snapshot. Thread-safe (scrapes take turns); keeps each
-    session's lines until one of its figures changes or it is gone."""
+    session's (and workload's) lines until one of its figures changes or it is gone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (gpu, gpu uuid, session) -> (its shown figures, its lines per family)
-        self._sessions: dict[tuple[int, str, int], tuple[tuple[Any, ...], list[bytes]]] = {}
+        # per kind of row: (gpu, gpu uuid, row) -> (its shown figures, its lines per family)
+        self._last: dict[int, dict[tuple[int, str, Hashable], tuple[Any, list[bytes]]]] = {}
 
     def render(self, st: NodeStatus) -> bytes:
         with self._lock:
@@ -280,10 +389,14 @@ class Exposition:
                 for g in st.gpus
             ]
             out = ["".join(self._gpu_text(gpus)).encode()]
-            rows = self._session_rows(gpus)
-            for i, (header, _) in enumerate(_SESSION_FAMILIES):
-                out.append(header.encode())
-                out.extend([r[i] for r in rows])
+            for kind, items in (
+                (_SESSIONS, [(g, s) for g in st.gpus for s in g.sessions]),
+                (_WORKLOADS, [(g, w) for g in st.gpus for w in g.workloads]),
+            ):
+                rows = self._rows(kind, items)
+                for i, (header, _) in enumerate(kind.families):
+                    out.append(header.encode())
+                    out.extend([r[i] for r in rows])
             return b"".join(out)  # one copy (joining per family first took 10x as long)
 
     def _gpu_text(self, gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:
@@ -311,28 +424,20 @@ class Exposition:
             for state, n in counts.items():
                 yield f"gpushare_sessions{lab.with_('state', state)} {value(n)}\n"
 
-    def _session_rows(self, gpus: Iterable[tuple[GpuStatus, Labels]]) -> list[list[bytes]]:
-        """Each session's lines per family, the last scrape's where nothing changed."""
-        last, kept = self._sessions, {}
+    def _rows(self, kind: _Rows, items: list[tuple[GpuStatus, Any]]) -> list[list[bytes]]:
+        """Each row's lines per family, the last scrape's where nothing they show changed."""
+        last, kept = self._last.get(id(kind), {}), {}
         rows = []
-        for g, _ in gpus:
-            for s in g.sessions:
-                key = (g.index, g.uuid, s.id)
-                shown = _SHOWN(s)
-                had = last.get(key)
-                if had is None or had[0] != shown:
-                    lab = Labels(
-                        gpu=str(g.index),
-                        gpu_uuid=g.uuid,
-                        namespace=s.namespace,
-                        pod=s.pod,
-                        container=s.container,
-                        session=str(s.id),
-                    )
-                    had = (shown, [lines(s, lab).encode() for _, lines in _SESSION_FAMILIES])
-                kept[key] = had
-                rows.append(had[1])
-        self._sessions = kept  # sessions gone are forgotten
+        for g, x in items:
+            key = (g.index, g.uuid, kind.ident(x))
+            shown = kind.shown(x)
+            had = last.get(key)
+            if had is None or had[0] != shown:
+                lab = kind.labels(g, x)
+                had = (shown, [lines(x, lab).encode() for _, lines in kind.families])
+            kept[key] = had
+            rows.append(had[1])
+        self._last[id(kind)] = kept  # rows gone are forgotten
         return rows
 
 
