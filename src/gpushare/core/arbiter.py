@@ -9,8 +9,10 @@ this same code. The rules are those of DESIGN.md "Arbitration rules".
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Literal
 
 from gpushare.core.actions import (
@@ -39,7 +41,16 @@ class ArbiterError(ValueError):
 
 
 class Arbiter:
-    """Decisions for one GPU of ``capacity`` usable bytes."""
+    """Decisions for one GPU of ``capacity`` usable bytes.
+
+    Its cost per input does not grow with the sessions attached: what the rules need of
+    all of them is kept as running totals (counted memory: :meth:`_recount`; the largest
+    weight; the swap-retry times as a heap), and the planner runs only when the fast
+    path fails. :meth:`verify` checks each against a scan of every session; with
+    ``check_every_input`` set (the tests set it) it runs after every input.
+    """
+
+    check_every_input = False
 
     def __init__(
         self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
@@ -56,6 +67,11 @@ class Arbiter:
         self._lease_seq = 0
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
+        self._used = 0  # the sum of every session's counted memory (SessionState.counted)
+        self._weights: Counter[float] = Counter()  # the attached sessions' weights
+        self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
+        # (swap_failed_until, session) of failed swaps, stale entries skipped as read
+        self._retries: list[tuple[float, int]] = []
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -98,6 +114,7 @@ class Arbiter:
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
+        self._weigh(weight, 1)
         resumed = bool(resident or swapped or holding)
         self._event(
             "attach",
@@ -129,6 +146,8 @@ class Arbiter:
             self._end_wait(s, now)
             self.queue.remove(sid)
         del self.sessions[sid]
+        self._recount(s, gone=True)
+        self._weigh(s.weight, -1)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
 
@@ -196,6 +215,7 @@ class Arbiter:
             self._enqueue(s)
         else:
             s.state = State.IDLE
+            self._recount(s)
         return self._advance()
 
     def swap_done(
@@ -214,6 +234,7 @@ class Arbiter:
             if direction == "out":
                 s.pending_out = 0  # the planner will look for another way
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
+                self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         else:
             self._count_swap(s, direction, nbytes, seconds)
@@ -294,6 +315,15 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
+            retry = self._next_retry(self.clock.monotonic())
+            if retry is not None:
+                times.append(retry)
+        return min(times, default=None)
+
+    def _holder_deadlines(self) -> list[float]:
         times = []
         for sid in self.holders:
             s = self.sessions[sid]
@@ -302,19 +332,14 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
-        if self.queue or any(self.sessions[h].room for h in self.holders):
-            # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            now = self.clock.monotonic()
-            times += [
-                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
-            ]
-        return min(times, default=None)
+        return times
 
     def quantum(self, s: SessionState) -> float:
         tq = self.settings.tq_s
         if self.settings.policy == "weighted":
-            top = max(x.weight for x in self.sessions.values())
-            return tq * s.weight / top
+            if not self._top_weight:
+                self._top_weight = max(self._weights)
+            return tq * s.weight / self._top_weight
         return tq
 
     def lease_seconds(self, s: SessionState) -> float:
@@ -328,7 +353,33 @@ class Arbiter:
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
         rooms while filling)."""
-        return sum(v.used for v in self.sessions.values())
+        return self._used
+
+    def verify(self) -> None:
+        """Check the running totals against scans of every session (O(sessions): for
+        tests, and for ``check_every_input``); AssertionError names the first that
+        differs (raised, not asserted: it holds under ``python -O`` too)."""
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"GPU {self.gpu}: {what}")
+
+        for s in self.sessions.values():
+            check(s.counted == s.used, f"session {s.id} counted {s.counted}, uses {s.used}")
+        scan = sum(s.used for s in self.sessions.values())
+        check(self._used == scan, f"used bytes: running total {self._used}, scan {scan}")
+        weights = Counter(s.weight for s in self.sessions.values())
+        check(self._weights == weights, f"weights {dict(self._weights)}, scan {dict(weights)}")
+        top = max(weights, default=0.0)
+        check(self._top_weight in (0.0, top), f"largest weight {self._top_weight}, scan {top}")
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            now = self.clock.monotonic()
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
+        scanned, kept = min(times, default=None), self.next_deadline()
+        check(kept == scanned, f"next deadline {kept}, scan {scanned}")
 
     # --- the rules ------------------------------------------------------------------
 
@@ -350,6 +401,8 @@ class Arbiter:
                     self._freeze(s, now)
                     self._grant_what_fits()
         out, self._out = self._out, []
+        if self.check_every_input:
+            self.verify()
         return out
 
     def _may_join_holders(self) -> bool:
@@ -357,8 +410,14 @@ class Arbiter:
             return True
         if self.settings.mode == "exclusive":
             return False
-        wanting = [*self.holders, *self.queue]
-        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+        # Do the limits of all who want the GPU fit? Stop at the first that does not: the
+        # queue is long only when they do not.
+        total = 0
+        for i in itertools.chain(self.holders, self.queue):
+            total += self.sessions[i].limit
+            if total > self.capacity:
+                return False
+        return True
 
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
@@ -433,6 +492,7 @@ class Arbiter:
         self.holders.append(s.id)
         thaw, s.frozen = s.frozen, False
         s.escalated = False
+        self._recount(s)
         self._event(
             "grant",
             s.id,
@@ -459,12 +519,14 @@ class Arbiter:
             free = self.capacity - (self.used_bytes() - s.room)
             if free >= s.limit:
                 s.room = 0
+                self._recount(s)
                 self._out.append(RoomAction(s.id, s.limit))
                 if math.isinf(s.quantum_end):  # bounded again, even if it never reports
                     s.quantum_end = self._quantum_end(s)
                 continue
             if free > s.room:
                 s.room = free
+                self._recount(s)
                 self._out.append(RoomAction(s.id, free))
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
@@ -476,9 +538,12 @@ class Arbiter:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
+        if self._fits_after_release(s, self.sessions[self.queue[0]]):
+            asks: list[tuple[int, int]] = []  # what the planner would say, without it
+        else:
+            asks = plan_grant(self.capacity, self._views_released(s.id), self.queue[0]).swap_outs
         if self.settings.mode == "exclusive" or len(self.holders) == 1:
-            for sid, n in plan.swap_outs:
+            for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke
                     s.pending_out += n
                     swap_out = n
@@ -489,10 +554,57 @@ class Arbiter:
 
     # --- helpers --------------------------------------------------------------------
 
+    def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
+        """Would the planner find that ``head`` fits with holder ``s`` counted as if
+        released (:meth:`_views_released`)? Its sum without scanning: holders count at
+        their limits there (rooms here), ``s`` at what it has."""
+        planned = self._used - head.used - s.used + s.resident + head.limit
+        for h in self.holders:
+            if h != s.id:
+                v = self.sessions[h]
+                planned += v.limit - v.used
+        return planned <= self.capacity
+
     def _enqueue(self, s: SessionState) -> None:
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
         self.queue.append(s.id)
+        self._recount(s)
+
+    def _recount(self, s: SessionState, gone: bool = False) -> None:
+        """The one place the running total of counted memory changes: after anything
+        ``SessionState.used`` reads changed (state, room, swapping_in, memory), and when
+        a session goes."""
+        now = 0 if gone else s.used
+        self._used += now - s.counted
+        s.counted = now
+
+    def _weigh(self, weight: float, k: int) -> None:
+        """A session of ``weight`` came (k=1) or went (k=-1)."""
+        self._weights[weight] += k
+        if not self._weights[weight]:
+            del self._weights[weight]
+            if weight == self._top_weight:
+                self._top_weight = 0.0  # found again when next needed
+        elif k > 0 and self._top_weight:
+            self._top_weight = max(self._top_weight, weight)
+
+    def _retry_at(self, s: SessionState) -> None:
+        now = self.clock.monotonic()
+        self._next_retry(now)  # drop what has passed: the heap holds the last second's
+        heapq.heappush(self._retries, (s.swap_failed_until, s.id))
+
+    def _next_retry(self, now: float) -> float | None:
+        """The earliest swap_failed_until after ``now``, if any (each session's latest
+        is in the heap; older entries, and those of sessions gone, are skipped)."""
+        heap = self._retries
+        while heap:
+            t, sid = heap[0]
+            s = self.sessions.get(sid)
+            if t > now and s is not None and s.swap_failed_until == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _end_wait(self, s: SessionState, now: float) -> float:
         waited = now - s.wait_start
@@ -513,8 +625,7 @@ class Arbiter:
             s.swap_in_s += seconds
         self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds)
 
-    @staticmethod
-    def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
+    def _set_memory(self, s: SessionState, resident: int, swapped: int) -> None:
         if resident < 0 or swapped < 0:
             raise ArbiterError("memory figures must not be negative")
         # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
@@ -522,6 +633,7 @@ class Arbiter:
         s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
         s.resident = resident
         s.swapped = swapped
+        self._recount(s)
 
     def _view(self, s: SessionState) -> MemoryView:
         pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()

@@ -42,6 +42,7 @@ class SessionState:
     swap_failed_until: float = 0.0
     over_limit: bool = False
     last_served: float = -math.inf
+    counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
     # totals
     lease_s: float = 0.0
     wait_s: float = 0.0  # completed waits

@@ -87,9 +87,11 @@ class Node:
         self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
-        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller)
-        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
+        self.dispatch = Dispatch(
+            self.clock, self.events, self.conns, signaller, refuse=self.guard.refuse
+        )
+        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
@@ -224,9 +226,10 @@ class Node:
 
             return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
 
+        exposition = metrics.Exposition()  # written in the exporter's thread
         try:
             self._stop_metrics = metrics.serve(
-                metrics.registry_for(take), cfg.metrics_port, cfg.metrics_address
+                lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
             )
         except OSError as e:
             raise OSError(
