@@ -9,8 +9,10 @@ this same code. The rules are those of DESIGN.md "Arbitration rules".
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Literal
 
 from gpushare.core.actions import (
@@ -27,6 +29,7 @@ from gpushare.core.clock import Clock
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.units import format_size
 
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
@@ -45,7 +48,16 @@ class ArbiterError(ValueError):
 
 
 class Arbiter:
-    """Decisions for one GPU of ``capacity`` usable bytes."""
+    """Decisions for one GPU of ``capacity`` usable bytes.
+
+    Its cost per input does not grow with the sessions attached: what the rules need of
+    all of them is kept as running totals (counted memory: :meth:`_recount`; the largest
+    weight; the swap-retry times as a heap), and the planner runs only when the fast
+    path fails. :meth:`verify` checks each against a scan of every session; with
+    ``check_every_input`` set (the tests set it) it runs after every input.
+    """
+
+    check_every_input = False
 
     def __init__(
         self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
@@ -63,6 +75,11 @@ class Arbiter:
         self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
+        self._used = 0  # the sum of every session's counted memory (SessionState.counted)
+        self._weights: Counter[float] = Counter()  # the attached sessions' weights
+        self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
+        # (swap_failed_until, session) of failed swaps, stale entries skipped as read
+        self._retries: list[tuple[float, int]] = []
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -89,8 +106,8 @@ class Arbiter:
             raise ArbiterError("memory limit must be positive")
         if limit > self.capacity:
             raise ArbiterError(
-                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
-                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
+                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
             )
         if not (weight > 0 and math.isfinite(weight)):
             raise ArbiterError("weight must be a positive number")
@@ -109,6 +126,7 @@ class Arbiter:
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
+        self._weigh(weight, 1)
         resumed = bool(resident or swapped or holding)
         self._event(
             "attach",
@@ -131,15 +149,19 @@ class Arbiter:
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
         now = self.clock.monotonic()
-        if s.holding:
-            s.lease_s += now - s.lease_start
+        if s.holding:  # its lease ends with it: a release, for whoever counts leases
+            held = now - s.lease_start
+            s.lease_s += held
             self.holders.remove(sid)
+            self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
         if s.reserved:
             self._unreserve(s)
         del self.sessions[sid]
+        self._recount(s, gone=True)
+        self._weigh(s.weight, -1)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
 
@@ -153,6 +175,7 @@ class Arbiter:
         if s.bursts > 1:  # a gap between two bursts (not attach to the first)
             s.gap_last = min(idle, 2 * self.settings.anticipate_s)
             s.gap_ewma = s.gap_last if s.gap_ewma is None else _ewma(s.gap_ewma, s.gap_last)
+        self._expire_reservation(now)  # a window that passed while nobody waited
         if s.reserved:  # back within its window: the rest of its quantum, at once
             self._unreserve(s)
             s.continued = True
@@ -239,6 +262,7 @@ class Arbiter:
                 s.burst_lease if s.burst_ewma is None else _ewma(s.burst_ewma, s.burst_lease)
             )
             s.burst_lease = 0.0
+            self._recount(s)
             if not revoked and not turn:
                 window = self._anticipation(s, now)
         fields: dict[str, Any] = {"anticipate_s": window} if window else {}
@@ -270,6 +294,7 @@ class Arbiter:
                 if direction == "out":
                     s.pending_out = 0  # the planner will look for another way
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
+                self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         elif prefetch:
             self._count_swap(s, direction, nbytes, seconds, prefetch=True)
@@ -328,14 +353,27 @@ class Arbiter:
         policy: Policy | None = None,
         escalation: Escalation | None = None,
     ) -> list[Action]:
-        """Change TQ, mode, policy or escalation; quanta already running keep their
-        length. Every value is checked first: one bad value changes nothing."""
+        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
+        now that the change makes shorter ends no later than its start plus its new
+        length (a longer one keeps its end). Every value is checked first: one bad value
+        changes nothing."""
         try:
             changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
+        # The quanta running now (and one waiting for its holder to ask again); a turn's
+        # length is the turn's, not TQ's.
+        ids = [*self.holders, *(() if self.reserved is None else (self.reserved,))]
+        running = {sid: self.quantum(self.sessions[sid]) for sid in ids}
         for key, value in changes.items():
             setattr(self.settings, key, value)
+        for sid, before in running.items():
+            s = self.sessions[sid]
+            cut = before - self.quantum(s)
+            if cut > 0 and s.state is not State.YIELDING and not s.turn:
+                if not math.isinf(s.quantum_end):
+                    s.quantum_end -= cut
+                s.quantum_len = max(0.0, s.quantum_len - cut)
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -348,6 +386,15 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
+            retry = self._next_retry(self.clock.monotonic())
+            if retry is not None:
+                times.append(retry)
+        return min(times, default=None)
+
+    def _holder_deadlines(self) -> list[float]:
         times = []
         for sid in self.holders:
             s = self.sessions[sid]
@@ -356,22 +403,20 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
-        if self.reserved is not None:
+        if self.reserved is not None and self.queue:  # nobody waits: nothing to do then
             times.append(self.sessions[self.reserved].reserve_until)
-        if self.queue or any(self.sessions[h].room for h in self.holders):
-            # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            now = self.clock.monotonic()
-            times += [
-                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
-            ]
-        return min(times, default=None)
+        return times
 
     def quantum(self, s: SessionState) -> float:
         tq = self.settings.tq_s
         if self.settings.policy == "weighted":
-            top = max(x.weight for x in self.sessions.values())
-            return tq * s.weight / top
+            return tq * s.weight / self._largest_weight()
         return tq
+
+    def _largest_weight(self) -> float:
+        if not self._top_weight:
+            self._top_weight = max(self._weights)
+        return self._top_weight
 
     def lease_seconds(self, s: SessionState) -> float:
         live = self.clock.monotonic() - s.lease_start if s.holding else 0.0
@@ -384,18 +429,44 @@ class Arbiter:
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
         rooms while filling)."""
-        return sum(v.used for v in self.sessions.values())
+        return self._used
+
+    def verify(self) -> None:
+        """Check the running totals against scans of every session (O(sessions): for
+        tests, and for ``check_every_input``); AssertionError names the first that
+        differs (raised, not asserted: it holds under ``python -O`` too)."""
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"GPU {self.gpu}: {what}")
+
+        for s in self.sessions.values():
+            check(s.counted == s.used, f"session {s.id} counted {s.counted}, uses {s.used}")
+        scan = sum(s.used for s in self.sessions.values())
+        check(self._used == scan, f"used bytes: running total {self._used}, scan {scan}")
+        weights = Counter(s.weight for s in self.sessions.values())
+        check(self._weights == weights, f"weights {dict(self._weights)}, scan {dict(weights)}")
+        top = max(weights, default=0.0)
+        check(self._top_weight in (0.0, top), f"largest weight {self._top_weight}, scan {top}")
+        reserved = [s.id for s in self.sessions.values() if s.reserved]
+        kept_r = [] if self.reserved is None else [self.reserved]
+        check(reserved == kept_r, f"quantum waiting for {kept_r}, scan {reserved}")
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            now = self.clock.monotonic()
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
+        scanned, kept = min(times, default=None), self.next_deadline()
+        check(kept == scanned, f"next deadline {kept}, scan {scanned}")
 
     # --- the rules ------------------------------------------------------------------
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
-        if self.reserved is not None:
-            r = self.sessions[self.reserved]
-            if r.reserve_until <= now:  # it did not ask again in time: the GPU moves on
-                self._unreserve(r)
-            elif self.queue and self.sessions[self.queue[0]].turn:
-                self._pause_reserved(r, now)
+        self._expire_reservation(now)
+        if self.reserved is not None and self.queue and self.sessions[self.queue[0]].turn:
+            self._pause_reserved(self.sessions[self.reserved], now)
         self._grant_what_fits()
         self._preempt_for_turn(now)
         self._fill_rooms()
@@ -417,6 +488,8 @@ class Arbiter:
                     self._grant_what_fits()
         self._plan_prefetch(now)
         out, self._out = self._out, []
+        if self.check_every_input:
+            self.verify()
         return out
 
     def _may_join_holders(self) -> bool:
@@ -424,10 +497,16 @@ class Arbiter:
             return True
         if self.settings.mode == "exclusive":
             return False
-        wanting = [*self.holders, *self.queue]
-        if self.reserved is not None:
-            wanting.append(self.reserved)
-        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
+        # included)? Stop at the first that does not: the queue is long only when they
+        # do not.
+        total = 0
+        reserved = () if self.reserved is None else (self.reserved,)
+        for i in itertools.chain(self.holders, reserved, self.queue):
+            total += self.sessions[i].limit
+            if total > self.capacity:
+                return False
+        return True
 
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
@@ -529,6 +608,7 @@ class Arbiter:
         self.holders.append(s.id)
         thaw, s.frozen = s.frozen, False
         s.escalated = False
+        self._recount(s)
         self._event(
             "grant",
             s.id,
@@ -556,12 +636,14 @@ class Arbiter:
             free = self.capacity - (self.used_bytes() - s.room)
             if free >= s.limit:
                 s.room = 0
+                self._recount(s)
                 self._out.append(RoomAction(s.id, s.limit))
                 if math.isinf(s.quantum_end):  # bounded again, even if it never reports
                     s.quantum_end = self._quantum_end(s)
                 continue
             if free > s.room:
                 s.room = free
+                self._recount(s)
                 self._out.append(RoomAction(s.id, free))
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
@@ -574,9 +656,12 @@ class Arbiter:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
+        if self._fits_after_release(s, self.sessions[self.queue[0]]):
+            asks: list[tuple[int, int]] = []  # what the planner would say, without it
+        else:
+            asks = plan_grant(self.capacity, self._views_released(s.id), self.queue[0]).swap_outs
         if self.settings.mode == "exclusive" or len(self.holders) == 1:
-            for sid, n in plan.swap_outs:
+            for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke
                     s.pending_out += n
                     swap_out = n
@@ -622,11 +707,22 @@ class Arbiter:
             self._unreserve(self.sessions[self.reserved])
         self.reserved = s.id
         s.reserved, s.reserve_until = True, until
+        self._recount(s)
+
+    def _expire_reservation(self, now: float) -> None:
+        """A quantum's holder did not ask again within its window: the GPU moves on. (The
+        window's end is a deadline only while someone waits; otherwise it is seen here,
+        at the next input.)"""
+        if self.reserved is not None:
+            r = self.sessions[self.reserved]
+            if r.reserve_until <= now:
+                self._unreserve(r)
 
     def _unreserve(self, s: SessionState) -> None:
         s.reserved, s.reserve_until = False, 0.0
         if self.reserved == s.id:
             self.reserved = None
+        self._recount(s)
 
     def _pause_reserved(self, r: SessionState, now: float) -> None:
         """A turn comes while a quantum waits for its holder: the turn goes first; if the
@@ -638,7 +734,7 @@ class Arbiter:
 
     def _weight_share(self, s: SessionState) -> float:
         if self.settings.policy == "weighted":
-            return s.weight / max(x.weight for x in self.sessions.values())
+            return s.weight / self._largest_weight()
         return 1.0
 
     def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
@@ -695,6 +791,7 @@ class Arbiter:
             have += more
             h.prefetch_room = have
             h.prefetch_seq += 1
+            self._recount(h)
             self._event("prefetch", h.id, room_bytes=have, bytes=have - h.resident)
             self._out.append(PrefetchAction(h.id, have, h.prefetch_seq))
         need = want - have - sum(v.pending_out for v in self.sessions.values() if v is not h)
@@ -711,11 +808,23 @@ class Arbiter:
 
     # --- helpers --------------------------------------------------------------------
 
+    def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
+        """Would the planner find that ``head`` fits with holder ``s`` counted as if
+        released (:meth:`_views_released`)? Its sum without scanning: holders count at
+        their limits there (rooms here), ``s`` at what it has."""
+        planned = self._used - head.used - s.used + s.resident + head.limit
+        for h in self.holders:
+            if h != s.id:
+                v = self.sessions[h]
+                planned += v.limit - v.used
+        return planned <= self.capacity
+
     def _enqueue(self, s: SessionState, front: bool = False) -> None:
         """Join the queue: at its back, or (``front``) at its front, behind the sessions
         there already that go first: turns before paused quanta (docs/scheduling.md)."""
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
+        self._recount(s)
         if not front:
             self.queue.append(s.id)
             return
@@ -727,6 +836,41 @@ class Arbiter:
         else:
             i = len(self.queue)
         self.queue.insert(i, s.id)
+
+    def _recount(self, s: SessionState, gone: bool = False) -> None:
+        """The one place the running total of counted memory changes: after anything
+        ``SessionState.used`` reads changed (state, room, swapping_in, memory), and when
+        a session goes."""
+        now = 0 if gone else s.used
+        self._used += now - s.counted
+        s.counted = now
+
+    def _weigh(self, weight: float, k: int) -> None:
+        """A session of ``weight`` came (k=1) or went (k=-1)."""
+        self._weights[weight] += k
+        if not self._weights[weight]:
+            del self._weights[weight]
+            if weight == self._top_weight:
+                self._top_weight = 0.0  # found again when next needed
+        elif k > 0 and self._top_weight:
+            self._top_weight = max(self._top_weight, weight)
+
+    def _retry_at(self, s: SessionState) -> None:
+        now = self.clock.monotonic()
+        self._next_retry(now)  # drop what has passed: the heap holds the last second's
+        heapq.heappush(self._retries, (s.swap_failed_until, s.id))
+
+    def _next_retry(self, now: float) -> float | None:
+        """The earliest swap_failed_until after ``now``, if any (each session's latest
+        is in the heap; older entries, and those of sessions gone, are skipped)."""
+        heap = self._retries
+        while heap:
+            t, sid = heap[0]
+            s = self.sessions.get(sid)
+            if t > now and s is not None and s.swap_failed_until == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _end_wait(self, s: SessionState, now: float) -> float:
         waited = now - s.wait_start
@@ -750,8 +894,7 @@ class Arbiter:
         fields = {"prefetch": True} if prefetch else {}
         self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
 
-    @staticmethod
-    def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
+    def _set_memory(self, s: SessionState, resident: int, swapped: int) -> None:
         if resident < 0 or swapped < 0:
             raise ArbiterError("memory figures must not be negative")
         # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
@@ -759,6 +902,7 @@ class Arbiter:
         s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
         s.resident = resident
         s.swapped = swapped
+        self._recount(s)
 
     def _view(self, s: SessionState) -> MemoryView:
         now = self.clock.monotonic()

@@ -63,6 +63,7 @@ class SessionState:
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
     debt: float = 0.0  # GPU seconds held past earlier quanta, taken off later ones
+    counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
     # totals
     lease_s: float = 0.0
     wait_s: float = 0.0  # completed waits

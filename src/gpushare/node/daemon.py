@@ -31,7 +31,7 @@ from gpushare.core.clock import Clock
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, gpu_settings, scheduling
+from gpushare.node.config import NodeConfig, check_gpus, gpu_settings, scheduling
 from gpushare.node.dispatch import Dispatch, Signaller, send_signal
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
@@ -39,6 +39,7 @@ from gpushare.node.guard import Conn, Guard, admin_gid
 from gpushare.node.k8s import PodCache, PodWatcher
 from gpushare.node.live_config import LiveConfig
 from gpushare.node.sockets import Handlers, serve_unix
+from gpushare.node.totals import Totals
 from gpushare.node.utilization import NvmlUtilization, Sampler
 from gpushare.node.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
@@ -63,6 +64,7 @@ class Node:
     ) -> None:
         if not gpus:
             raise ValueError("a node needs at least one GPU")
+        check_gpus(config, len(gpus))  # a [gpu.N] table for a GPU it lacks: a mistake
         self.gpus = gpus
         self.clock = clock or SystemClock()
         self.events = EventBus(config.event_log)
@@ -80,6 +82,7 @@ class Node:
             self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
         self.conns: dict[int, Conn] = {}  # attached sessions' connections, by session id
         self.utilization = [Attribution() for _ in gpus]
+        self.totals = [Totals() for _ in gpus]  # by workload, sessions gone included
         self.pods: PodCache | None = None  # pod names from the Kubernetes API
         self.started = self.clock.wall()
         # The sockets served, from the config at start (a reload that changes them
@@ -87,9 +90,11 @@ class Node:
         self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
-        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller)
-        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
+        self.dispatch = Dispatch(
+            self.clock, self.events, self.conns, signaller, refuse=self.guard.refuse
+        )
+        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
@@ -99,6 +104,7 @@ class Node:
             dispatch=self.dispatch,
             utilization=self.utilization,
             sim_link=self._sim_link,
+            retire=self._retire,
         )
         self.admin = AdminServer(
             live=self.live,
@@ -121,6 +127,7 @@ class Node:
             lambda: parse_size(self.live.config.nvml_allowance),
         )
         self._servers: list[asyncio.Server] = []
+        self._made: list[str] = []  # socket and link files this node created
         self._handlers = Handlers()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_metrics: Any = None
@@ -134,8 +141,16 @@ class Node:
     def status(self) -> NodeStatus:
         info = NodeInfo(pid=os.getpid(), started=self.started, config=self.live.path)
         return snapshot.take(
-            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods
+            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods, self.totals
         )
+
+    def _retire(self, gpu: int, sid: int) -> None:
+        """A session leaves: its final figures go to its workload's totals."""
+        a = self.arbiters[gpu]
+        s = a.sessions.get(sid)
+        if s is not None:
+            st = snapshot.session(a, s, self.utilization[gpu], self.conns.get(sid), self.pods)
+            self.totals[gpu].retire(st)
 
     def reload(self) -> None:
         self.live.reload()
@@ -147,11 +162,22 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.metrics_port:  # first: a busy port stops the start before anything is up
+            self._start_exporter(cfg)
+        try:
+            await self._serve(cfg)
+        except BaseException:
+            await self.stop()  # no socket left behind
+            raise
+
+    async def _serve(self, cfg: NodeConfig) -> None:
         workloads = self._handlers.track(self.workloads.handle)
         self._servers.append(await serve_unix(workloads, self.socket, mode=0o666))
+        self._made.append(self.socket)
         for g in self.gpus:  # the simulated links' shared state, beside the socket
             if g.simulated:
                 SimLink.create(self._sim_link(g.index))
+                self._made.append(self._sim_link(g.index))
         gid = admin_gid(cfg)
         self._servers.append(
             await serve_unix(
@@ -160,6 +186,7 @@ class Node:
                 mode=0o600 if gid is None else 0o660,
             )
         )
+        self._made.append(self.admin_socket)
         if gid is not None:
             os.chown(self.admin_socket, -1, gid)
         for g, a in zip(self.gpus, self.arbiters, strict=True):
@@ -183,8 +210,6 @@ class Node:
             log.info("pod names from the Kubernetes API, pods of node %s", node)
         if self.live.path:
             self._spawn(self.live.watch())
-        if cfg.metrics_port:
-            self._start_exporter(cfg)
 
     def _start_exporter(self, cfg: NodeConfig) -> None:
         try:
@@ -204,9 +229,17 @@ class Node:
 
             return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
 
-        self._stop_metrics = metrics.serve(
-            metrics.registry_for(take), cfg.metrics_port, cfg.metrics_address
-        )
+        exposition = metrics.Exposition()  # written in the exporter's thread
+        try:
+            self._stop_metrics = metrics.serve(
+                lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
+            )
+        except OSError as e:
+            raise OSError(
+                f"metrics port {cfg.metrics_address}:{cfg.metrics_port}: {e.strerror or e}"
+                " (another gpushare node, or another exporter?): choose another with"
+                " --metrics-port PORT (or metrics_port in the config file), or 0 for none"
+            ) from None
         self.metrics_port = cfg.metrics_port
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, self.metrics_port)
 
@@ -235,10 +268,11 @@ class Node:
             task.cancel()
         if self._stop_metrics:
             self._stop_metrics()
+            self._stop_metrics = None
         if self._pod_watcher:
             self._pod_watcher.stop()
-        links = [self._sim_link(g.index) for g in self.gpus if g.simulated]
-        for path in (self.socket, self.admin_socket, *links):
+        for path in self._made:  # only what this node made: never another node's socket
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self._made.clear()
         self.events.close()

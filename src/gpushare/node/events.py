@@ -21,6 +21,7 @@ EVENT_KINDS = (
     "swap_in",
     "prefetch",
     "config",
+    "config_refused",
     "escalate",
 )
 

@@ -33,12 +33,21 @@ class Conn:
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     frozen: bool = False
+    ended: bool = False  # an administrator ended its session (ctl end)
     tokens: float = 0.0
     refilled: float = 0.0
 
     def send(self, msg: p.Message) -> None:
+        self.write(p.encode(msg))
+
+    def write(self, data: bytes) -> None:
+        """Frames, already encoded, in one write."""
         if not self.writer.is_closing():
-            self.writer.write(p.encode(msg))
+            self.writer.write(data)
+
+    def unread_bytes(self) -> int:
+        """What waits in the node for the peer to read (beyond the kernel's buffer)."""
+        return self.writer.transport.get_write_buffer_size()
 
     def spend(self, rate: float, now: float) -> bool:
         """One message from the token bucket (``rate``/s, bursts of twice that)."""

@@ -19,6 +19,9 @@ from gpushare.node.identity import read_identity
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
 
+# What an administrator's tool sends first: said to have come to the wrong socket.
+ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
+
 
 class WorkloadServer:
     def __init__(
@@ -32,12 +35,17 @@ class WorkloadServer:
         dispatch: Dispatch,
         utilization: Sequence[Attribution],
         sim_link: Callable[[int], str],
+        retire: Callable[[int, int], None] = lambda gpu, sid: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
         self.guard, self.dispatch, self.utilization = guard, dispatch, utilization
         self.sim_link = sim_link
+        self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
         self._next_session = 1
+
+    def socket_path(self) -> str:
+        return self._config().socket
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = self.guard.accept(writer)
@@ -48,6 +56,12 @@ class WorkloadServer:
                 hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
             except TimeoutError:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
+            if isinstance(hello, ADMIN_REQUESTS):
+                raise p.ProtocolError(
+                    f"{self.socket_path()} is this node's workload socket: ctl, top and"
+                    f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
+                    " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
+                )
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
             arb = self._attach(conn, hello)
@@ -64,9 +78,11 @@ class WorkloadServer:
             self.guard.refuse(conn, "workload", e)
         finally:
             if arb is not None and conn.session in self.conns:
+                self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
                 self.utilization[arb.gpu].forget(conn.session)
-                self.dispatch.apply(arb, arb.detach(conn.session, reason="disconnected"))
+                reason = "ended" if conn.ended else "disconnected"
+                self.dispatch.apply(arb, arb.detach(conn.session, reason=reason))
             writer.close()
 
     def _gpu_of(self, h: p.Hello) -> int:
@@ -144,6 +160,7 @@ class WorkloadServer:
                 sim_bandwidth=cfg.sim_bandwidth,
                 sim_swap_failure_rate=cfg.sim_swap_failure_rate,
                 sim_link=self.sim_link(gpu) if g.simulated else "",
+                tq_s=arb.settings.tq_s,
             )
         )
         self.dispatch.apply(arb, actions)
