@@ -238,7 +238,8 @@ class Arbiter:
         s.burst_lease += max(0.0, now - s.gpu_since)  # GPU time: after the swap-in
         self.holders.remove(sid)
         turn = s.turn
-        self._settle_quantum(s, now, revoked)
+        # An older client swapped out before it released: that copy is no GPU time.
+        self._settle_quantum(s, now - (seconds if swapped_out else 0.0), revoked)
         if swapped_out:
             self._count_swap(s, "out", swapped_out, seconds)
         # The release answers the revoke's ask, whatever was done: what is still missing
