@@ -188,6 +188,8 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
     [
         (4.0, 0.1, 1.0, True),
         (0.1, 0.1, 1.0, False),  # asked again soon: not rarely
+        (0.25, 0.05, 1.0, False),  # within half of idle_release: its quantum would wait
+        (0.3, 0.05, 1.0, True),  # past it: a notebook that thinks half a second
         (4.0, 2.0, 1.0, False),  # its bursts are longer than its credit: not briefly
         (0.6, 0.1, 1.0, True),  # 0.15 s of credit covers its 0.1 s bursts
         (4.0, 0.1, 0.0, False),  # turns off

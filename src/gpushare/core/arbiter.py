@@ -739,12 +739,13 @@ class Arbiter:
         return 1.0
 
     def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
-        """An interactive turn: the session asked (not for the first time) after idling at
-        least ``anticipate_s``,
-        its credit covers its usual burst, the GPU is taken, and no one waiting has waited
-        a whole round yet (the queue's length in quanta): turns never starve a queue."""
+        """An interactive turn: the session asked (not for the first time) after idling
+        longer than half of ``anticipate_s`` (away long enough that its quantum would not
+        wait for it: no session falls between the two rules and waits two quanta), its
+        credit covers its usual burst, the GPU is taken, and no one waiting has waited a
+        whole round yet (the queue's length in quanta): turns never starve a queue."""
         st = self.settings
-        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.burst_ewma is None:
+        if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.frozen or s.burst_ewma is None:
             return False  # (no burst of its own yet: nothing says it asks briefly)
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
