@@ -53,8 +53,23 @@ class EscalateAction:
 
 
 @dataclass(frozen=True)
+class ThawAction:
+    """A session frozen outside the queue (it ignored a swap-out) is continued."""
+
+    session: int
+
+
+@dataclass(frozen=True)
 class EventAction:
     record: dict[str, Any] = field(hash=False)
 
 
-Action = GrantAction | RevokeAction | RoomAction | SwapOutAction | EscalateAction | EventAction
+Action = (
+    GrantAction
+    | RevokeAction
+    | RoomAction
+    | SwapOutAction
+    | EscalateAction
+    | ThawAction
+    | EventAction
+)
