@@ -62,6 +62,10 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     pod_uid: str
     container_id: str
     runtime: str
+    # where its weight comes from: "kubernetes" (the pod's gpu-fraction annotation, through
+    # the API), "portion" (the GPU fraction the workload says KAI gave it), "claimed" (a
+    # weight it set), "default" (1)
+    weight_source: str = ""
 
 
 class GpuStatus(msgspec.Struct, kw_only=True):
@@ -82,6 +86,8 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     holders: list[int]
     queue: list[int]
     sessions: list[SessionStatus]
+    recovering: bool = False  # after a restart: nothing granted until its sessions are back
+    sessions_omitted: int = 0  # sessions left out so that the status fits one frame
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
@@ -93,6 +99,7 @@ class NodeInfo(msgspec.Struct, kw_only=True):
 class NodeStatus(msgspec.Struct, kw_only=True):
     node: NodeInfo
     gpus: list[GpuStatus]
+    truncated: bool = False  # some sessions were left out (GpuStatus.sessions_omitted)
 
 
 def to_json_object(status: NodeStatus) -> dict[str, object]:

@@ -20,8 +20,8 @@ from tests.support import wait_until
 PIECE = 256 * 2**20  # the sim backend's swap granularity
 
 
-def grant(lease: int, swap_in: int = 0, room: int = 0) -> p.Grant:
-    return p.Grant(lease=lease, swap_in=swap_in, quantum_s=30.0, room=room)
+def grant(lease: int, swap_in: int = 0, room: int = 0, resume: bool = False) -> p.Grant:
+    return p.Grant(lease=lease, swap_in=swap_in, quantum_s=30.0, room=room, resume=resume)
 
 
 def swapped_out(s, node: FakeNode, nbytes: int = 2 * G, seed: int = 7):
@@ -319,8 +319,8 @@ def test_a_holder_reconnecting_takes_the_resumed_lease_only():
         assert node.recv() == p.Release(resident=0, swapped=0)
         b2 = Burst(s)
         assert node.recv() == p.Acquire()
-        node.send(grant(1))  # the lease the hello claimed, granted before the release came
-        node.sync(s)
+        node.send(grant(1, resume=True))  # the lease the hello claimed, given back before
+        node.sync(s)  # the release came
         assert not s.holding and s._lease.phase is Phase.ACQUIRING
         node.send(grant(2))  # the answer to the acquire
         b2.granted()
@@ -337,7 +337,7 @@ def test_a_burst_ending_while_reconnecting_gives_back_the_lease_it_claimed():
         hello = node.take()
         assert hello.holding  # made before the burst ended
         assert node.recv() == p.Release(resident=0, swapped=0)  # so it gives that lease back
-        node.send(grant(1))  # granted for the hello, before the release was read
+        node.send(grant(1, resume=True))  # granted for the hello, before the release was read
         node.sync(s)
         assert not s.holding and s._lease.phase is Phase.IDLE
         assert node.said(s) == []

@@ -25,6 +25,7 @@ from gpushare.node import virtual_time
 from gpushare.node.config import load
 from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
+from gpushare.node.procs import ProcRef
 from gpushare.units import parse_size
 
 G = 2**30
@@ -170,8 +171,8 @@ def in_process(
                 clock = ManualClock()
                 box: list[InProcessNode] = []
 
-                def record(pid: int, sig: int) -> None:
-                    box[0].signals.append((pid, sig))
+                def record(ref: ProcRef, sig: int) -> None:
+                    box[0].signals.append((ref.pid, sig))
 
                 node = Node(
                     cfg,

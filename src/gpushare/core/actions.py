@@ -21,6 +21,7 @@ class GrantAction:
     shared: bool
     thaw: bool = False  # the process was frozen: continue it before telling it
     room: int = 0  # swap in only up to this many resident bytes until a RoomAction
+    resume: bool = False  # the lease the session claimed after a node restart, given back
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class Arbiter:
         if self._may_join_holders() and others + s.limit <= self.capacity:
             self.queue.remove(s.id)
             self.queue.appendleft(s.id)
-            self._grant(s)
+            self._grant(s, resume=True)
         else:
             self._tell_to_yield(s, lease)
 
@@ -617,7 +617,7 @@ class Arbiter:
         s.room = 0
         self._enqueue(s)
 
-    def _grant(self, s: SessionState, room: int = 0) -> None:
+    def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
         now = self.clock.monotonic()
         self.queue.popleft()
         waited = self._end_wait(s, now)
@@ -656,7 +656,7 @@ class Arbiter:
             shared=shared,
             **({"room_bytes": room} if room else {}),
         )
-        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room, resume))
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""

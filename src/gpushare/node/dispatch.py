@@ -1,17 +1,17 @@
 """Dispatch: the one place the arbiters' decisions leave the node.
 
-Each action goes where it belongs: a grant, revoke, room or swap-out to its session's
-connection, an event to the bus, an escalation to the log and (freeze, kill) to the
-process as a signal. After every batch the GPU's timer is set again for the arbiter's
+Each action goes where it belongs: a grant (signed, so that it can be claimed back after a
+restart), revoke, room or swap-out to its session's connection, an event to the bus, an
+escalation to the log and (freeze, kill) as a signal to the whole workload: every process
+of the session's uid holding its connection, each reached through a pidfd, never a
+process that took a pid since. After every batch the GPU's timer is set again for the arbiter's
 next deadline, relative to the node's clock, so a virtual clock drives it as well.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import signal
 from collections.abc import Callable
 
@@ -24,21 +24,26 @@ from gpushare.core.actions import (
     RevokeAction,
     RoomAction,
     SwapOutAction,
+    ThawAction,
 )
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import Clock
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn
+from gpushare.node.procs import ProcRef, pidfd_signal
+from gpushare.node.recovery import Recovery
 
 log = logging.getLogger("gpushare.node.dispatch")
 
-Signaller = Callable[[int, int], None]
-"""Sends signal ``sig`` to process ``pid`` (tests inject one that only records)."""
+Signaller = Callable[[ProcRef, int], None]
+"""Sends signal ``sig`` to the process ``ref`` names (tests inject one that only records)."""
+
+# Escalations for which "freeze" stops the workload (over its memory limit it is logged).
+FREEZES = frozenset({"no_yield_within_grace", "no_swap_out_within_grace"})
 
 
-def send_signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
+def send_signal(ref: ProcRef, sig: int) -> None:
+    pidfd_signal(ref, sig)
 
 
 class Dispatch:
@@ -48,11 +53,14 @@ class Dispatch:
         events: EventBus,
         conns: dict[int, Conn],
         signaller: Signaller = send_signal,
+        proc_root: Callable[[], str] = lambda: "/proc",
     ) -> None:
         self.clock = clock
         self.events = events
         self.conns = conns
         self.signaller = signaller
+        self.proc_root = proc_root
+        self.recovery: Recovery | None = None  # signs leases, keeps their floor on disk
         self._timers: dict[int, asyncio.TimerHandle] = {}
 
     def apply(self, arb: Arbiter, actions: list[Action]) -> None:
@@ -67,8 +75,11 @@ class Dispatch:
                 continue  # the session is gone: its actions have no one to go to
             elif isinstance(a, GrantAction):
                 if a.thaw:
-                    self._signal(c, signal.SIGCONT)
-                    c.frozen = False
+                    self._thaw(c)
+                token = ""
+                if self.recovery is not None:  # the floor on disk first, then the lease
+                    self.recovery.lease_granted(arb.gpu, a.lease)
+                    token = self.recovery.token(arb.gpu, a.session, a.lease)
                 c.send(
                     p.Grant(
                         lease=a.lease,
@@ -76,8 +87,12 @@ class Dispatch:
                         quantum_s=a.quantum_s,
                         shared=a.shared,
                         room=a.room,
+                        token=token,
+                        resume=a.resume,
                     )
                 )
+            elif isinstance(a, ThawAction):
+                self._thaw(c)
             elif isinstance(a, RevokeAction):
                 c.send(p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s))
             elif isinstance(a, SwapOutAction):
@@ -91,7 +106,7 @@ class Dispatch:
         connection closed (its reader sees the end; the detach follows from there)."""
         c.send(p.Error(code="ended", message=f"session ended: {reason}"))
         if c.frozen:
-            self._signal(c, signal.SIGCONT)
+            self._thaw(c)
         c.writer.close()
 
     def close(self) -> None:
@@ -106,15 +121,30 @@ class Dispatch:
             return
         if a.escalation == "kill":
             if c.frozen:  # a stopped process dies only once continued
-                self._signal(c, signal.SIGCONT)
+                self._thaw(c)
             self._signal(c, signal.SIGKILL)
-        elif a.escalation == "freeze" and a.reason == "no_yield_within_grace":
+        elif a.escalation == "freeze" and a.reason in FREEZES:
             c.frozen = True
-            self._signal(c, signal.SIGSTOP)
+            c.stopped = self._signal(c, signal.SIGSTOP)
+            if self.recovery is not None:  # a node that restarts continues them
+                self.recovery.save()
 
-    def _signal(self, c: Conn, sig: int) -> None:
-        if c.pid > 1:  # never init, never "every process" (0, -1)
-            self.signaller(c.pid, sig)
+    def _thaw(self, c: Conn) -> None:
+        """Continue what the freeze stopped, and whatever holds the connection now."""
+        stopped, c.stopped, c.frozen = c.stopped, [], False
+        sent = self._signal(c, signal.SIGCONT)
+        for ref in stopped:
+            if ref not in sent:
+                self.signaller(ref, signal.SIGCONT)
+        if stopped and self.recovery is not None:
+            self.recovery.save_soon()
+
+    def _signal(self, c: Conn, sig: int) -> list[ProcRef]:
+        """``sig`` to the session's workload; the processes it went to."""
+        refs = [r for r in c.workload(self.proc_root()) if r.pid > 1]  # never init, 0, -1
+        for ref in refs:
+            self.signaller(ref, sig)
+        return refs
 
     def _schedule(self, arb: Arbiter) -> None:
         old = self._timers.pop(arb.gpu, None)

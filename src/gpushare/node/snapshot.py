@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import msgspec
+
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.sessions import SessionState
@@ -37,16 +39,22 @@ def session(
     a: Arbiter, s: SessionState, att: Attribution, c: Conn | None, pods: PodCache | None
 ) -> SessionStatus:
     """A session's figures, live ones (lease and wait running now) included, and who it
-    is. Claims are shown only when the kernel agrees; with the Kubernetes API, the names
-    are the API's for the kernel's pod UID."""
+    is. With the Kubernetes API, the names are the API's for the kernel's pod UID
+    (verified), kept once seen (a pod deleted from the API while its process runs keeps
+    them); without, a claim whose pod UID is the kernel's is shown as the claim it is
+    (not verified); any other only under ``claimed``."""
     claimed = c.claimed if c else Claimed()
     ident = c.identity if c else CgroupIdentity()
     names = pods.resolve(ident.pod_uid, ident.container_id) if pods and ident.pod_uid else None
-    ok = bool(names) or bool(c and c.verified)
+    if c is not None:
+        if names and (c.names is None or names[2] or not c.names[2]):
+            c.names = names  # pinned: what the API said stays when the pod is gone from it
+        names = c.names
+    consistent = bool(c and c.verified)  # the claim names the kernel's pod UID
     if names:  # the API's names for the kernel's pod
         shown = Claimed(namespace=names[0], pod=names[1], container=names[2])
     else:
-        shown = claimed if ok else Claimed()
+        shown = claimed if consistent else Claimed()
     return SessionStatus(
         id=s.id,
         name=s.name,
@@ -81,12 +89,13 @@ def session(
         pod=shown.pod,
         namespace=shown.namespace,
         container=shown.container,
-        identity_verified=ok,
-        identity_source="kubernetes" if names else "claim" if ok else "",
+        identity_verified=bool(names),
+        identity_source="kubernetes" if names else "claim" if consistent else "",
         claimed=claimed,
         pod_uid=ident.pod_uid,
         container_id=ident.container_id,
         runtime=ident.runtime,
+        weight_source=c.weight_source if c else "",
     )
 
 
@@ -109,7 +118,45 @@ def gpu(g: GpuInfo, a: Arbiter, att: Attribution, sessions: list[SessionStatus])
         holders=list(a.holders),
         queue=list(a.queue),
         sessions=sessions,
+        recovering=a.recovering,
     )
+
+
+def fit(status: NodeStatus, most: int) -> NodeStatus:
+    """The status, with as many sessions as fit in ``most`` encoded bytes: holders first,
+    then those waiting, then the rest, taken from each GPU in turn. What is left out is
+    counted (``sessions_omitted``) and marked (``truncated``): a status always fits."""
+    encode = msgspec.msgpack.encode
+    if len(encode(status)) <= most:
+        return status
+    lists = []
+    for g in status.gpus:
+        rank = {sid: i for i, sid in enumerate([*g.holders, *g.queue])}
+        lists.append(sorted(g.sessions, key=lambda s: rank.get(s.id, len(rank))))
+    bare = msgspec.structs.replace(
+        status, gpus=[msgspec.structs.replace(g, sessions=[]) for g in status.gpus]
+    )
+    budget = most - len(encode(bare)) - 64 * len(status.gpus)  # the omitted counts' room
+    kept: list[list[SessionStatus]] = [[] for _ in lists]
+    full = [False] * len(lists)
+    depth = 0
+    while not all(full):
+        for i, ss in enumerate(lists):
+            if full[i] or depth >= len(ss):
+                full[i] = True
+                continue
+            size = len(encode(ss[depth]))
+            if size > budget:
+                full[i] = True
+                continue
+            budget -= size
+            kept[i].append(ss[depth])
+        depth += 1
+    gpus = [
+        msgspec.structs.replace(g, sessions=k, sessions_omitted=len(g.sessions) - len(k))
+        for g, k in zip(status.gpus, kept, strict=True)
+    ]
+    return msgspec.structs.replace(status, gpus=gpus, truncated=True)
 
 
 def p95(xs: Iterable[float]) -> float:
