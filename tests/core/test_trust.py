@@ -269,9 +269,14 @@ def test_nothing_is_granted_in_the_recovery_window_then_the_latest_lease_comes_b
 def test_a_claim_not_yielded_within_grace_is_escalated():
     clock = ManualClock()
     a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="freeze")
-    a.attach(1, name="stale", limit=10 * GiB, holding=True, lease=3)
+    holding(a, 3, 10 * GiB)
+    # a lease a node did grant (verified), but another holds the GPU now: told to yield
+    out = a.attach(1, name="stale", limit=10 * GiB, holding=True, lease=3, verified=True)
+    assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
     a.attach(2, name="b", limit=10 * GiB)
-    assert of(a.acquire(2), GrantAction) == []  # nothing granted while it may still run
+    a.acquire(2)
+    out = a.release(3, resident=0, swapped=0)
+    assert of(out, GrantAction) == []  # nothing granted while it may still run
     assert a.next_deadline() == pytest.approx(clock.monotonic() + 1)
     clock.advance(1)
     out = a.tick()
@@ -280,6 +285,20 @@ def test_a_claim_not_yielded_within_grace_is_escalated():
     out = a.release(2, resident=0, swapped=0)
     (g,) = of(out, GrantAction)
     assert g.session == 1 and g.thaw
+
+
+def test_an_unverified_claim_blocks_no_one():
+    clock = ManualClock()
+    a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="log")
+    holding(a, 3, 10 * GiB)
+    a.attach(2, name="b", limit=10 * GiB)
+    a.acquire(2)
+    out = a.attach(1, name="liar", limit=10 * GiB, holding=True, lease=3)
+    assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
+    out = a.release(3, resident=0, swapped=0)
+    assert [g.session for g in of(out, GrantAction)] == [2]  # in its turn, not blocked
+    clock.advance(1)
+    assert of(a.tick(), EscalateAction) == [EscalateAction(1, "log", "no_yield_within_grace")]
 
 
 # --- non-holders that ignore a swap-out ----------------------------------------------

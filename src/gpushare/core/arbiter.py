@@ -105,6 +105,7 @@ class Arbiter:
         self.recovering = False
         self._asked: set[int] = set()  # non-holders with a swap-out deadline
         self._told: set[int] = set()  # told to yield a lease they claimed (yield_due)
+        self._blocking: set[int] = set()  # of those, the verified: nothing granted meanwhile
         self._frozen_idle: set[int] = set()  # frozen outside the queue (thawed at a grant)
 
     # --- inputs ---------------------------------------------------------------------
@@ -179,7 +180,7 @@ class Arbiter:
             s.bursts += 1
             self._enqueue(s)
             if not (verified and lease):
-                self._tell_to_yield(s, lease)
+                self._tell_to_yield(s, lease, verified=False)
             elif self.recovering:
                 s.claim = lease  # granted back at the window's end, if the rules allow
             else:
@@ -213,21 +214,26 @@ class Arbiter:
             self.queue.appendleft(s.id)
             self._grant(s, resume=True)
         else:
-            self._tell_to_yield(s, lease)
+            self._tell_to_yield(s, lease, verified=True)
 
-    def _tell_to_yield(self, s: SessionState, lease: int) -> None:
-        """It works on the GPU without a lease of this node's: until it yields (its release
-        answers), nothing more is granted on this GPU; past the grace period, escalated."""
+    def _tell_to_yield(self, s: SessionState, lease: int, verified: bool) -> None:
+        """It says it works on the GPU without a lease this node gives it: it is told to
+        yield (its release answers), and past the grace period escalated. A verified
+        claim (a lease a node did grant it) may be true: nothing more is granted on this
+        GPU until it has yielded. An unverified one is not believed: it blocks no one."""
         s.yield_due, s.claim, s.escalated = True, 0, False
         s.revoke_deadline = self.clock.monotonic() + self.settings.grace_s
         s.revokes += 1
         self._told.add(s.id)
+        if verified:
+            self._blocking.add(s.id)
         self._event("revoke", s.id, lease=lease, reason="claim_not_honoured", swap_out_bytes=0)
         self._out.append(RevokeAction(s.id, lease, 0, self.settings.grace_s))
 
     def _clear_yield(self, s: SessionState) -> None:
         s.yield_due = False
         self._told.discard(s.id)
+        self._blocking.discard(s.id)
 
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
@@ -241,6 +247,7 @@ class Arbiter:
         del self.sessions[sid]
         self._asked.discard(sid)
         self._told.discard(sid)
+        self._blocking.discard(sid)
         self._frozen_idle.discard(sid)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
@@ -555,7 +562,7 @@ class Arbiter:
             self._asked.add(s.id)
 
     def _may_join_holders(self) -> bool:
-        if self.recovering or self._told:
+        if self.recovering or self._blocking:
             return False  # nothing granted until the sessions it knew are back / yielded
         if not self.holders:
             return True

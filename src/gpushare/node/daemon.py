@@ -188,27 +188,9 @@ class Node:
         pidfd_signal(ref, sig, self._proc_root())
 
     def _records(self) -> list[SessionRecord]:
-        """What the node would need to recover its sessions now."""
-        out = []
-        for sid, c in self.conns.items():
-            s = self.arbiters[c.gpu].sessions.get(sid)
-            if s is None:
-                continue
-            out.append(
-                SessionRecord(
-                    id=sid,
-                    gpu=c.gpu,
-                    pid=c.pid,
-                    start_time=c.proc.start_time if c.proc else 0,
-                    uid=c.uid,
-                    pod_uid=c.identity.pod_uid,
-                    container_id=c.identity.container_id,
-                    limit=s.limit,
-                    name=s.name,
-                    stopped=[(r.pid, r.start_time) for r in c.stopped],
-                )
-            )
-        return out
+        """What the node would need to recover its sessions now (each connection's
+        record is made once, at its attach)."""
+        return [c.record for c in self.conns.values() if c.record is not None]
 
     def _begin_recovery(self) -> None:
         """The sessions on record whose processes run are expected back: what a freeze
@@ -369,6 +351,7 @@ class Node:
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
+        self.recovery.hold()  # the workloads outlive this node: the next one expects them
         self.events.end_followers()
         await self._handlers.close()  # every connection ends; its session detaches
         self.dispatch.close()
@@ -381,12 +364,13 @@ class Node:
         if self._recovery_timer is not None:
             self._recovery_timer.cancel()
             self._recovery_timer = None
-        self.recovery.close()
         # The link files stay: workloads map them, and the next node keeps them.
         for path in (self.socket, self.admin_socket):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self.events.close()
+        for d in {id(d): d for d in (self.rundir, self.admindir, self.recovery.dir)}.values():
+            d.close()
 
 
 def _raise_fd_limit() -> None:

@@ -15,6 +15,8 @@ import logging
 import signal
 from collections.abc import Callable
 
+import msgspec
+
 from gpushare import protocol as p
 from gpushare.core.actions import (
     Action,
@@ -126,8 +128,7 @@ class Dispatch:
         elif a.escalation == "freeze" and a.reason in FREEZES:
             c.frozen = True
             c.stopped = self._signal(c, signal.SIGSTOP)
-            if self.recovery is not None:  # a node that restarts continues them
-                self.recovery.save()
+            self._note_stopped(c)
 
     def _thaw(self, c: Conn) -> None:
         """Continue what the freeze stopped, and whatever holds the connection now."""
@@ -136,8 +137,17 @@ class Dispatch:
         for ref in stopped:
             if ref not in sent:
                 self.signaller(ref, signal.SIGCONT)
-        if stopped and self.recovery is not None:
-            self.recovery.save_soon()
+        if stopped:
+            self._note_stopped(c)
+
+    def _note_stopped(self, c: Conn) -> None:
+        """What a freeze stopped goes on record now: a node that restarts continues it."""
+        if c.record is not None:
+            c.record = msgspec.structs.replace(
+                c.record, stopped=[(r.pid, r.start_time) for r in c.stopped]
+            )
+        if self.recovery is not None:
+            self.recovery.save()
 
     def _signal(self, c: Conn, sig: int) -> list[ProcRef]:
         """``sig`` to the session's workload; the processes it went to."""

@@ -18,6 +18,7 @@ from gpushare.node.config import NodeConfig
 from gpushare.node.events import EventBus
 from gpushare.node.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
 from gpushare.node.procs import ProcRef, holders_of, peer_inode, ref_of
+from gpushare.node.recovery import SessionRecord
 from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.guard")
@@ -42,6 +43,7 @@ class Conn:
     stopped: list[ProcRef] = field(default_factory=list)  # what a freeze stopped
     names: tuple[str, str, str] | None = None  # the API's names, pinned once seen
     weight_source: str = ""
+    record: SessionRecord | None = None  # what a restarted node recovers it from
 
     def send(self, msg: p.Message) -> None:
         if not self.writer.is_closing():

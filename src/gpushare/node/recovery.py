@@ -104,6 +104,8 @@ class Recovery:
         self.figures = Figures()
         self.key = self._key()
         self._soon: asyncio.TimerHandle | None = None
+        self._soon_delay = 0.0
+        self._held = False  # the node is stopping: the records stay as they are
 
     # --- at start ---------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Recovery:
     def save(self) -> None:
         """The records of the sessions attached now, the ones still expected beside them,
         the next id and the lease floors: a new file, flushed, renamed over the old."""
+        if self._held:
+            return
         now = {r.id: r for r in self.live()}
         for r in self.previous.values():  # a late returner still gets its id back
             now.setdefault(r.id, r)
@@ -211,19 +215,29 @@ class Recovery:
             log.error("cannot write session records to %s: %s", self.dir.path, e)
 
     def save_soon(self, delay: float = 0.1) -> None:
-        """:meth:`save` shortly, once for any number of calls meanwhile (a detach: a
-        record left a moment too long only makes a restart wait for it)."""
-        if self._soon is None:
-            self._soon = asyncio.get_running_loop().call_later(delay, self._save_now)
+        """:meth:`save` within ``delay`` seconds, once for any number of calls meanwhile:
+        ``0`` after the handlers ready now have run (attaches arriving together cost one
+        write), longer for a detach (a record left a moment too long only makes a
+        restart wait for it)."""
+        if self._soon is not None:
+            if self._soon_delay <= delay:
+                return  # one is due as soon already
+            self._soon.cancel()
+        self._soon_delay = delay
+        self._soon = asyncio.get_running_loop().call_later(delay, self._save_now)
 
     def _save_now(self) -> None:
         self._soon = None
         self.save()
 
-    def close(self) -> None:
+    def hold(self) -> None:
+        """The node stops: the sessions on record now are kept for the next node (their
+        connections end, their workloads go on), whatever happens while it stops."""
         if self._soon is not None:
             self._soon.cancel()
-            self._save_now()
+            self._soon = None
+        self.save()
+        self._held = True
 
     def forget_dead(self) -> None:
         """Records of the last node whose processes have ended are dropped."""

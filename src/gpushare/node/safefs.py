@@ -118,8 +118,6 @@ class SafeDir:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.fd)
             raise
-        with contextlib.suppress(OSError):
-            os.fsync(self.fd)  # the rename itself is on disk
 
     def keep_or_write(
         self, name: str, data: bytes, mode: int = 0o600, uid: int | None = None

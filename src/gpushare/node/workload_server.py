@@ -25,7 +25,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import read_identity
 from gpushare.node.k8s import PodCache
-from gpushare.node.recovery import Recovery
+from gpushare.node.recovery import Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
 
@@ -223,8 +223,19 @@ class WorkloadServer:
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
         conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
+        conn.record = SessionRecord(
+            id=sid,
+            gpu=gpu,
+            pid=conn.pid,
+            start_time=conn.proc.start_time if conn.proc else 0,
+            uid=conn.uid,
+            pod_uid=identity.pod_uid,
+            container_id=identity.container_id,
+            limit=limit,
+            name=name,
+        )
         self.conns[sid] = conn
-        self.recovery.save()  # on record before the workload hears its id
+        self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
         conn.send(
             p.Welcome(
                 session=sid,
