@@ -377,3 +377,39 @@ def test_an_implicit_burst_granted_after_a_long_wait_is_not_ended_at_once():
         assert s.holding and node.said(s) == []
         wait_until(lambda: not s.holding, what="the idle release")
         assert node.said(s) == [p.Release(resident=0, swapped=0)]
+
+
+def test_a_holder_shows_its_lease_and_token_to_a_restarted_node_and_yields_if_refused():
+    with fake_session() as (s, node):
+        b = Burst(s)
+        assert node.recv() == p.Acquire()
+        node.send(p.Grant(lease=5, swap_in=0, quantum_s=30.0, token="t5"))
+        b.granted()
+        node.drop()  # the node restarts: it opens a recovery window
+        hello = node.take()
+        assert (hello.holding, hello.lease, hello.token, hello.session) == (True, 5, "t5", 1)
+        time.sleep(0.2)  # no answer yet (the window): the burst goes on meanwhile
+        assert s.holding and node.said(s) == []
+        node.send(p.Revoke(lease=5, swap_out=0, grace_s=5.0))  # its claim is refused
+        node.sync(s)
+        t = threading.Thread(target=s.checkpoint)  # the next safe point yields
+        t.start()
+        assert node.recv() == p.Release(resident=0, swapped=0, again=True)
+        node.send(grant(6))  # its turn, later: a new lease, taken (not a "resumed" one)
+        t.join(10)
+        assert not t.is_alive() and s.holding and s._lease.lease == 6
+        b.exit()
+
+
+def test_a_resumed_lease_comes_with_a_new_token():
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=5, token="t5")
+        node.drop()
+        hello = node.take()
+        assert hello.token == "t5"
+        node.send(p.Grant(lease=9, swap_in=0, quantum_s=30.0, token="t9", resume=True))
+        node.sync(s)
+        assert s.holding and (s._lease.lease, s._lease.token) == (9, "t9")
+        node.drop()
+        assert node.take().token == "t9"  # shown to the next restart
+        b.exit()

@@ -125,6 +125,9 @@ class Dispatch:
             if c.frozen:  # a stopped process dies only once continued
                 self._thaw(c)
             self._signal(c, signal.SIGKILL)
+            # And the session ends here: a process of another uid may hold its socket
+            # too, and it is never signalled; it sees the connection end.
+            c.writer.close()
         elif a.escalation == "freeze" and a.reason in FREEZES:
             c.frozen = True
             c.stopped = self._signal(c, signal.SIGSTOP)

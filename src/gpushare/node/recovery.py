@@ -36,6 +36,7 @@ log = logging.getLogger("gpushare.node.recovery")
 STATE_FILE = "sessions.state"
 KEY_FILE = "lease.key"
 LEASE_BLOCK = 100_000  # lease numbers reserved on disk at a time
+ID_BLOCK = 1_000  # session ids reserved on disk at a time
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -58,7 +59,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
 class Saved(msgspec.Struct, kw_only=True):
     version: int = 1
     boot_id: str = ""  # records of another boot are void: no process outlives a reboot
-    next_session: int = 1
+    next_session: int = 1  # ids below this may have been used
     lease_floor: list[int] = []  # per GPU
     sessions: list[SessionRecord] = []
 
@@ -98,6 +99,7 @@ class Recovery:
         self.dir, self.gpus, self.live, self.proc_root = folder, gpus, live, proc_root
         self.boot = boot_id()
         self.next_session = 1
+        self.id_floor = 1  # on disk: no id below it is handed out again
         self.lease_floor = [0] * gpus
         self.expected: dict[int, SessionRecord] = {}  # still to come back
         self.previous: dict[int, SessionRecord] = {}  # the last node's, processes alive
@@ -125,7 +127,7 @@ class Recovery:
         except (UnsafePath, msgspec.DecodeError) as e:
             log.warning("session records not usable (%s): starting without them", e)
             saved = Saved(boot_id=self.boot)
-        self.next_session = max(1, saved.next_session)
+        self.next_session = self.id_floor = max(1, saved.next_session)
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
         if saved.boot_id != self.boot:
@@ -143,8 +145,13 @@ class Recovery:
     # --- ids, leases, tokens -------------------------------------------------------------
 
     def new_id(self) -> int:
+        """A session id never used before, on this node or the ones before it: ids are
+        reserved on disk a block at a time, before any is handed out."""
         sid = self.next_session
         self.next_session += 1
+        if self.next_session > self.id_floor:
+            self.id_floor = self.next_session + ID_BLOCK
+            self.save()
         return sid
 
     def token(self, gpu: int, sid: int, lease: int) -> str:
@@ -205,7 +212,7 @@ class Recovery:
             now.setdefault(r.id, r)
         saved = Saved(
             boot_id=self.boot,
-            next_session=self.next_session,
+            next_session=self.id_floor,
             lease_floor=self.lease_floor,
             sessions=list(now.values()),
         )

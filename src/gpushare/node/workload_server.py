@@ -218,7 +218,7 @@ class WorkloadServer:
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
         if rec is None:
-            self.recovery.new_id()
+            self.recovery.new_id()  # reserved on disk before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
