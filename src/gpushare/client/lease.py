@@ -416,7 +416,7 @@ class Lease:
             seconds=seconds,
             resident=resident,
             swapped=swapped,
-            error=error,
+            error=error[:1000],  # the node takes no more than 1024 characters
         )
 
     def _swap(self, direction: Literal["in", "out"], nbytes: int) -> None:

@@ -36,6 +36,7 @@ SWAP_FLOOR_BPS = 1e9
 # no quantum more than a million times another's.
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 MAX_SECONDS = 1e6  # a swap reported longer than this (11 days) is not a measurement
+MAX_ERROR = 1024  # characters of a failed swap's error text
 
 
 class ArbiterError(ValueError):
@@ -346,6 +347,10 @@ class Arbiter:
         _count("swap_done: bytes", nbytes, s.limit)
         _seconds("swap_done: seconds", seconds)
         self._check_figures(s, "swap_done", resident, swapped)
+        if len(error) > MAX_ERROR:
+            raise FieldError(
+                f"swap_done: error is {len(error)} characters, the most is {MAX_ERROR}"
+            )
         if error:
             if direction == "out":
                 s.pending_out = 0  # the planner will look for another way
