@@ -219,17 +219,22 @@ def abuse(tree: str) -> dict[str, Any]:
             answers[a] = answers.get(a, 0) + 1
         time.sleep(0.5)
         out["after_1000_huge_names"] = node_figures(node.pid) | {"answers": answers}
-        held = []
+        held, refused = [], 0
         for _ in range(5000):
             s = socket.socket(socket.AF_UNIX)
+            s.settimeout(2.0)  # a full listen backlog: counted, not waited for
             try:
                 s.connect(sock)
             except OSError:
                 s.close()
+                refused += 1
                 continue
             held.append(s)
         time.sleep(2.0)
-        out["after_5000_silent_connections"] = node_figures(node.pid)
+        out["after_5000_silent_connections"] = node_figures(node.pid) | {
+            "connected": len(held),
+            "not_connected": refused,
+        }
         if os.geteuid() == 0:
             out["after_5000_silent_connections"]["other_uid_attach"] = _as_other_uid(sock)
         for s in held:

@@ -6,6 +6,8 @@ non-holders that ignore a swap-out are escalated; what a client sends is bounded
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import math
 import os
@@ -19,6 +21,7 @@ from gpushare import protocol as p
 from gpushare.node.events import EventBus
 from gpushare.node.snapshot import fit
 from gpushare.status import GpuStatus, NodeInfo, NodeStatus, SessionStatus
+from gpushare.tools import ctl
 from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
 
 
@@ -209,6 +212,11 @@ async def test_status_always_fits_one_frame_and_says_what_it_left_out(node):
     assert 0 < len(g.sessions) < 1501 and len(g.sessions) + g.sessions_omitted == 1501
     assert g.sessions[0].id == first.session  # the holder first
     assert len(p.encode(reply)) <= p.MAX_FRAME
+    # `ctl status`, the liveness probe's command, works and says what it left out
+    assert await asyncio.to_thread(ctl.status, node.admin_socket, False) == 0
+    shown = io.StringIO()
+    ctl.show_status(reply.status, shown)
+    assert f"and {g.sessions_omitted} more sessions" in shown.getvalue()
     for w in peers:
         w.close()
 
@@ -356,3 +364,47 @@ async def test_a_stale_token_or_another_sessions_lease_is_not_given_back(node):
     assert (await b2.expect(p.Revoke)).lease == first  # not verified: told to yield
     assert (await a2.expect(p.Grant)).resume
     consistent(node)
+
+
+# --- 11. names shown as verified are verified --------------------------------------------
+
+
+@in_process(policy="weighted")
+async def test_the_apis_names_and_weight_count_and_stay_when_the_pod_is_deleted(node):
+    from gpushare.node.k8s import PodCache
+
+    uid, cid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f", "ab" * 32
+    proc = node.dir / "proc" / str(os.getpid())
+    proc.mkdir(parents=True)
+    slice_ = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    (proc / "cgroup").write_text(f"0::/kubepods.slice/{slice_}/cri-containerd-{cid}.scope\n")
+    node.node.live.config = msgspec.structs.replace(
+        node.node.live.config, proc_root=str(node.dir / "proc")
+    )
+    pod = {
+        "metadata": {"uid": uid, "namespace": "research", "name": "train-7",
+                     "annotations": {"gpu-fraction": "0.25"}},
+        "status": {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{cid}"}]},
+    }  # fmt: skip
+    node.node.pods = cache = PodCache()
+    cache.replace([pod])
+    w = await node.workload(memory_limit=G, weight=1.0, pod="kube-apiserver",
+                            namespace="kube-system", pod_uid=uid)  # fmt: skip
+    assert w.welcome.weight == 0.25  # the annotation's, not the workload's word
+
+    def shown():
+        (s,) = node.node.status().gpus[0].sessions
+        return (s.namespace, s.pod, s.container, s.identity_verified, s.weight_source)
+
+    assert shown() == ("research", "train-7", "trainer", True, "kubernetes")
+    cache.apply("DELETED", pod)  # deleted from the API while its process runs
+    assert shown() == ("research", "train-7", "trainer", True, "kubernetes")  # pinned
+
+
+def test_an_event_log_path_that_is_a_symlink_is_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    os.symlink(target, tmp_path / "events.jsonl")
+    with pytest.raises(OSError, match=r"event log .*events\.jsonl.*never followed"):
+        EventBus(str(tmp_path / "events.jsonl"))
+    assert target.read_text() == ""

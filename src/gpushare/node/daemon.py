@@ -221,6 +221,16 @@ class Node:
         self._recovery_timer = asyncio.get_running_loop().call_later(
             window, self._end_recovery, "the window ended"
         )
+        self._spawn(self._watch_expected())
+
+    async def _watch_expected(self, period: float = 0.5) -> None:
+        """During the window: a session on record whose process has ended since will not
+        come back; once every one left is back, the window ends early."""
+        while self._recovery_timer is not None:
+            await asyncio.sleep(period)
+            self.recovery.forget_dead()
+            if self._recovery_timer is not None and not self.recovery.expected:
+                self._end_recovery("every session on record that still runs is back")
 
     def _end_recovery(self, reason: str) -> None:
         if self._recovery_timer is None:

@@ -10,7 +10,7 @@ import os
 from collections import deque
 from typing import Any, TextIO
 
-from gpushare.node.safefs import SafeDir, parent_dir
+from gpushare.node.safefs import SafeDir, UnsafePath, parent_dir
 
 log = logging.getLogger("gpushare.node.events")
 
@@ -83,7 +83,15 @@ class EventBus:
 
     def _open(self) -> None:
         assert self._dir is not None
-        fd = self._dir.append(self._name, mode=0o600)
+        try:
+            fd = self._dir.append(self._name, mode=0o600)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            raise UnsafePath(
+                f"cannot open the event log {self.log_path}: {e.strerror} (a symlink is"
+                " never followed): remove it or choose another path"
+            ) from None
         self._file = os.fdopen(fd, "a", buffering=1)  # line-buffered, kept open
 
     def publish(self, rec: dict[str, Any]) -> None:
