@@ -361,3 +361,16 @@ def test_a_frozen_idle_session_is_killed_when_needed_and_else_thawed_at_a_grant(
     out = b.report(3, resident=5 * GiB, swapped=5 * GiB)
     assert [g.session for g in of(out, GrantAction)] == [2]
     assert of(out, ThawAction) == [ThawAction(1)] and not b.sessions[1].frozen
+
+
+def test_a_revoked_holder_swapping_out_is_not_escalated_as_a_non_holder():
+    clock = ManualClock()
+    a = arb(capacity=20 * GiB, clock=clock, tq_s=1, grace_s=2, mode="exclusive")
+    holding(a, 1, 15 * GiB)
+    a.attach(2, name="b", limit=10 * GiB)
+    a.acquire(2)
+    clock.advance(1)
+    (rev,) = of(a.tick(), RevokeAction)
+    assert rev.swap_out > 0
+    a.report(1, resident=14 * GiB, swapped=GiB)  # its share goes as it winds down
+    assert not a._asked  # a holder's swap-out has the revoke's deadline, not this one

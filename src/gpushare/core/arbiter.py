@@ -745,7 +745,7 @@ class Arbiter:
         s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
         if not s.pending_out:
             self._set_swap_deadline(s, math.inf)
-        elif resident < s.resident:  # progress: another grace period from now
+        elif resident < s.resident and not s.holding:  # progress: a grace period more
             self._set_swap_deadline(s, self.clock.monotonic() + self.settings.grace_s)
             s.swap_escalated = False
         s.resident = resident
