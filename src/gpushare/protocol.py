@@ -118,6 +118,7 @@ class Welcome(_Msg, tag="welcome"):
     sim_swap_failure_rate: float = 0.0
     gpu_uuid: str = ""  # the workload finds its CUDA device by it
     sim_link: str = ""  # the simulated GPU's shared link file (its timing model)
+    tq_s: float = 0.0  # the GPU's TQ at attach (0: an older node did not say)
 
 
 class Grant(_Msg, tag="grant"):

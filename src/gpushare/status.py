@@ -68,6 +68,25 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     weight_source: str = ""
 
 
+class WorkloadStatus(msgspec.Struct, kw_only=True):
+    """A workload's totals on a GPU: its sessions of the same name, namespace, pod and
+    container summed, those that detached included (from the node's start)."""
+
+    name: str
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    sessions: int = 0  # attached now
+    sessions_total: int = 0  # attached since the node started, those gone included
+    lease_seconds_total: float = 0.0
+    wait_seconds_total: float = 0.0
+    grants_total: int = 0
+    revokes_total: int = 0
+    swap_out_bytes_total: int = 0
+    swap_in_bytes_total: int = 0
+    utilization_seconds_total: float = 0.0
+
+
 class GpuStatus(msgspec.Struct, kw_only=True):
     index: int
     name: str
@@ -86,6 +105,7 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     holders: list[int]
     queue: list[int]
     sessions: list[SessionStatus]
+    workloads: list[WorkloadStatus] = msgspec.field(default_factory=list)
     recovering: bool = False  # after a restart: nothing granted until its sessions are back
     sessions_omitted: int = 0  # sessions left out so that the status fits one frame
 

@@ -69,15 +69,27 @@ async def test_a_holder_that_goes_hands_its_lease_on_at_once(node):
 
 
 @in_process(mode="exclusive", tq=10)
-async def test_a_shorter_tq_applies_from_the_next_quantum(node):
+async def test_a_shorter_tq_cuts_the_running_quantum_and_applies_from_the_next(node):
     t0 = node.clock.monotonic()
     a, b = await holder_and_waiter(node)
     await node.ask(p.SetConfig(tq_s=2))
     await a.expect(p.Revoke)
-    assert node.clock.monotonic() - t0 == pytest.approx(10)  # the running quantum kept
+    # the running quantum ends at its start plus the new TQ, not after the old 10 s
+    assert node.clock.monotonic() - t0 == pytest.approx(2)
     await a.send(p.Release(resident=0, swapped=0, again=True))
     g = await b.expect(p.Grant)
     assert g.quantum_s == 2
+
+
+@in_process(mode="exclusive", tq=10)
+async def test_a_longer_tq_leaves_the_running_quantum_as_it_was(node):
+    t0 = node.clock.monotonic()
+    a, b = await holder_and_waiter(node)
+    await node.ask(p.SetConfig(tq_s=60))
+    await a.expect(p.Revoke)
+    assert node.clock.monotonic() - t0 == pytest.approx(10)
+    await a.send(p.Release(resident=0, swapped=0, again=True))
+    assert (await b.expect(p.Grant)).quantum_s == 60
 
 
 @in_process(mode="exclusive", tq=1, grace=2, escalation="freeze")

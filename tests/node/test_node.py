@@ -133,7 +133,7 @@ def test_ctl_errors_are_one_clear_line(node_factory, short_tmp):
     r = node.ctl("tq", "5", "--gpu", "3", check=False)
     assert r.returncode == 1 and "no GPU 3" in r.stderr
     r = node.ctl("tq", "-1", check=False)
-    assert r.returncode == 2 and "duration" in r.stderr
+    assert r.returncode == 2 and "TQ must be positive" in r.stderr
     r = node.ctl("--socket", str(short_tmp / "none.sock"), "status", check=False)
     assert r.returncode == 1 and "is 'gpushare node' running" in r.stderr
 

@@ -95,13 +95,36 @@ async def test_refusals_name_the_fix(node):
     for hello, words in [
         (p.Hello(version=99), "use the same gpushare version"),
         (p.Hello(version=1, gpu=7), "choose gpu=0..0"),
-        (p.Hello(version=1, memory_limit=10**15), "ask for less"),
+        (p.Hello(version=1, memory_limit=10**15), "909.5 TiB is more than GPU 0's usable 16.0"),
+        (p.Hello(version=1, memory_limit=10**15), "ask for 16.0 GiB or less"),  # sizes, not bytes
     ]:
         peer = await Peer.connect(node.socket)
         await peer.send(hello)
         err = await peer.expect(p.Error)
         assert words in err.message, err.message
-    assert len(node.events("refused")) == 3 and not node.events("attach")
+    assert len(node.events("refused")) == 4 and not node.events("attach")
+
+
+@in_process()
+async def test_an_admin_request_at_the_workload_socket_names_the_admin_socket(node):
+    # `ctl --socket WORKLOAD_SOCKET status`: said in the user's words, not the protocol's
+    for req in (p.StatusRequest(), p.EventsRequest(), p.SetConfig(tq_s=5)):
+        peer = await Peer.connect(node.socket)
+        await peer.send(req)
+        err = await peer.expect(p.Error)
+        assert err.code == "protocol" and await peer.closed()
+        assert f"{node.socket} is this node's workload socket" in err.message
+        assert f"its admin socket, {node.admin_socket}" in err.message
+
+
+@in_process()
+async def test_a_hello_at_the_admin_socket_names_the_workload_socket(node):
+    admin = await node.admin()
+    await admin.send(p.Hello(version=p.PROTOCOL_VERSION, memory_limit=G))
+    err = await admin.expect(p.Error)
+    assert err.code == "protocol" and await admin.closed()
+    assert f"{node.admin_socket} is this node's admin socket" in err.message
+    assert f"its workload socket, {node.socket}" in err.message
 
 
 @in_process(max_messages_per_s=50.0)

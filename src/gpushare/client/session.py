@@ -164,6 +164,7 @@ class Session:
         self.memory_limit = welcome.memory_limit
         self.weight = welcome.weight
         self.idle_release_s = welcome.idle_release_s
+        self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)
         self.backend = backend
         # One condition for the link and the lease: each reads a consistent picture of
         # both. Not reentrant: a swap leaves it (see Lease._unlocked).

@@ -22,7 +22,7 @@ import select
 import socket as _socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gpushare import protocol as p
@@ -223,6 +223,9 @@ class Transport:
         self._catching_up = 0  # threads in catch_up(): the reader wakes them
         self._reader = threading.Thread(target=self._run, name="gpushare-reader", daemon=True)
         self._first: list[p.Message] = []
+        # Called on the reader thread, unlocked, once the node ended the session for good
+        # (`ctl end`, a refusal on reconnecting): `gpushare run` stops its program there.
+        self.on_ended: Callable[[str], None] | None = None
 
     def start(self, first: Iterable[p.Message] = ()) -> None:
         """Start the reader thread; it handles ``first`` (what came with the welcome)
@@ -346,8 +349,13 @@ class Transport:
             self.received += 1
 
     def _on_error(self, msg: p.Error) -> None:
-        log.error("gpushare node: %s", msg.message)
+        if not (msg.code in FATAL and self.on_ended is not None):  # else on_ended says it
+            log.error("gpushare node: %s", msg.message)
         if msg.code in FATAL:  # the node is ending this session: do not come back
+            if self.on_ended is not None and self.state is Link.CONNECTED:
+                # First, before a thread waiting on the lease wakes to an error: the
+                # program is stopped, not left to fail in the middle of a step.
+                self.on_ended(msg.message)
             with self.cond:
                 if self.state is Link.CONNECTED:
                     self.end(Link.ENDED, msg.message)
@@ -366,6 +374,8 @@ class Transport:
                     self._connector, hello, self.reconnect_timeout
                 )
             except AttachRefusedError as e:
+                if self.on_ended is not None:  # first, as above
+                    self.on_ended(f"refused on reconnecting: {e}")
                 with self.cond:
                     self.end(Link.ENDED, f"refused on reconnecting: {e}")
                 log.error("gpushare node refused this session on reconnecting: %s", e)

@@ -9,8 +9,10 @@ this same code. The rules are those of DESIGN.md "Arbitration rules".
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Literal
 
 from gpushare.core.actions import (
@@ -27,6 +29,7 @@ from gpushare.core.clock import Clock
 from gpushare.core.planner import MemoryView, plan_grant
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.units import format_size
 
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
@@ -80,7 +83,16 @@ def check_weight(weight: object) -> float:
 
 
 class Arbiter:
-    """Decisions for one GPU of ``capacity`` usable bytes."""
+    """Decisions for one GPU of ``capacity`` usable bytes.
+
+    Its cost per input does not grow with the sessions attached: what the rules need of
+    all of them is kept as running totals (counted memory: :meth:`_recount`; the largest
+    weight; the swap-retry times as a heap), and the planner runs only when the fast
+    path fails. :meth:`verify` checks each against a scan of every session; with
+    ``check_every_input`` set (the tests set it) it runs after every input.
+    """
+
+    check_every_input = False
 
     def __init__(
         self,
@@ -108,6 +120,11 @@ class Arbiter:
         self._told: set[int] = set()  # told to yield a lease they claimed (yield_due)
         self._blocking: set[int] = set()  # of those, the verified: nothing granted meanwhile
         self._frozen_idle: set[int] = set()  # frozen outside the queue (thawed at a grant)
+        self._used = 0  # the sum of every session's counted memory (SessionState.counted)
+        self._weights: Counter[float] = Counter()  # the attached sessions' weights
+        self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
+        # (swap_failed_until, session) of failed swaps, stale entries skipped as read
+        self._retries: list[tuple[float, int]] = []
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -139,8 +156,8 @@ class Arbiter:
             raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
         if limit > self.capacity:
             raise FieldError(
-                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
-                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
+                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
             )
         weight = check_weight(weight)
         _count("resident", resident, limit)
@@ -166,6 +183,7 @@ class Arbiter:
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
+        self._weigh(weight, 1)
         resumed = bool(resident or swapped or holding)
         self._event(
             "attach",
@@ -239,9 +257,11 @@ class Arbiter:
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
         now = self.clock.monotonic()
-        if s.holding:
-            s.lease_s += now - s.lease_start
+        if s.holding:  # its lease ends with it: a release, for whoever counts leases
+            held = now - s.lease_start
+            s.lease_s += held
             self.holders.remove(sid)
+            self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
@@ -250,6 +270,8 @@ class Arbiter:
         self._told.discard(sid)
         self._blocking.discard(sid)
         self._frozen_idle.discard(sid)
+        self._recount(s, gone=True)
+        self._weigh(s.weight, -1)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
 
@@ -328,6 +350,7 @@ class Arbiter:
             self._enqueue(s)
         else:
             s.state = State.IDLE
+            self._recount(s)
         return self._advance()
 
     def swap_done(
@@ -356,6 +379,7 @@ class Arbiter:
                 s.pending_out = 0  # the planner will look for another way
                 self._set_swap_deadline(s, math.inf)
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
+                self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         else:
             self._count_swap(s, direction, nbytes, seconds)
@@ -437,14 +461,22 @@ class Arbiter:
         policy: Policy | None = None,
         escalation: Escalation | None = None,
     ) -> list[Action]:
-        """Change TQ, mode, policy or escalation; quanta already running keep their
-        length. Every value is checked first: one bad value changes nothing."""
+        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
+        now that the change makes shorter ends no later than its start plus its new
+        length (a longer one keeps its end). Every value is checked first: one bad value
+        changes nothing."""
         try:
             changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
+        running = {sid: self.quantum(self.sessions[sid]) for sid in self.holders}
         for key, value in changes.items():
             setattr(self.settings, key, value)
+        for sid, before in running.items():
+            s = self.sessions[sid]
+            cut = before - self.quantum(s)
+            if cut > 0 and s.state is State.HOLDING and not math.isinf(s.quantum_end):
+                s.quantum_end -= cut
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -457,6 +489,16 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
+            retry = self._next_retry(self.clock.monotonic())
+            if retry is not None:
+                times.append(retry)
+        return min(times, default=None)
+
+    def _holder_deadlines(self) -> list[float]:
+        """Every deadline but the swap retries' (those are kept in a heap)."""
         times = []
         for sid in self.holders:
             s = self.sessions[sid]
@@ -465,23 +507,19 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
+        # non-holders: a swap-out asked of them, a claimed lease they were told to yield
         times += [self.sessions[i].swap_out_deadline for i in self._asked]
         times += [
             self.sessions[i].revoke_deadline for i in self._told if not self.sessions[i].escalated
         ]
-        if self.queue or any(self.sessions[h].room for h in self.holders):
-            # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            now = self.clock.monotonic()
-            times += [
-                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
-            ]
-        return min(times, default=None)
+        return times
 
     def quantum(self, s: SessionState) -> float:
         tq = self.settings.tq_s
         if self.settings.policy == "weighted":
-            top = max(x.weight for x in self.sessions.values())
-            return tq * s.weight / top
+            if not self._top_weight:
+                self._top_weight = max(self._weights)
+            return tq * s.weight / self._top_weight
         return tq
 
     @property
@@ -500,7 +538,38 @@ class Arbiter:
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
         rooms while filling)."""
-        return sum(v.used for v in self.sessions.values())
+        return self._used
+
+    def verify(self) -> None:
+        """Check the running totals against scans of every session (O(sessions): for
+        tests, and for ``check_every_input``); AssertionError names the first that
+        differs (raised, not asserted: it holds under ``python -O`` too)."""
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"GPU {self.gpu}: {what}")
+
+        for s in self.sessions.values():
+            check(s.counted == s.used, f"session {s.id} counted {s.counted}, uses {s.used}")
+        scan = sum(s.used for s in self.sessions.values())
+        check(self._used == scan, f"used bytes: running total {self._used}, scan {scan}")
+        weights = Counter(s.weight for s in self.sessions.values())
+        check(self._weights == weights, f"weights {dict(self._weights)}, scan {dict(weights)}")
+        top = max(weights, default=0.0)
+        check(self._top_weight in (0.0, top), f"largest weight {self._top_weight}, scan {top}")
+        asked = {s.id for s in self.sessions.values() if not math.isinf(s.swap_out_deadline)}
+        check(self._asked == asked, f"asked to swap out {self._asked}, scan {asked}")
+        told = {s.id for s in self.sessions.values() if s.yield_due}
+        check(self._told == told, f"told to yield {self._told}, scan {told}")
+        check(self._blocking <= told, f"blocking {self._blocking}, told {told}")
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            now = self.clock.monotonic()
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
+        scanned, kept = min(times, default=None), self.next_deadline()
+        check(kept == scanned, f"next deadline {kept}, scan {scanned}")
 
     # --- the rules ------------------------------------------------------------------
 
@@ -524,6 +593,8 @@ class Arbiter:
                     self._freeze(s, now)
                     self._grant_what_fits()
         out, self._out = self._out, []
+        if self.check_every_input:
+            self.verify()
         return out
 
     def _overdue(self, now: float) -> None:
@@ -534,6 +605,7 @@ class Arbiter:
             pending, s.pending_out = s.pending_out, 0
             self._set_swap_deadline(s, math.inf)
             s.swap_failed_until = now + SWAP_RETRY_S  # the planner looks for another way
+            self._retry_at(s)
             if s.swap_escalated:
                 continue
             s.swap_escalated = True
@@ -573,8 +645,14 @@ class Arbiter:
             return True
         if self.settings.mode == "exclusive":
             return False
-        wanting = [*self.holders, *self.queue]
-        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+        # Do the limits of all who want the GPU fit? Stop at the first that does not: the
+        # queue is long only when they do not.
+        total = 0
+        for i in itertools.chain(self.holders, self.queue):
+            total += self.sessions[i].limit
+            if total > self.capacity:
+                return False
+        return True
 
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
@@ -658,6 +736,7 @@ class Arbiter:
             f.frozen, f.escalated = False, False
             self._frozen_idle.discard(fid)
             self._out.append(ThawAction(fid))
+        self._recount(s)
         self._event(
             "grant",
             s.id,
@@ -684,12 +763,14 @@ class Arbiter:
             free = self.capacity - (self.used_bytes() - s.room)
             if free >= s.limit:
                 s.room = 0
+                self._recount(s)
                 self._out.append(RoomAction(s.id, s.limit))
                 if math.isinf(s.quantum_end):  # bounded again, even if it never reports
                     s.quantum_end = self._quantum_end(s)
                 continue
             if free > s.room:
                 s.room = free
+                self._recount(s)
                 self._out.append(RoomAction(s.id, free))
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
@@ -701,9 +782,12 @@ class Arbiter:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
+        if self._fits_after_release(s, self.sessions[self.queue[0]]):
+            asks: list[tuple[int, int]] = []  # what the planner would say, without it
+        else:
+            asks = plan_grant(self.capacity, self._views_released(s.id), self.queue[0]).swap_outs
         if self.settings.mode == "exclusive" or len(self.holders) == 1:
-            for sid, n in plan.swap_outs:
+            for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke
                     s.pending_out += n
                     swap_out = n
@@ -714,10 +798,57 @@ class Arbiter:
 
     # --- helpers --------------------------------------------------------------------
 
+    def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
+        """Would the planner find that ``head`` fits with holder ``s`` counted as if
+        released (:meth:`_views_released`)? Its sum without scanning: holders count at
+        their limits there (rooms here), ``s`` at what it has."""
+        planned = self._used - head.used - s.used + s.resident + head.limit
+        for h in self.holders:
+            if h != s.id:
+                v = self.sessions[h]
+                planned += v.limit - v.used
+        return planned <= self.capacity
+
     def _enqueue(self, s: SessionState) -> None:
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
         self.queue.append(s.id)
+        self._recount(s)
+
+    def _recount(self, s: SessionState, gone: bool = False) -> None:
+        """The one place the running total of counted memory changes: after anything
+        ``SessionState.used`` reads changed (state, room, swapping_in, memory), and when
+        a session goes."""
+        now = 0 if gone else s.used
+        self._used += now - s.counted
+        s.counted = now
+
+    def _weigh(self, weight: float, k: int) -> None:
+        """A session of ``weight`` came (k=1) or went (k=-1)."""
+        self._weights[weight] += k
+        if not self._weights[weight]:
+            del self._weights[weight]
+            if weight == self._top_weight:
+                self._top_weight = 0.0  # found again when next needed
+        elif k > 0 and self._top_weight:
+            self._top_weight = max(self._top_weight, weight)
+
+    def _retry_at(self, s: SessionState) -> None:
+        now = self.clock.monotonic()
+        self._next_retry(now)  # drop what has passed: the heap holds the last second's
+        heapq.heappush(self._retries, (s.swap_failed_until, s.id))
+
+    def _next_retry(self, now: float) -> float | None:
+        """The earliest swap_failed_until after ``now``, if any (each session's latest
+        is in the heap; older entries, and those of sessions gone, are skipped)."""
+        heap = self._retries
+        while heap:
+            t, sid = heap[0]
+            s = self.sessions.get(sid)
+            if t > now and s is not None and s.swap_failed_until == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _end_wait(self, s: SessionState, now: float) -> float:
         waited = now - s.wait_start
@@ -750,6 +881,7 @@ class Arbiter:
             s.swap_escalated = False
         s.resident = resident
         s.swapped = swapped
+        self._recount(s)
 
     def _view(self, s: SessionState) -> MemoryView:
         pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()

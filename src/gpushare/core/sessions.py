@@ -50,6 +50,7 @@ class SessionState:
     # verified, or another holds the GPU now): it was told to yield by revoke_deadline.
     yield_due: bool = False
     claim: int = 0  # during recovery: the verified lease it claims, granted at the end
+    counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
     # totals
     lease_s: float = 0.0
     wait_s: float = 0.0  # completed waits

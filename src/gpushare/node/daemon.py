@@ -35,7 +35,7 @@ from gpushare.core.clock import Clock
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, gpu_settings
+from gpushare.node.config import NodeConfig, check_gpus, gpu_settings
 from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
@@ -46,6 +46,7 @@ from gpushare.node.procs import ProcRef, pidfd_signal
 from gpushare.node.recovery import Recovery, SessionRecord
 from gpushare.node.safefs import SafeDir
 from gpushare.node.sockets import Handlers, serve_unix
+from gpushare.node.totals import Totals
 from gpushare.node.utilization import NvmlUtilization, Sampler
 from gpushare.node.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
@@ -70,6 +71,7 @@ class Node:
     ) -> None:
         if not gpus:
             raise ValueError("a node needs at least one GPU")
+        check_gpus(config, len(gpus))  # a [gpu.N] table for a GPU it lacks: a mistake
         self.gpus = gpus
         self.clock = clock or SystemClock()
         # Its directories, checked once and held open: sockets and link files beside the
@@ -100,6 +102,7 @@ class Node:
                 )
             )
         self.utilization = [Attribution() for _ in gpus]
+        self.totals = [Totals() for _ in gpus]  # by workload, sessions gone included
         self.pods: PodCache | None = None  # pod names from the Kubernetes API
         self.started = self.clock.wall()
         # The sockets served, from the config at start (a reload that changes them
@@ -108,12 +111,17 @@ class Node:
         self.metrics_port = 0
 
         self.signaller: Signaller = signaller or self._send_signal
+        self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
         self.dispatch = Dispatch(
-            self.clock, self.events, self.conns, self.signaller, self._proc_root
+            self.clock,
+            self.events,
+            self.conns,
+            self.signaller,
+            self._proc_root,
+            refuse=self.guard.refuse,
         )
         self.dispatch.recovery = self.recovery
         self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
-        self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
@@ -126,6 +134,7 @@ class Node:
             recovery=self.recovery,
             returned=lambda: self._end_recovery("every session on record is back"),
             pods=lambda: self.pods,
+            retire=self._retire,
         )
         self.admin = AdminServer(
             live=self.live,
@@ -148,6 +157,7 @@ class Node:
             lambda: parse_size(self.live.config.nvml_allowance),
         )
         self._servers: list[asyncio.Server] = []
+        self._made: list[str] = []  # socket and link files this node created
         self._handlers = Handlers()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_metrics: Any = None
@@ -163,8 +173,16 @@ class Node:
     def status(self) -> NodeStatus:
         info = NodeInfo(pid=os.getpid(), started=self.started, config=self.live.path)
         return snapshot.take(
-            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods
+            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods, self.totals
         )
+
+    def _retire(self, gpu: int, sid: int) -> None:
+        """A session leaves: its final figures go to its workload's totals."""
+        a = self.arbiters[gpu]
+        s = a.sessions.get(sid)
+        if s is not None:
+            st = snapshot.session(a, s, self.utilization[gpu], self.conns.get(sid), self.pods)
+            self.totals[gpu].retire(st)
 
     def reload(self) -> None:
         self.live.reload()
@@ -281,9 +299,19 @@ class Node:
         cfg = self.config
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._on_loop_error)
+        if cfg.metrics_port:  # first: a busy port stops the start before anything is up
+            self._start_exporter(cfg)
+        try:
+            await self._serve(cfg)
+        except BaseException:
+            await self.stop()  # no socket left behind
+            raise
+
+    async def _serve(self, cfg: NodeConfig) -> None:
         self._begin_recovery()
         workloads = self._handlers.track(self.workloads.handle)
         self._servers.append(await serve_unix(workloads, self.socket, mode=0o666))
+        self._made.append(self.socket)
         gid = admin_gid(cfg)
         self._servers.append(
             await serve_unix(
@@ -292,6 +320,7 @@ class Node:
                 mode=0o600 if gid is None else 0o660,
             )
         )
+        self._made.append(self.admin_socket)
         if gid is not None:
             os.chown(self.admin_socket, -1, gid)
         for g, a in zip(self.gpus, self.arbiters, strict=True):
@@ -315,8 +344,6 @@ class Node:
             log.info("pod names from the Kubernetes API, pods of node %s", node)
         if self.live.path:
             self._spawn(self.live.watch())
-        if cfg.metrics_port:
-            self._start_exporter(cfg)
 
     def _start_exporter(self, cfg: NodeConfig) -> None:
         try:
@@ -336,9 +363,17 @@ class Node:
 
             return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
 
-        self._stop_metrics = metrics.serve(
-            metrics.registry_for(take), cfg.metrics_port, cfg.metrics_address
-        )
+        exposition = metrics.Exposition()  # written in the exporter's thread
+        try:
+            self._stop_metrics = metrics.serve(
+                lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
+            )
+        except OSError as e:
+            raise OSError(
+                f"metrics port {cfg.metrics_address}:{cfg.metrics_port}: {e.strerror or e}"
+                " (another gpushare node, or another exporter?): choose another with"
+                " --metrics-port PORT (or metrics_port in the config file), or 0 for none"
+            ) from None
         self.metrics_port = cfg.metrics_port
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, self.metrics_port)
 
@@ -369,15 +404,17 @@ class Node:
             task.cancel()
         if self._stop_metrics:
             self._stop_metrics()
+            self._stop_metrics = None
         if self._pod_watcher:
             self._pod_watcher.stop()
         if self._recovery_timer is not None:
             self._recovery_timer.cancel()
             self._recovery_timer = None
         # The link files stay: workloads map them, and the next node keeps them.
-        for path in (self.socket, self.admin_socket):
+        for path in self._made:  # only what this node made: never another node's socket
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self._made.clear()
         self.events.close()
         for d in {id(d): d for d in (self.rundir, self.admindir, self.recovery.dir)}.values():
             d.close()

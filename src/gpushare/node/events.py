@@ -23,6 +23,7 @@ EVENT_KINDS = (
     "swap_out",
     "swap_in",
     "config",
+    "config_refused",
     "escalate",
     "recovery",
 )

@@ -36,6 +36,7 @@ class Conn:
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     frozen: bool = False
+    ended: bool = False  # an administrator ended its session (ctl end)
     tokens: float = 0.0
     refilled: float = 0.0
     proc: ProcRef | None = None  # the connecting process, named for good (start time)
@@ -46,8 +47,16 @@ class Conn:
     record: SessionRecord | None = None  # what a restarted node recovers it from
 
     def send(self, msg: p.Message) -> None:
+        self.write(p.encode(msg))
+
+    def write(self, data: bytes) -> None:
+        """Frames, already encoded, in one write."""
         if not self.writer.is_closing():
-            self.writer.write(p.encode(msg))
+            self.writer.write(data)
+
+    def unread_bytes(self) -> int:
+        """What waits in the node for the peer to read (beyond the kernel's buffer)."""
+        return self.writer.transport.get_write_buffer_size()
 
     def workload(self, proc_root: str) -> list[ProcRef]:
         """Every process of this session's uid holding its connection: the one that

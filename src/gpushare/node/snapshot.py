@@ -15,6 +15,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn
 from gpushare.node.identity import CgroupIdentity
 from gpushare.node.k8s import PodCache
+from gpushare.node.totals import Totals
 from gpushare.status import Claimed, GpuStatus, NodeInfo, NodeStatus, SessionStatus
 
 
@@ -25,14 +26,18 @@ def take(
     utilization: Sequence[Attribution],
     conns: Mapping[int, Conn],
     pods: PodCache | None,
+    totals: Sequence[Totals] = (),
 ) -> NodeStatus:
-    return NodeStatus(
+    out = NodeStatus(
         node=info,
         gpus=[
             gpu(g, a, att, [session(a, s, att, conns.get(s.id), pods) for s in a.sessions.values()])
             for g, a, att in zip(gpus, arbiters, utilization, strict=True)
         ],
     )
+    for g, t in zip(out.gpus, totals, strict=False):  # workloads: sessions gone included
+        g.workloads = t.workloads(g.sessions)
+    return out
 
 
 def session(

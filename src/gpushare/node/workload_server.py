@@ -29,6 +29,9 @@ from gpushare.node.recovery import Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
 
+# What an administrator's tool sends first: said to have come to the wrong socket.
+ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
+
 # The longest each text of a hello may be: Kubernetes' bounds for names (a DNS
 # subdomain, 253) and labels (63); a UUID; a job id as long as a name.
 TEXT_BOUNDS = {
@@ -89,6 +92,7 @@ class WorkloadServer:
         recovery: Recovery,
         returned: Callable[[], None],
         pods: Callable[[], PodCache | None],
+        retire: Callable[[int, int], None] = lambda gpu, sid: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
@@ -97,6 +101,10 @@ class WorkloadServer:
         self.recovery = recovery
         self.returned = returned  # every session on record is back: the window ends
         self.pods = pods
+        self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
+
+    def socket_path(self) -> str:
+        return self._config().socket
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -114,6 +122,12 @@ class WorkloadServer:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
             finally:
                 self.guard.said_hello(conn)
+            if isinstance(hello, ADMIN_REQUESTS):
+                raise p.ProtocolError(
+                    f"{self.socket_path()} is this node's workload socket: ctl, top and"
+                    f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
+                    " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
+                )
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
             arb = self._attach(conn, hello)
@@ -131,9 +145,11 @@ class WorkloadServer:
             self.guard.refuse(conn, "workload", e)
         finally:
             if arb is not None and conn.session in self.conns:
+                self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
                 self.utilization[arb.gpu].forget(conn.session)
-                self.dispatch.apply(arb, arb.detach(conn.session, reason="disconnected"))
+                reason = "ended" if conn.ended else "disconnected"
+                self.dispatch.apply(arb, arb.detach(conn.session, reason=reason))
                 self.recovery.save_soon()
             writer.close()
 
@@ -251,6 +267,7 @@ class WorkloadServer:
                 sim_bandwidth=cfg.sim_bandwidth,
                 sim_swap_failure_rate=cfg.sim_swap_failure_rate,
                 sim_link=link,
+                tq_s=arb.settings.tq_s,
             )
         )
         self.dispatch.apply(arb, actions)
