@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpushare.core.actions import SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
@@ -170,3 +171,24 @@ def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     # no retry left: the one deadline is the victim's to move a byte (a grace period)
     assert a.next_deadline() == clock.monotonic() + a.settings.grace_s
     assert len(a._retries) <= 1  # what has passed is dropped
+
+
+def test_a_retry_whose_time_passed_without_a_tick_is_still_due():
+    # The node's timer fires at or after the retry time; next_deadline must still say it
+    # is due then (not drop it as passed), or nothing plans again and the queue waits.
+    clock = ManualClock()
+    a = Arbiter(0, 10 * G, clock, GpuSettings(mode="exclusive", tq_s=5))
+    a.attach(1, name="waits", limit=6 * G)
+    a.attach(2, name="victim", limit=6 * G)
+    a.acquire(2)
+    a.acquire(1)
+    clock.advance(5.0)
+    a.tick()  # 2's quantum ends; it yields, and is asked for 2 GiB after its release
+    a.release(2, resident=6 * G, swapped=0, swapping_out=2 * G)
+    a.swap_done(2, direction="out", nbytes=0, seconds=0.0, resident=6 * G, swapped=0, error="x")
+    due = clock.monotonic() + 1.0
+    assert a.next_deadline() == due
+    clock.advance(1.5)  # the timer fires late, as timers do
+    assert a.next_deadline() == due  # passed, and still due: the rules have not run since
+    assert any(isinstance(x, SwapOutAction) and x.session == 2 for x in a.tick())
+    assert a.next_deadline() != due

@@ -125,6 +125,8 @@ class Arbiter:
         self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
         # (swap_failed_until, session) of failed swaps, stale entries skipped as read
         self._retries: list[tuple[float, int]] = []
+        # When the rules last ran (_advance): a retry due since is still to be acted on.
+        self._advanced = -math.inf
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -492,7 +494,7 @@ class Arbiter:
         times = self._holder_deadlines()
         if self.queue or any(self.sessions[h].room for h in self.holders):
             # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            retry = self._next_retry(self.clock.monotonic())
+            retry = self._next_retry()
             if retry is not None:
                 times.append(retry)
         return min(times, default=None)
@@ -564,7 +566,7 @@ class Arbiter:
         check(self._blocking <= told, f"blocking {self._blocking}, told {told}")
         times = self._holder_deadlines()
         if self.queue or any(self.sessions[h].room for h in self.holders):
-            now = self.clock.monotonic()
+            now = self._advanced  # retries due since the rules last ran are due still
             times += [
                 s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
             ]
@@ -575,6 +577,7 @@ class Arbiter:
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
+        self._advanced = now  # the plans below see every retry due by now
         if self._asked or self._told:
             self._overdue(now)
         self._grant_what_fits()
@@ -834,13 +837,15 @@ class Arbiter:
             self._top_weight = max(self._top_weight, weight)
 
     def _retry_at(self, s: SessionState) -> None:
-        now = self.clock.monotonic()
-        self._next_retry(now)  # drop what has passed: the heap holds the last second's
+        self._next_retry()  # drop what has passed: the heap holds the last second's
         heapq.heappush(self._retries, (s.swap_failed_until, s.id))
 
-    def _next_retry(self, now: float) -> float | None:
-        """The earliest swap_failed_until after ``now``, if any (each session's latest
-        is in the heap; older entries, and those of sessions gone, are skipped)."""
+    def _next_retry(self) -> float | None:
+        """The earliest swap_failed_until the rules have not yet run at or after, if any:
+        one that has passed since is due now (a tick plans with it). Each session's
+        latest is in the heap; older entries, those of sessions gone and those the rules
+        ran after are skipped."""
+        now = self._advanced
         heap = self._retries
         while heap:
             t, sid = heap[0]
