@@ -108,6 +108,7 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     workloads: list[WorkloadStatus] = msgspec.field(default_factory=list)
     recovering: bool = False  # after a restart: nothing granted until its sessions are back
     sessions_omitted: int = 0  # sessions left out so that the status fits one frame
+    workloads_omitted: int = 0  # workloads' totals left out so that the status fits
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
@@ -119,7 +120,8 @@ class NodeInfo(msgspec.Struct, kw_only=True):
 class NodeStatus(msgspec.Struct, kw_only=True):
     node: NodeInfo
     gpus: list[GpuStatus]
-    truncated: bool = False  # some sessions were left out (GpuStatus.sessions_omitted)
+    # some sessions or workloads were left out (GpuStatus.sessions_omitted, .workloads_omitted)
+    truncated: bool = False
 
 
 def to_json_object(status: NodeStatus) -> dict[str, object]:

@@ -20,7 +20,7 @@ import pytest
 from gpushare import protocol as p
 from gpushare.node.events import EventBus
 from gpushare.node.snapshot import fit
-from gpushare.status import GpuStatus, NodeInfo, NodeStatus, SessionStatus
+from gpushare.status import GpuStatus, NodeInfo, NodeStatus, SessionStatus, WorkloadStatus
 from gpushare.tools import ctl
 from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
 
@@ -256,6 +256,42 @@ def test_fit_keeps_holders_then_the_queue_of_every_gpu():
         assert [x.id for x in g.sessions[:2]] == [k * 10_000 + 2999, k * 10_000 + 5]
         assert g.sessions_omitted == 3000 - len(g.sessions) > 0
     assert abs(len(st.gpus[0].sessions) - len(st.gpus[1].sessions)) <= 1
+
+
+def test_fit_leaves_out_workloads_totals_too_those_with_sessions_kept_first():
+    # 1,000 workloads' totals a GPU (the most kept) with names as long as allowed are
+    # more than a frame on two GPUs: they are cut like sessions, never the frame broken.
+    gpus = []
+    for k in range(2):
+        workloads = [
+            blank(
+                WorkloadStatus,
+                name=f"{i:04d}" + "w" * 249,
+                namespace="n" * 63,
+                pod="p" * 253,
+                container="c" * 63,
+                sessions=int(i == 999),
+            )
+            for i in range(1000)
+        ]
+        gpus.append(
+            blank(
+                GpuStatus,
+                index=k,
+                mode="auto",
+                policy="equal",
+                escalation="log",
+                holders=[1],
+                sessions=[blank(SessionStatus, id=1, name="x")],
+                workloads=workloads,
+            )
+        )
+    st = fit(NodeStatus(node=blank(NodeInfo), gpus=gpus), 2**20)
+    assert st.truncated and len(msgspec.msgpack.encode(st)) <= 2**20
+    for g in st.gpus:
+        assert [s.id for s in g.sessions] == [1] and g.sessions_omitted == 0
+        assert g.workloads[0].name.startswith("0999")  # the one with a session first
+        assert g.workloads_omitted == 1000 - len(g.workloads) > 0
 
 
 # --- 10. connections that never say hello ------------------------------------------------

@@ -5,6 +5,7 @@ exporter and the demo read."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import msgspec
 
@@ -16,7 +17,14 @@ from gpushare.node.guard import Conn
 from gpushare.node.identity import CgroupIdentity
 from gpushare.node.k8s import PodCache
 from gpushare.node.totals import Totals
-from gpushare.status import Claimed, GpuStatus, NodeInfo, NodeStatus, SessionStatus
+from gpushare.status import (
+    Claimed,
+    GpuStatus,
+    NodeInfo,
+    NodeStatus,
+    SessionStatus,
+    WorkloadStatus,
+)
 
 
 def take(
@@ -129,39 +137,61 @@ def gpu(g: GpuInfo, a: Arbiter, att: Attribution, sessions: list[SessionStatus])
 
 def fit(status: NodeStatus, most: int) -> NodeStatus:
     """The status, with as many sessions as fit in ``most`` encoded bytes: holders first,
-    then those waiting, then the rest, taken from each GPU in turn. What is left out is
-    counted (``sessions_omitted``) and marked (``truncated``): a status always fits."""
+    then those waiting, then the rest, taken from each GPU in turn; then as many
+    workloads' totals as fit beside them, those with sessions attached first. What is
+    left out is counted (``sessions_omitted``, ``workloads_omitted``) and marked
+    (``truncated``): a status always fits."""
     encode = msgspec.msgpack.encode
     if len(encode(status)) <= most:
         return status
-    lists = []
+    sessions = []
     for g in status.gpus:
         rank = {sid: i for i, sid in enumerate([*g.holders, *g.queue])}
-        lists.append(sorted(g.sessions, key=lambda s: rank.get(s.id, len(rank))))
+        sessions.append(sorted(g.sessions, key=lambda s: rank.get(s.id, len(rank))))
+    workloads = [sorted(g.workloads, key=lambda w: not w.sessions) for g in status.gpus]
     bare = msgspec.structs.replace(
-        status, gpus=[msgspec.structs.replace(g, sessions=[]) for g in status.gpus]
+        status,
+        gpus=[msgspec.structs.replace(g, sessions=[], workloads=[]) for g in status.gpus],
     )
     budget = most - len(encode(bare)) - 64 * len(status.gpus)  # the omitted counts' room
-    kept: list[list[SessionStatus]] = [[] for _ in lists]
+    kept, budget = _take(sessions, budget)
+    kept_workloads, _ = _take(workloads, budget)
+    gpus = [
+        msgspec.structs.replace(
+            g,
+            sessions=k,
+            sessions_omitted=len(g.sessions) - len(k),
+            workloads=w,
+            workloads_omitted=len(g.workloads) - len(w),
+        )
+        for g, k, w in zip(status.gpus, kept, kept_workloads, strict=True)
+    ]
+    return msgspec.structs.replace(status, gpus=gpus, truncated=True)
+
+
+T = TypeVar("T", SessionStatus, WorkloadStatus)
+
+
+def _take(lists: list[list[T]], budget: int) -> tuple[list[list[T]], int]:
+    """From each list in turn, the next item while its encoding fits the budget; what
+    was kept of each, and the budget left."""
+    encode = msgspec.msgpack.encode
+    kept: list[list[T]] = [[] for _ in lists]
     full = [False] * len(lists)
     depth = 0
     while not all(full):
-        for i, ss in enumerate(lists):
-            if full[i] or depth >= len(ss):
+        for i, items in enumerate(lists):
+            if full[i] or depth >= len(items):
                 full[i] = True
                 continue
-            size = len(encode(ss[depth]))
+            size = len(encode(items[depth]))
             if size > budget:
                 full[i] = True
                 continue
             budget -= size
-            kept[i].append(ss[depth])
+            kept[i].append(items[depth])
         depth += 1
-    gpus = [
-        msgspec.structs.replace(g, sessions=k, sessions_omitted=len(g.sessions) - len(k))
-        for g, k in zip(status.gpus, kept, strict=True)
-    ]
-    return msgspec.structs.replace(status, gpus=gpus, truncated=True)
+    return kept, budget
 
 
 def p95(xs: Iterable[float]) -> float:
