@@ -394,8 +394,9 @@ async def test_a_stale_token_or_another_sessions_lease_is_not_given_back(node):
     b = await node.workload(memory_limit=10 * G, name="b")
     await node.settle()
     await node.restart()
-    forged = node.node.recovery.token(0, b.session, first)  # b never held it
-    b2 = await back(node, b, holding=True, lease=first, token=forged[:-1] + "0")
+    signed = node.node.recovery.token(0, b.session, first)  # b never held it
+    forged = signed[:-1] + ("1" if signed.endswith("0") else "0")  # never the signed one
+    b2 = await back(node, b, holding=True, lease=first, token=forged)
     a2 = await back(node, a, holding=True, lease=first, token=token)
     assert (await b2.expect(p.Revoke)).lease == first  # not verified: told to yield
     assert (await a2.expect(p.Grant)).resume
