@@ -62,6 +62,10 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     pod_uid: str
     container_id: str
     runtime: str
+    # where its weight comes from: "kubernetes" (the pod's gpu-fraction annotation, through
+    # the API), "portion" (the GPU fraction the workload says KAI gave it), "claimed" (a
+    # weight it set), "default" (1)
+    weight_source: str = ""
 
 
 class WorkloadStatus(msgspec.Struct, kw_only=True):
@@ -102,6 +106,9 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     queue: list[int]
     sessions: list[SessionStatus]
     workloads: list[WorkloadStatus] = msgspec.field(default_factory=list)
+    recovering: bool = False  # after a restart: nothing granted until its sessions are back
+    sessions_omitted: int = 0  # sessions left out so that the status fits one frame
+    workloads_omitted: int = 0  # workloads' totals left out so that the status fits
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
@@ -113,6 +120,8 @@ class NodeInfo(msgspec.Struct, kw_only=True):
 class NodeStatus(msgspec.Struct, kw_only=True):
     node: NodeInfo
     gpus: list[GpuStatus]
+    # some sessions or workloads were left out (GpuStatus.sessions_omitted, .workloads_omitted)
+    truncated: bool = False
 
 
 def to_json_object(status: NodeStatus) -> dict[str, object]:

@@ -200,7 +200,16 @@ def test_container_runs_the_node_as_the_daemonset_does(
     run_dir = sources[
         next(m["name"] for m in spec["volumeMounts"] if m["mountPath"] == "/run/gpushare")
     ]
-    admin = run_dir / "admin.sock"
+    # The admin socket: in a directory of its own that workloads never mount.
+    admin_path = Path(tomllib.loads(objs["ConfigMap"]["data"]["node.toml"])["admin_socket"])
+    admin = (
+        sources[
+            next(
+                m["name"] for m in spec["volumeMounts"] if m["mountPath"] == str(admin_path.parent)
+            )
+        ]
+        / admin_path.name
+    )
 
     def up() -> bool:
         assert container.proc and container.proc.poll() is None, container.log.read_text()

@@ -427,7 +427,14 @@ def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
 def test_resumed_session_keeps_memory_and_lease(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
     out = a.attach(
-        1, name="survivor", limit=10 * GiB, resident=6 * GiB, swapped=4 * GiB, holding=True
+        1,
+        name="survivor",
+        limit=10 * GiB,
+        resident=6 * GiB,
+        swapped=4 * GiB,
+        holding=True,
+        lease=7,
+        verified=True,
     )
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and a.holders == [1]

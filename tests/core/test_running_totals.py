@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpushare.core.actions import SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
@@ -25,7 +26,8 @@ ATTACH = st.tuples(
     st.integers(1, 10).map(lambda k: k * G),
     st.sampled_from([0.25, 0.5, 1.0, 2.0]),
     st.booleans(),  # fills
-    st.sampled_from(["new", "resumed", "resumed holding"]),  # after a node restart
+    # after a node restart; "verified": the node matched its record and lease token
+    st.sampled_from(["new", "resumed", "resumed holding", "resumed holding verified"]),
 )
 inputs = st.one_of(
     ATTACH,
@@ -52,12 +54,13 @@ inputs = st.one_of(
     ),
     st.tuples(st.just("tick"), st.sampled_from([0.0, 0.1, 0.6, 1.1, 5.0, 30.0])),
     st.tuples(st.just("tick"), st.sampled_from([0.1, 0.6, 1.1])),
+    st.tuples(st.just("recovery"), st.booleans()),  # a window opens (True) or ends
 )
 
 
 def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
     kind, *args = op
-    if kind not in ("attach", "configure", "tick") and a.sessions:  # mostly those there
+    if kind not in ("attach", "configure", "tick", "recovery") and a.sessions:  # mostly those there
         ids = sorted(a.sessions)
         args[0] = ids[args[0] % len(ids)] if args[0] < 9 else max(ids) + 1
     if kind == "attach":
@@ -71,7 +74,9 @@ def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
             fills=fills,
             resident=half,
             swapped=half,
-            holding=how == "resumed holding",
+            holding=how.startswith("resumed holding"),
+            lease=7 if how.startswith("resumed holding") else 0,
+            verified=how.endswith("verified"),
         )
     elif kind == "detach":
         a.detach(args[0])
@@ -97,6 +102,11 @@ def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
         a.over_limit(args[0], used=args[1])
     elif kind == "configure":
         a.configure(mode=args[0], policy=args[1], tq_s=args[2])
+    elif kind == "recovery":
+        if args[0]:
+            a.begin_recovery()
+        else:
+            a.end_recovery()
     else:
         clock.advance(args[0])
         a.tick()
@@ -111,6 +121,11 @@ def scanned_deadline(a: Arbiter) -> float | None:
             if s.quantum_end != float("inf"):
                 times.append(s.quantum_end)
         elif not s.escalated:
+            times.append(s.revoke_deadline)
+    for s in a.sessions.values():  # non-holders: a swap-out asked, a claim told to yield
+        if s.swap_out_deadline != float("inf"):
+            times.append(s.swap_out_deadline)
+        if s.yield_due and not s.escalated:
             times.append(s.revoke_deadline)
     # a quantum waiting for its holder to ask again, while someone waits (scheduling.md)
     times += [s.reserve_until for s in a.sessions.values() if s.reserved and a.queue]
@@ -157,5 +172,27 @@ def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     clock.advance(1.0)
     a.tick()  # the plan is made again, the same victim asked again
     a.verify()
-    assert a.next_deadline() is None
+    # no retry left: the one deadline is the victim's to move a byte (a grace period)
+    assert a.next_deadline() == clock.monotonic() + a.settings.grace_s
     assert len(a._retries) <= 1  # what has passed is dropped
+
+
+def test_a_retry_whose_time_passed_without_a_tick_is_still_due():
+    # The node's timer fires at or after the retry time; next_deadline must still say it
+    # is due then (not drop it as passed), or nothing plans again and the queue waits.
+    clock = ManualClock()
+    a = Arbiter(0, 10 * G, clock, GpuSettings(mode="exclusive", tq_s=5))
+    a.attach(1, name="waits", limit=6 * G)
+    a.attach(2, name="victim", limit=6 * G)
+    a.acquire(2)
+    a.acquire(1)
+    clock.advance(5.0)
+    a.tick()  # 2's quantum ends; it yields, and is asked for 2 GiB after its release
+    a.release(2, resident=6 * G, swapped=0, swapping_out=2 * G)
+    a.swap_done(2, direction="out", nbytes=0, seconds=0.0, resident=6 * G, swapped=0, error="x")
+    due = clock.monotonic() + 1.0
+    assert a.next_deadline() == due
+    clock.advance(1.5)  # the timer fires late, as timers do
+    assert a.next_deadline() == due  # passed, and still due: the rules have not run since
+    assert any(isinstance(x, SwapOutAction) and x.session == 2 for x in a.tick())
+    assert a.next_deadline() != due

@@ -15,9 +15,9 @@ from node_costs import connect_burst, mass_attach
 BURST = 300
 
 
-def many_sessions_allowed(short_tmp) -> list[str]:
+def many_sessions_allowed(short_tmp, *more: str) -> list[str]:
     cfg = short_tmp / "node.toml"
-    cfg.write_text(f"max_sessions_per_uid = {2 * BURST}\n")
+    cfg.write_text("".join(f"{line}\n" for line in (f"max_sessions_per_uid = {2 * BURST}", *more)))
     return ["--config", str(cfg)]
 
 
@@ -29,7 +29,10 @@ def test_a_burst_of_attaches_all_succeed(node_factory, short_tmp):
 
 
 def test_the_backlog_holds_a_burst_the_node_is_not_accepting(node_factory, short_tmp):
-    node = node_factory(*sim("80GiB"), *many_sessions_allowed(short_tmp))
+    # Raw sockets that never try again: the node must take all of them waiting for a
+    # hello at once (by default 64 of one uid may; the client tries a "busy" again).
+    pending = f"max_pending_per_uid = {2 * BURST}"
+    node = node_factory(*sim("80GiB"), *many_sessions_allowed(short_tmp, pending))
     assert node.proc is not None
     socks, refused = connect_burst(node.proc, node.socket, BURST)  # the node stopped
     assert refused == 0  # asyncio's default backlog (100) refused 199 of them

@@ -255,13 +255,16 @@ def test_second_node_on_same_socket_is_refused(node_factory):
 
 def _switching(folder: Path, *extra: str) -> tuple[NodeProcess, list[subprocess.Popen[str]]]:
     """Two 30 GiB batch sessions on a 40 GiB simulated GPU: every switch moves 20 GiB
-    each way."""
+    each way. They start contending together (behind a gate session), and run long
+    enough for several switches on a loaded machine: one process started late, or a
+    slow run, left only two."""
     folder.mkdir()
     node = NodeProcess(folder, *sim("40GiB", mode="exclusive", tq="0.5"), *extra).start()
-    procs = [
-        node.workload("batch", "--memory", "30GiB", "--seconds", "6", "--name", f"j{i}")
-        for i in (1, 2)
-    ]
+    with all_start_together(node, waiting=2):
+        procs = [
+            node.workload("batch", "--memory", "30GiB", "--seconds", "8", "--name", f"j{i}")
+            for i in (1, 2)
+        ]
     return node, procs
 
 

@@ -104,16 +104,19 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
     mport, pport = free_port(), free_port()
     # This process, as the kernel would show it inside a pod (a /proc root of our own)
     proc = tmp_path / "proc"
-    (proc / str(os.getpid())).mkdir(parents=True)
+    proc.mkdir()
     uid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f"
     slice_ = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
-    (proc / str(os.getpid()) / "cgroup").write_text(
-        f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}.scope\n"
-    )
     monkeypatch.setenv("POD_UID", uid)
     node = node_factory(
         *sim("16GiB", metrics_port=mport, metrics_address="127.0.0.1", proc_root=proc)
     )
+    # and the node beside it in that pod: this process administers it too (status), which
+    # the node allows only from the host or its own pod
+    cgroup = f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}"
+    for pid in (os.getpid(), node.proc.pid):
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "cgroup").write_text(cgroup + ".scope\n")
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"

@@ -72,7 +72,7 @@ def attach(
         name=name or f"{os.path.basename(sys.argv[0]) or 'python'}-{os.getpid()}",
         memory_limit=limit,
         weight=weight if weight is not None else env.portion,
-        portion=env.portion if limit is None else None,
+        portion=env.portion,  # the limit's share when none is given; and the weight's source
         gpu=gpu if gpu is not None else env.gpu,
         gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",

@@ -118,6 +118,28 @@ def open_connection(
     """Connect, say hello, read the welcome; returns what followed it too. A refusal is
     :class:`AttachRefusedError`; anything else that fails, :class:`DaemonUnavailableError`."""
     deadline = time.monotonic() + timeout
+    delay = BUSY_BACKOFF[0]
+    while True:
+        try:
+            return _handshake(connector, hello, deadline, timeout)
+        except _Busy as e:  # too many connections wait for their hello: try again soon
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailableError(
+                    f"the gpushare node at {connector.where} stayed busy for {timeout:g} s"
+                    f" ({e}): try again, or attach with a longer timeout="
+                ) from None
+            _sleep(min(delay * random.uniform(0.5, 1.5), left))
+            delay = min(delay * 2, BUSY_BACKOFF[1])
+
+
+class _Busy(Exception):
+    """The node has as many connections waiting for a hello as it allows."""
+
+
+def _handshake(
+    connector: Connector, hello: p.Hello, deadline: float, timeout: float
+) -> tuple[_socket.socket, p.Welcome, list[p.Message]]:
     try:
         sock = connector(timeout)
     except OSError as e:
@@ -135,6 +157,9 @@ def open_connection(
                 raise p.ProtocolError("the node closed the connection")
             msgs = buf.feed(data)
         first = msgs[0]
+        if isinstance(first, p.Error) and first.code == "busy":
+            sock.close()
+            raise _Busy(first.message)
         if isinstance(first, p.Error):
             raise AttachRefusedError(first.message, first.code)
         if not isinstance(first, p.Welcome):

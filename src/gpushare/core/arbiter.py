@@ -24,6 +24,7 @@ from gpushare.core.actions import (
     RevokeAction,
     RoomAction,
     SwapOutAction,
+    ThawAction,
 )
 from gpushare.core.clock import Clock
 from gpushare.core.planner import MemoryView, plan_grant, take_from
@@ -35,6 +36,11 @@ SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this lo
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
 SWAP_FLOOR_BPS = 1e9
+# A session's weight (its share under policy weighted) lies in these bounds: finite, and
+# no quantum more than a million times another's.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+MAX_SECONDS = 1e6  # a swap reported longer than this (11 days) is not a measurement
+MAX_ERROR = 1024  # characters of a failed swap's error text
 # docs/scheduling.md has the rules these figures belong to.
 ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to ask again
 EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
@@ -44,7 +50,43 @@ PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is 
 
 
 class ArbiterError(ValueError):
-    """An input that is not valid in the session's current state."""
+    """An input that is not valid in the session's current state. Raised before anything
+    changes: a refused input leaves the arbiter as it was."""
+
+    code = "state"
+
+
+class FieldError(ArbiterError):
+    """A figure the node knows to be wrong (negative, beyond the session's limit or the
+    GPU, not finite); the message names the field."""
+
+    code = "value"
+
+
+def _count(what: str, value: object, most: int) -> int:
+    """A whole number of bytes in [0, most], or :class:`FieldError` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise FieldError(f"{what} must be a whole number of bytes in [0, {most}], not {value!r}")
+    return value
+
+
+def _seconds(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FieldError(f"{what} must be a number of seconds, not {value!r}")
+    if not 0 <= value <= MAX_SECONDS:  # NaN fails too
+        raise FieldError(f"{what} must be a number of seconds in [0, {MAX_SECONDS:g}], not {value}")
+    return float(value)
+
+
+def check_weight(weight: object) -> float:
+    """A weight within [MIN_WEIGHT, MAX_WEIGHT], or :class:`FieldError`."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise FieldError(f"weight must be a number, not {weight!r}")
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too
+        raise FieldError(
+            f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], not {weight}"
+        )
+    return float(weight)
 
 
 class Arbiter:
@@ -60,7 +102,12 @@ class Arbiter:
     check_every_input = False
 
     def __init__(
-        self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
+        self,
+        gpu: int,
+        capacity: int,
+        clock: Clock,
+        settings: GpuSettings | None = None,
+        lease_base: int = 0,
     ) -> None:
         if capacity <= 0:
             raise ValueError("GPU capacity must be positive")
@@ -71,15 +118,23 @@ class Arbiter:
         self.sessions: dict[int, SessionState] = {}
         self.queue: deque[int] = deque()
         self.holders: list[int] = []
-        self._lease_seq = 0
+        self._lease_seq = lease_base  # leases are numbered on from the last node's
         self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
+        # After a node restart, until the sessions it knew are back: nothing is granted.
+        self.recovering = False
+        self._asked: set[int] = set()  # non-holders with a swap-out deadline
+        self._told: set[int] = set()  # told to yield a lease they claimed (yield_due)
+        self._blocking: set[int] = set()  # of those, the verified: nothing granted meanwhile
+        self._frozen_idle: set[int] = set()  # frozen outside the queue (thawed at a grant)
         self._used = 0  # the sum of every session's counted memory (SessionState.counted)
         self._weights: Counter[float] = Counter()  # the attached sessions' weights
         self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
         # (swap_failed_until, session) of failed swaps, stale entries skipped as read
         self._retries: list[tuple[float, int]] = []
+        # When the rules last ran (_advance): a retry due since is still to be acted on.
+        self._advanced = -math.inf
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -93,26 +148,43 @@ class Arbiter:
         resident: int = 0,
         swapped: int = 0,
         holding: bool = False,
+        lease: int = 0,
+        verified: bool = False,
         fills: bool = False,
         prefetch: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
-        outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
-        its client can swap in within a room, so its swap-in may overlap another's
-        swap-out; ``prefetch``: it swaps in ahead of its grant when told."""
+        outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
+        ``lease``). The lease is given back only when ``verified`` (the node matched the
+        session to its record and checked the lease's token) and the rules allow it (after
+        the recovery window, if one is open); any other claim is told to yield (a revoke
+        for ``lease``), and escalated like a holder's if it does not within the grace
+        period. ``fills``: its client can swap in within a room, so its swap-in may
+        overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
+        told."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
-        if limit <= 0:
-            raise ArbiterError("memory limit must be positive")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
         if limit > self.capacity:
-            raise ArbiterError(
+            raise FieldError(
                 f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
                 f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
             )
-        if not (weight > 0 and math.isfinite(weight)):
-            raise ArbiterError("weight must be a positive number")
-        if resident < 0 or swapped < 0 or resident + swapped > limit:
-            raise ArbiterError("re-registered memory must be within the memory limit")
+        weight = check_weight(weight)
+        _count("resident", resident, limit)
+        _count("swapped", swapped, limit)
+        if resident + swapped > limit:
+            raise FieldError(
+                f"resident + swapped ({resident} + {swapped} bytes) exceed the memory limit"
+                f" of {limit} bytes"
+            )
+        _count("lease", lease, 2**63 - 1)
+        if self.used_bytes() + resident > self.capacity:
+            raise FieldError(
+                f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
+                f" in use on GPU {self.gpu} ({self.capacity} usable)"
+            )
         s = SessionState(
             id=sid,
             name=name,
@@ -138,13 +210,64 @@ class Arbiter:
             resident_bytes=resident,
             swapped_bytes=swapped,
         )
-        if holding:  # it was working when the node went away: it holds a lease again
+        if holding:  # it was working when the node went away
             s.bursts += 1
             self._enqueue(s)
-            self.queue.remove(sid)
-            self.queue.appendleft(sid)
-            self._grant(s)
+            if not (verified and lease):
+                self._tell_to_yield(s, lease, verified=False)
+            elif self.recovering:
+                s.claim = lease  # granted back at the window's end, if the rules allow
+            else:
+                self._resume_or_yield(s, lease)
         return self._advance()
+
+    def begin_recovery(self) -> None:
+        """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
+        knew are back, or the window ended). Leases claimed meanwhile wait for the end."""
+        self.recovering = True
+
+    def end_recovery(self) -> list[Action]:
+        """The recovery window ends: the verified claims get their leases back, the most
+        recent lease first, as far as the rules allow; the others are told to yield."""
+        if not self.recovering:
+            return []
+        self.recovering = False
+        for s in sorted(
+            (s for s in self.sessions.values() if s.claim), key=lambda s: s.claim, reverse=True
+        ):
+            lease, s.claim = s.claim, 0
+            self._resume_or_yield(s, lease)
+        return self._advance()
+
+    def _resume_or_yield(self, s: SessionState, lease: int) -> None:
+        """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
+        else a revoke."""
+        others = self.used_bytes() - s.used
+        if self._may_join_holders() and others + s.limit <= self.capacity:
+            self.queue.remove(s.id)
+            self.queue.appendleft(s.id)
+            self._grant(s, resume=True)
+        else:
+            self._tell_to_yield(s, lease, verified=True)
+
+    def _tell_to_yield(self, s: SessionState, lease: int, verified: bool) -> None:
+        """It says it works on the GPU without a lease this node gives it: it is told to
+        yield (its release answers), and past the grace period escalated. A verified
+        claim (a lease a node did grant it) may be true: nothing more is granted on this
+        GPU until it has yielded. An unverified one is not believed: it blocks no one."""
+        s.yield_due, s.claim, s.escalated = True, 0, False
+        s.revoke_deadline = self.clock.monotonic() + self.settings.grace_s
+        s.revokes += 1
+        self._told.add(s.id)
+        if verified:
+            self._blocking.add(s.id)
+        self._event("revoke", s.id, lease=lease, reason="claim_not_honoured", swap_out_bytes=0)
+        self._out.append(RevokeAction(s.id, lease, 0, self.settings.grace_s))
+
+    def _clear_yield(self, s: SessionState) -> None:
+        s.yield_due = False
+        self._told.discard(s.id)
+        self._blocking.discard(s.id)
 
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
@@ -160,6 +283,10 @@ class Arbiter:
         if s.reserved:
             self._unreserve(s)
         del self.sessions[sid]
+        self._asked.discard(sid)
+        self._told.discard(sid)
+        self._blocking.discard(sid)
+        self._frozen_idle.discard(sid)
         self._recount(s, gone=True)
         self._weigh(s.weight, -1)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
@@ -210,24 +337,32 @@ class Arbiter:
         has stopped, so the next holder's swap-in may overlap that swap-out."""
         s = self._get(sid)
         now = self.clock.monotonic()
-        if swapping_out < 0:
-            raise ArbiterError("swapping_out must not be negative")
+        self._check_figures(s, "release", resident, swapped)
+        _count("release: swapping_out", swapping_out, s.limit)
+        _count("release: swapped_out", swapped_out, s.limit)
+        _seconds("release: seconds", seconds)
         if s.state is State.WAITING and not again:
-            # The burst ended before it was granted (the workload gave up waiting). Its
-            # client stopped any prefetch before saying so (the same thread does both).
+            # The burst ended before it was granted (the workload gave up waiting), or
+            # the burst whose lease it claimed ended (the answer to the yield it was told).
             self.queue.remove(sid)
             self._end_wait(s, now)
-            s.state = State.IDLE
+            s.state, s.claim = State.IDLE, 0
+            self._clear_yield(s)
             s.idle_since = now
             s.turn, s.resume_s, s.continued = False, 0.0, False
             s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
             self._set_memory(s, resident, swapped)
             return self._advance()
-        if s.state is State.WAITING and s.frozen:
-            # The answer to a revoke that crossed the freeze: it waits already; keep the
-            # figures of what it swapped out on the way.
+        if s.state is State.WAITING and (s.frozen or s.yield_due):
+            # The answer to a revoke that crossed the freeze, or to the yield it was told:
+            # it waits already; keep the figures of what it swapped out on the way.
             if swapped_out:
                 self._count_swap(s, "out", swapped_out, seconds)
+            if s.yield_due:  # it worked until now: its wait begins, behind the others
+                self._clear_yield(s)
+                self.queue.remove(sid)
+                self.queue.append(sid)
+                s.wait_start = now
             self._set_memory(s, resident, swapped)
             return self._advance()
         if not s.holding:
@@ -249,6 +384,8 @@ class Arbiter:
         s.swapping_in = False  # what it has is what it says now
         self._set_memory(s, resident, swapped)
         s.pending_out = min(swapping_out, s.resident)
+        if s.pending_out:  # swapping out after the release, as a non-holder: a deadline
+            self._set_swap_deadline(s, now + self.settings.grace_s)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")
         lease, s.lease = s.lease, 0
         s.escalated = False
@@ -288,12 +425,23 @@ class Arbiter:
         prefetch asked by that :class:`PrefetchAction` (its ``seq``), and the client is
         done with every ask up to it."""
         s = self._get(sid)
+        if direction not in ("in", "out"):
+            raise FieldError(f"swap_done: direction must be in or out, not {direction!r}")
+        _count("swap_done: bytes", nbytes, s.limit)
+        _seconds("swap_done: seconds", seconds)
+        _count("swap_done: prefetch", prefetch, 2**63 - 1)
         if prefetch and (direction != "in" or prefetch > s.prefetch_seq):
             raise ArbiterError(f"no prefetch {prefetch} was asked of session {sid}")
+        self._check_figures(s, "swap_done", resident, swapped)
+        if len(error) > MAX_ERROR:
+            raise FieldError(
+                f"swap_done: error is {len(error)} characters, the most is {MAX_ERROR}"
+            )
         if error:
             if direction == "out" or prefetch:
                 if direction == "out":
                     s.pending_out = 0  # the planner will look for another way
+                    self._set_swap_deadline(s, math.inf)
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
                 self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
@@ -315,15 +463,44 @@ class Arbiter:
         return self._advance()
 
     def report(self, sid: int, *, resident: int, swapped: int) -> list[Action]:
+        """The session's memory now. Resident bytes over its limit are the workload's own
+        word that it broke the limit: escalated (once per stretch), the figures the node
+        keeps unchanged."""
         s = self._get(sid)
+        _count("report: resident", resident, 2**63 - 1)
+        _count("report: swapped", swapped, s.limit)
+        if resident > s.limit:
+            self._check_limit(s, resident, "resident_bytes")
+            return self._advance()
+        self._check_figures(s, "report", resident, swapped)
         self._set_memory(s, resident, swapped)
         self._check_limit(s, resident, "resident_bytes")
         return self._advance()
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""
-        self._check_limit(self._get(sid), used, "used_bytes")
+        s = self._get(sid)
+        _count("used", used, 2**63 - 1)
+        self._check_limit(s, used, "used_bytes")
         return self._advance()
+
+    def _check_figures(self, s: SessionState, what: str, resident: int, swapped: int) -> None:
+        """A session's memory as it says it: bytes, together within its limit, and for a
+        session without a lease (which cannot allocate) no more than the GPU has room for."""
+        _count(f"{what}: resident", resident, s.limit)
+        _count(f"{what}: swapped", swapped, s.limit)
+        if resident + swapped > s.limit:
+            raise FieldError(
+                f"{what}: resident + swapped ({resident} + {swapped} bytes) exceed the"
+                f" session's memory limit of {s.limit} bytes"
+            )
+        if not s.holding and resident > s.used:
+            others = self.used_bytes() - s.used
+            if others + resident > self.capacity:
+                raise FieldError(
+                    f"{what}: resident {resident} bytes do not fit beside the {others} bytes"
+                    f" in use on GPU {self.gpu} ({self.capacity} usable) without a lease"
+                )
 
     def _check_limit(self, s: SessionState, used: int, what: str) -> None:
         """Escalate once per stretch over the limit."""
@@ -390,12 +567,13 @@ class Arbiter:
         times = self._holder_deadlines()
         if self.queue or any(self.sessions[h].room for h in self.holders):
             # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            retry = self._next_retry(self.clock.monotonic())
+            retry = self._next_retry()
             if retry is not None:
                 times.append(retry)
         return min(times, default=None)
 
     def _holder_deadlines(self) -> list[float]:
+        """Every deadline but the swap retries' (those are kept in a heap)."""
         times = []
         for sid in self.holders:
             s = self.sessions[sid]
@@ -404,6 +582,11 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
+        # non-holders: a swap-out asked of them, a claimed lease they were told to yield
+        times += [self.sessions[i].swap_out_deadline for i in self._asked]
+        times += [
+            self.sessions[i].revoke_deadline for i in self._told if not self.sessions[i].escalated
+        ]
         if self.reserved is not None and self.queue:  # nobody waits: nothing to do then
             times.append(self.sessions[self.reserved].reserve_until)
         return times
@@ -413,6 +596,11 @@ class Arbiter:
         if self.settings.policy == "weighted":
             return tq * s.weight / self._largest_weight()
         return tq
+
+    @property
+    def last_lease(self) -> int:
+        """The number of the last lease granted (leases are numbered on across restarts)."""
+        return self._lease_seq
 
     def _largest_weight(self) -> float:
         if not self._top_weight:
@@ -449,12 +637,17 @@ class Arbiter:
         check(self._weights == weights, f"weights {dict(self._weights)}, scan {dict(weights)}")
         top = max(weights, default=0.0)
         check(self._top_weight in (0.0, top), f"largest weight {self._top_weight}, scan {top}")
+        asked = {s.id for s in self.sessions.values() if not math.isinf(s.swap_out_deadline)}
+        check(self._asked == asked, f"asked to swap out {self._asked}, scan {asked}")
+        told = {s.id for s in self.sessions.values() if s.yield_due}
+        check(self._told == told, f"told to yield {self._told}, scan {told}")
+        check(self._blocking <= told, f"blocking {self._blocking}, told {told}")
         reserved = [s.id for s in self.sessions.values() if s.reserved]
         kept_r = [] if self.reserved is None else [self.reserved]
         check(reserved == kept_r, f"quantum waiting for {kept_r}, scan {reserved}")
         times = self._holder_deadlines()
         if self.queue or any(self.sessions[h].room for h in self.holders):
-            now = self.clock.monotonic()
+            now = self._advanced  # retries due since the rules last ran are due still
             times += [
                 s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
             ]
@@ -465,6 +658,9 @@ class Arbiter:
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
+        self._advanced = now  # the plans below see every retry due by now
+        if self._asked or self._told:
+            self._overdue(now)
         self._expire_reservation(now)
         if self.reserved is not None and self.queue and self.sessions[self.queue[0]].turn:
             self._pause_reserved(self.sessions[self.reserved], now)
@@ -493,7 +689,50 @@ class Arbiter:
             self.verify()
         return out
 
+    def _overdue(self, now: float) -> None:
+        """Non-holders past their deadlines: a swap-out asked with no byte gone for a grace
+        period, a claimed lease not yielded. Escalated as a holder that does not yield."""
+        for sid in [i for i in self._asked if self.sessions[i].swap_out_deadline <= now]:
+            s = self.sessions[sid]
+            pending, s.pending_out = s.pending_out, 0
+            self._set_swap_deadline(s, math.inf)
+            s.swap_failed_until = now + SWAP_RETRY_S  # the planner looks for another way
+            self._retry_at(s)
+            if s.swap_escalated:
+                continue
+            s.swap_escalated = True
+            fields = {"grace_s": self.settings.grace_s, "pending_bytes": pending}
+            if self._escalate(s, "no_swap_out_within_grace", fields) == "freeze":
+                self._freeze_waiting(s)
+        for sid in [i for i in self._told if self.sessions[i].revoke_deadline <= now]:
+            s = self.sessions[sid]
+            if s.escalated:
+                continue
+            s.escalated = True
+            fields = {"grace_s": self.settings.grace_s}
+            if self._escalate(s, "no_yield_within_grace", fields) == "freeze":
+                self._clear_yield(s)  # stopped: off the GPU until its grant thaws it
+                self._freeze_waiting(s)
+                self.queue.remove(sid)  # its turn comes after those who waited
+                self.queue.append(sid)
+
+    def _freeze_waiting(self, s: SessionState) -> None:
+        """A non-holder stopped by the freeze escalation: its memory stays (pinned); in
+        the queue it is thawed at its grant, outside at the next grant of anyone."""
+        s.frozen = True
+        if s.state is State.IDLE:
+            self._frozen_idle.add(s.id)
+
+    def _set_swap_deadline(self, s: SessionState, when: float) -> None:
+        s.swap_out_deadline = when
+        if math.isinf(when):
+            self._asked.discard(s.id)
+        else:
+            self._asked.add(s.id)
+
     def _may_join_holders(self) -> bool:
+        if self.recovering or self._blocking:
+            return False  # nothing granted until the sessions it knew are back / yielded
         if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
@@ -542,7 +781,7 @@ class Arbiter:
                     # A frozen session's memory (a stopped process cannot swap) blocks the
                     # head, and thawing it would not help (it ignores revokes): the
                     # escalation goes one step further, or the queue waits forever.
-                    for sid in self.queue:
+                    for sid in [*self.queue, *self._frozen_idle]:
                         v = self.sessions[sid]
                         if v.frozen and not v.escalated:
                             v.escalated = True
@@ -563,11 +802,12 @@ class Arbiter:
         s.frozen = True
         s.escalated = False
         s.pending_out = 0
+        self._set_swap_deadline(s, math.inf)
         s.room = 0
         s.turn, s.resume_s = False, 0.0
         self._enqueue(s)
 
-    def _grant(self, s: SessionState, room: int = 0) -> None:
+    def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
         now = self.clock.monotonic()
         self.queue.popleft()
         waited = self._end_wait(s, now)
@@ -609,6 +849,14 @@ class Arbiter:
         self.holders.append(s.id)
         thaw, s.frozen = s.frozen, False
         s.escalated = False
+        self._set_swap_deadline(s, math.inf)  # a holder's memory is not asked for
+        s.swap_escalated = False
+        self._clear_yield(s)
+        for fid in list(self._frozen_idle):  # what froze them is past: continue them
+            f = self.sessions[fid]
+            f.frozen, f.escalated = False, False
+            self._frozen_idle.discard(fid)
+            self._out.append(ThawAction(fid))
         self._recount(s)
         self._event(
             "grant",
@@ -621,7 +869,7 @@ class Arbiter:
             **({"room_bytes": room} if room else {}),
             **kind,
         )
-        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room, resume))
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
@@ -858,13 +1106,15 @@ class Arbiter:
             self._top_weight = max(self._top_weight, weight)
 
     def _retry_at(self, s: SessionState) -> None:
-        now = self.clock.monotonic()
-        self._next_retry(now)  # drop what has passed: the heap holds the last second's
+        self._next_retry()  # drop what has passed: the heap holds the last second's
         heapq.heappush(self._retries, (s.swap_failed_until, s.id))
 
-    def _next_retry(self, now: float) -> float | None:
-        """The earliest swap_failed_until after ``now``, if any (each session's latest
-        is in the heap; older entries, and those of sessions gone, are skipped)."""
+    def _next_retry(self) -> float | None:
+        """The earliest swap_failed_until the rules have not yet run at or after, if any:
+        one that has passed since is due now (a tick plans with it). Each session's
+        latest is in the heap; older entries, those of sessions gone and those the rules
+        ran after are skipped."""
+        now = self._advanced
         heap = self._retries
         while heap:
             t, sid = heap[0]
@@ -897,11 +1147,15 @@ class Arbiter:
         self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
 
     def _set_memory(self, s: SessionState, resident: int, swapped: int) -> None:
-        if resident < 0 or swapped < 0:
-            raise ArbiterError("memory figures must not be negative")
+        """The figures, checked by the caller (before anything changed)."""
         # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
         # bytes no longer pending: a swap-out counts down as it goes.
         s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
+        if not s.pending_out:
+            self._set_swap_deadline(s, math.inf)
+        elif resident < s.resident and not s.holding:  # progress: a grace period more
+            self._set_swap_deadline(s, self.clock.monotonic() + self.settings.grace_s)
+            s.swap_escalated = False
         s.resident = resident
         s.swapped = swapped
         self._recount(s)
@@ -930,7 +1184,10 @@ class Arbiter:
         ]
 
     def _ask_swap_out(self, sid: int, n: int) -> None:
-        self.sessions[sid].pending_out += n
+        s = self.sessions[sid]
+        if not s.pending_out or math.isinf(s.swap_out_deadline):
+            self._set_swap_deadline(s, self.clock.monotonic() + self.settings.grace_s)
+        s.pending_out += n
         self._out.append(SwapOutAction(sid, n))
 
     def _get(self, sid: int) -> SessionState:

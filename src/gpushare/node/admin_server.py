@@ -16,6 +16,7 @@ from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.live_config import LiveConfig, NotPersisted
+from gpushare.node.snapshot import fit
 from gpushare.node.sockets import read_frame
 from gpushare.settings import SettingsError, validate
 from gpushare.status import NodeStatus
@@ -47,8 +48,8 @@ class AdminServer:
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
                 self.guard.spend(conn, "admin")
-                if isinstance(msg, p.StatusRequest):
-                    conn.send(p.StatusReply(status=self.status()))
+                if isinstance(msg, p.StatusRequest):  # always fits a frame (marked if cut)
+                    conn.send(p.StatusReply(status=fit(self.status(), p.MAX_FRAME - 1024)))
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self.set_config(msg))
                 elif isinstance(msg, p.EndSession):

@@ -64,6 +64,12 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_sessions_per_uid: int = 64
     max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
     hello_timeout: float = 10.0
+    max_pending_per_uid: int = 64  # connections of one uid that have not said hello yet
+    max_pending: int = 512  # the same, all uids together
+    # After a restart, grant nothing until the sessions on record are back, at most this
+    # long (seconds); the records are kept in recovery_dir (default: the admin socket's).
+    recovery_window: float = 10.0
+    recovery_dir: str = ""
     metrics_port: int = 9423  # 0: no exporter
     metrics_address: str = "0.0.0.0"
     sim_gpus: int = 0

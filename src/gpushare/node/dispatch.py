@@ -1,8 +1,10 @@
 """Dispatch: the one place the arbiters' decisions leave the node.
 
-Each action goes where it belongs: a grant, revoke, room or swap-out to its session's
-connection, an event to the bus, an escalation to the log and (freeze, kill) to the
-process as a signal. A batch's frames for one connection leave in one write; a
+Each action goes where it belongs: a grant (signed, so that it can be claimed back after a
+restart), revoke, room or swap-out to its session's connection, an event to the bus, an
+escalation to the log and (freeze, kill) as a signal to the whole workload: every process
+of the session's uid holding its connection, each reached through a pidfd, never a
+process that took a pid since. A batch's frames for one connection leave in one write; a
 connection whose peer does not read is not let to hold more than ``write_limit`` bytes
 of the node's memory: it is refused and closed, and the others go on.
 
@@ -18,11 +20,11 @@ is ticked exactly when something is due, as before.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import signal
 from collections.abc import Callable
+
+import msgspec
 
 from gpushare import protocol as p
 from gpushare.core.actions import (
@@ -34,18 +36,24 @@ from gpushare.core.actions import (
     RevokeAction,
     RoomAction,
     SwapOutAction,
+    ThawAction,
 )
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import Clock
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Refused
+from gpushare.node.procs import ProcRef, pidfd_signal
+from gpushare.node.recovery import Recovery
 
 log = logging.getLogger("gpushare.node.dispatch")
 
-Signaller = Callable[[int, int], None]
-"""Sends signal ``sig`` to process ``pid`` (tests inject one that only records)."""
+Signaller = Callable[[ProcRef, int], None]
+"""Sends signal ``sig`` to the process ``ref`` names (tests inject one that only records)."""
 Refuser = Callable[[Conn, str, Refused], None]
 """The node's one refusal path (:meth:`gpushare.node.guard.Guard.refuse`)."""
+
+# Escalations for which "freeze" stops the workload (over its memory limit it is logged).
+FREEZES = frozenset({"no_yield_within_grace", "no_swap_out_within_grace"})
 
 # The most a connection may have waiting in the node, unread by its peer, beyond what
 # the kernel's socket buffer holds (~200 KiB): a frame is ~50-100 bytes, and a client
@@ -53,9 +61,8 @@ Refuser = Callable[[Conn, str, Refused], None]
 WRITE_LIMIT = 1 << 20
 
 
-def send_signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
+def send_signal(ref: ProcRef, sig: int) -> None:
+    pidfd_signal(ref, sig)
 
 
 class Dispatch:
@@ -65,12 +72,15 @@ class Dispatch:
         events: EventBus,
         conns: dict[int, Conn],
         signaller: Signaller = send_signal,
+        proc_root: Callable[[], str] = lambda: "/proc",
         refuse: Refuser | None = None,
     ) -> None:
         self.clock = clock
         self.events = events
         self.conns = conns
         self.signaller = signaller
+        self.proc_root = proc_root
+        self.recovery: Recovery | None = None  # signs leases, keeps their floor on disk
         self.refuse = refuse
         self.write_limit = WRITE_LIMIT
         # per GPU: the deadline its timer is set for, and the timer
@@ -94,8 +104,11 @@ class Dispatch:
                 continue  # the session is gone: its actions have no one to go to
             elif isinstance(a, GrantAction):
                 if a.thaw:
-                    self._signal(c, signal.SIGCONT)
-                    c.frozen = False
+                    self._thaw(c)
+                token = ""
+                if self.recovery is not None:  # the floor on disk first, then the lease
+                    self.recovery.lease_granted(arb.gpu, a.lease)
+                    token = self.recovery.token(arb.gpu, a.session, a.lease)
                 send(
                     c,
                     p.Grant(
@@ -104,8 +117,12 @@ class Dispatch:
                         quantum_s=a.quantum_s,
                         shared=a.shared,
                         room=a.room,
+                        token=token,
+                        resume=a.resume,
                     ),
                 )
+            elif isinstance(a, ThawAction):
+                self._thaw(c)
             elif isinstance(a, RevokeAction):
                 send(c, p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s))
             elif isinstance(a, SwapOutAction):
@@ -140,7 +157,7 @@ class Dispatch:
         c.ended = True  # its detach says so: reason "ended"
         c.send(p.Error(code="ended", message=f"session ended: {reason}"))
         if c.frozen:
-            self._signal(c, signal.SIGCONT)
+            self._thaw(c)
         c.writer.close()
 
     def close(self) -> None:
@@ -155,15 +172,41 @@ class Dispatch:
             return
         if a.escalation == "kill":
             if c.frozen:  # a stopped process dies only once continued
-                self._signal(c, signal.SIGCONT)
+                self._thaw(c)
             self._signal(c, signal.SIGKILL)
-        elif a.escalation == "freeze" and a.reason == "no_yield_within_grace":
+            # And the session ends here: a process of another uid may hold its socket
+            # too, and it is never signalled; it sees the connection end.
+            c.writer.close()
+        elif a.escalation == "freeze" and a.reason in FREEZES:
             c.frozen = True
-            self._signal(c, signal.SIGSTOP)
+            c.stopped = self._signal(c, signal.SIGSTOP)
+            self._note_stopped(c)
 
-    def _signal(self, c: Conn, sig: int) -> None:
-        if c.pid > 1:  # never init, never "every process" (0, -1)
-            self.signaller(c.pid, sig)
+    def _thaw(self, c: Conn) -> None:
+        """Continue what the freeze stopped, and whatever holds the connection now."""
+        stopped, c.stopped, c.frozen = c.stopped, [], False
+        sent = self._signal(c, signal.SIGCONT)
+        for ref in stopped:
+            if ref not in sent:
+                self.signaller(ref, signal.SIGCONT)
+        if stopped:
+            self._note_stopped(c)
+
+    def _note_stopped(self, c: Conn) -> None:
+        """What a freeze stopped goes on record now: a node that restarts continues it."""
+        if c.record is not None:
+            c.record = msgspec.structs.replace(
+                c.record, stopped=[(r.pid, r.start_time) for r in c.stopped]
+            )
+        if self.recovery is not None:
+            self.recovery.save()
+
+    def _signal(self, c: Conn, sig: int) -> list[ProcRef]:
+        """``sig`` to the session's workload; the processes it went to."""
+        refs = [r for r in c.workload(self.proc_root()) if r.pid > 1]  # never init, 0, -1
+        for ref in refs:
+            self.signaller(ref, sig)
+        return refs
 
     def _schedule(self, arb: Arbiter) -> None:
         when = arb.next_deadline()
@@ -184,10 +227,7 @@ class Dispatch:
     def _on_timer(self, arb: Arbiter) -> None:
         self._timers.pop(arb.gpu, None)
         when = arb.next_deadline()
-        # None: nothing is pending any more, or what was due is a swap retry whose time
-        # has just passed (the arbiter names only retries to come): tick, it costs one
-        # look; a deadline that moved later is not due yet.
-        if when is None or when <= self.clock.monotonic():
+        if when is not None and when <= self.clock.monotonic():
             self.apply(arb, arb.tick())
-        else:
+        else:  # set for a deadline that went or moved later: nothing is due yet
             self._schedule(arb)

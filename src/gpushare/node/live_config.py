@@ -25,7 +25,7 @@ from gpushare.node.dispatch import Dispatch
 log = logging.getLogger("gpushare.node.live_config")
 
 # Keys read once at start: a change to them waits for the next start.
-RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve")
+RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve", "recovery_dir")
 
 
 class NotPersisted(Exception):

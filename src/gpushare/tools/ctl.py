@@ -27,6 +27,8 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
         queue = ", ".join(names.get(i, str(i)) for i in g.queue) or "-"
         out.write(f"  holder: {holders}   queue: {queue}\n")
+        if g.recovering:
+            out.write("  recovering: nothing granted until the sessions on record are back\n")
         if not g.sessions:
             out.write("  no sessions\n")
             continue
@@ -42,6 +44,11 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"
+            )
+        if g.sessions_omitted:
+            out.write(
+                f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
+                " frame: holders and the queue are shown first)\n"
             )
 
 

@@ -115,7 +115,8 @@ def rows(
 
 def who(s: SessionStatus) -> str:
     if s.pod:
-        return f"{s.namespace}/{s.pod}" if s.namespace else s.pod
+        who = f"{s.namespace}/{s.pod}" if s.namespace else s.pod
+        return who if s.identity_verified else f"{who}?"  # ?: the workload's word
     claimed = s.claimed.pod
     return f"{claimed}?" if claimed else s.name  # ?: claimed, not verified
 
