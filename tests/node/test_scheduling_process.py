@@ -86,11 +86,14 @@ def test_a_notebook_cell_beside_batch_jobs_goes_first(node_factory):
 
 
 def test_weighted_shares_follow_the_weights(node_factory):
-    node = node_factory(*sim("80GiB", mode="exclusive", tq="0.5", policy="weighted"))
+    # Two sessions that swap at every switch. Small (5 of 8 GiB): the workload checks its
+    # memory's pattern at each new grant, CPU time inside its quantum; at 50 GiB that was
+    # a tenth of the light session's 0.17 s quantum, and its steps fell short of 1:3.
+    node = node_factory(*sim("8GiB", mode="exclusive", tq="0.5", policy="weighted"))
     with all_start_together(node, waiting=2):
         procs = [
             node.workload(
-                "batch", "--memory", "50GiB", "--seconds", "10", "--name", f"w{w}",
+                "batch", "--memory", "5GiB", "--seconds", "10", "--name", f"w{w}",
                 "--weight", str(w), "--seed", str(w),
             )
             for w in (1, 3)
