@@ -4,8 +4,8 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
 
 * the arbiter's cost per handoff with 2, 16, 256 and 1,024 sessions attached (the pure
   arbiter on a manual clock: two sessions take turns, the rest are attached and idle;
-  per handoff, a release and an acquire and the two next-deadline queries the node makes
-  after them; CPU time, best of three);
+  per handoff, a yield (a release that asks again) and the next-deadline query the node
+  makes after it; CPU time, best of three);
 * a scrape's work in process: the status snapshot and the exposition text, the first
   scrape (every session's lines written) and the next (nothing changed);
 * the node's CPU time (from /proc/PID/stat: every thread of the real node process, the
@@ -70,9 +70,9 @@ def arbiter_part(sizes: list[int], handoffs: int) -> dict[str, float]:
         t0 = time.process_time()
         for _ in range(handoffs):
             clock.advance(0.001)
-            a.release(holder, resident=2**20, swapped=0)  # the other is granted
-            a.next_deadline()
-            a.acquire(holder)  # and this one waits for its next turn
+            # a yield: the other is granted, and this one waits for its next turn (a
+            # release and an ask at once would keep the quantum: docs/scheduling.md)
+            a.release(holder, resident=2**20, swapped=0, again=True)
             a.next_deadline()
             holder = 3 - holder
         return (time.process_time() - t0) / handoffs
@@ -175,8 +175,9 @@ class Raw:
 
 def take_turns(sessions: list[Raw], handoffs: int, start: bool = False) -> list[float]:
     """``sessions`` cycle in FIFO order (``start``: the first is granted, the others
-    queue), each burst empty: the holder releases and asks again, the next one's grant
-    is read. Returns each handoff's seconds (release written to grant read); leaves
+    queue), each burst empty: the holder yields (a release that asks again: a release
+    and an ask would keep its quantum, docs/scheduling.md), the next one's grant is
+    read. Returns each handoff's seconds (release written to grant read); leaves
     ``sessions`` in their order now (the holder first)."""
     p = sessions[0].p
     if start:
@@ -189,7 +190,7 @@ def take_turns(sessions: list[Raw], handoffs: int, start: bool = False) -> list[
     for _ in range(handoffs):
         holder = q.popleft()
         t0 = time.perf_counter()
-        holder.send(p.Release(resident=0, swapped=0), p.Acquire())
+        holder.send(p.Release(resident=0, swapped=0, again=True))
         q[0].expect(p.Grant)
         out.append(time.perf_counter() - t0)
         q.append(holder)

@@ -57,6 +57,7 @@ class Hello(_Msg, tag="hello"):
     lease: int = 0
     token: str = ""
     fills: bool = False  # it swaps in within a Room, so its switches may overlap
+    prefetch: bool = False  # it swaps in ahead of its grant when a Prefetch says so
     # The distributed job this process is a rank of (client/launchers.py): its ranks on
     # a node are granted together. gang: a job id ("" for none); gang_size: its ranks
     # on this node; rank: this one's among them (-1: not known).
@@ -92,6 +93,7 @@ class SwapDone(_Msg, tag="swap_done"):
     resident: int
     swapped: int
     error: str = ""
+    prefetch: int = 0  # a prefetch's swap-in: the last Prefetch (its seq) it is done with
 
 
 class Report(_Msg, tag="report"):
@@ -137,6 +139,16 @@ class Room(_Msg, tag="room"):
     """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
 
     room: int
+
+
+class Prefetch(_Msg, tag="prefetch"):
+    """The lease is another's, and this session is next: swap in now, before the grant,
+    up to ``room`` resident bytes (swap-in only: no GPU work). A later Prefetch may give
+    more room; :class:`SwapDone` with ``prefetch`` set to the last ``seq`` acted on says
+    it is done with every ask up to it (room used up, all in, or a grant came)."""
+
+    room: int
+    seq: int
 
 
 class Revoke(_Msg, tag="revoke"):
@@ -231,6 +243,7 @@ Message = (
     | Welcome
     | Grant
     | Room
+    | Prefetch
     | Revoke
     | SwapOut
     | Error

@@ -35,6 +35,13 @@ class GpuSettings:
     grace_s: float = 5.0
     escalation: Escalation = "log"
     overlap: bool = True  # the next holder swaps in while the last one swaps out
+    # docs/scheduling.md: how long a quantum waits for its holder to ask again (the
+    # node's idle_release), the longest interactive turn (0: none), the turn credit
+    # earned per idle second, and whether the next holder swaps in ahead of its grant.
+    anticipate_s: float = 0.5
+    turn_s: float = 1.0
+    turn_share: float = 0.25
+    prefetch: bool = True
 
 
 class Change(TypedDict, total=False):
@@ -58,7 +65,7 @@ class Range:
 
     def describe(self) -> str:
         if self.unit == "s":
-            return f"a number of seconds from {_num(self.low)} s to {_secs(self.high)}"
+            return f"a number of seconds from {_num(self.low)} s to {_secs(self.high)}{self.note}"
         kind = "a whole number" if self.integer else "a number"
         unit = f" {self.unit}" if self.unit else ""
         return f"{kind} from {_num(self.low)} to {_num(self.high)}{unit}{self.note}"
@@ -80,6 +87,8 @@ RANGES: dict[str, Range] = {
     "tq": Range(TQ_MIN_S, TQ_MAX_S, "s"),
     "grace": Range(0.01, 3600.0, "s"),
     "idle_release": Range(0.01, 3600.0, "s"),
+    "turn": Range(0.0, 3600.0, "s", note=" (0: no interactive turns)"),
+    "turn_share": Range(0.01, 1.0, note=" (turn credit per idle second)"),
     "hello_timeout": Range(0.01, 3600.0, "s"),
     "max_sessions_per_uid": Range(1, 1_000_000, integer=True),
     "max_messages_per_s": Range(1, 1e9, "per second"),

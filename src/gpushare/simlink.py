@@ -23,6 +23,18 @@ _LANES = struct.Struct("=dd")  # per lane: CLOCK_MONOTONIC time it is booked unt
 MAX_LEAD_S = 60.0
 
 
+def book(booked: list[float], lane: int, nbytes: int, bandwidth: float, now: float) -> float:
+    """The timing model: ``nbytes`` on ``lane`` start when it is free (transfers the same
+    way take turns) and run at ``bandwidth``, or at :data:`DUPLEX` of it while the other
+    lane is busy; ``booked`` (each lane's end time) is updated, the end returned. Pure:
+    the shared link and ``gpushare simulate``'s virtual one both book with it."""
+    start = max(now, booked[lane])
+    rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
+    end = start + nbytes / rate
+    booked[lane] = end
+    return end
+
+
 class SimLink:
     """The PCIe link of one simulated GPU: when each lane is booked until.
 
@@ -90,10 +102,7 @@ class SimLink:
                 t if math.isfinite(t) and t <= now + MAX_LEAD_S else now
                 for t in _LANES.unpack_from(self._mem)
             ]
-            start = max(now, booked[lane])
-            rate = bandwidth * (DUPLEX if booked[1 - lane] > start else 1.0)
-            end: float = start + nbytes / rate
-            booked[lane] = end
+            end = book(booked, lane, nbytes, bandwidth, now)
             _LANES.pack_into(self._mem, 0, *booked)
             return end
 

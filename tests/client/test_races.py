@@ -213,8 +213,8 @@ def test_a_room_growing_while_swapping_in():
         b = Burst(s)
         assert node.recv() == p.Acquire()
         node.send(grant(2, swap_in=2 * G, room=2 * PIECE))
-        assert node.recv() == p.Report(resident=PIECE, swapped=2 * G - PIECE)
-        assert node.recv() == p.Report(resident=2 * PIECE, swapped=2 * G - 2 * PIECE)
+        # (a swap-in's progress is not reported: the holder counts at its room)
+        wait_until(lambda: s.backend.resident_bytes == 2 * PIECE, what="two pieces in")
         node.send(p.SwapOut(bytes=G))  # stale (sent before the grant): a holder keeps its memory
         assert node.recv() == p.SwapDone(
             direction="out",
@@ -229,8 +229,7 @@ def test_a_room_growing_while_swapping_in():
         node.send(p.Room(room=2 * G))  # its limit: no bound
         b.granted()
         msgs = node.said(s)
-        reports = [x.resident for x in msgs if isinstance(x, p.Report)]
-        assert reports == [3 * PIECE, 4 * PIECE, 5 * PIECE, 6 * PIECE, 7 * PIECE, 8 * PIECE]
+        assert not [x for x in msgs if isinstance(x, p.Report)]
         assert msgs[-1] == p.SwapDone(
             direction="in", bytes=2 * G, seconds=msgs[-1].seconds, resident=2 * G, swapped=0
         )

@@ -4,7 +4,9 @@ Model clients obey the protocol as the real client does (swap in after a grant, 
 a revoke after a delay, swap out when asked), with swap times from a bandwidth. Clients
 that ``fill`` (the current client) release first and then swap out chunk by chunk,
 reporting each, and swap in chunk by chunk within the room the arbiter gives; the others
-(older clients) swap out before releasing and swap in all at once. The model tracks the
+(older clients) swap out before releasing and swap in all at once. Clients that
+``prefetch`` swap in ahead of their grant, within the room a prefetch ask gives, and say
+when they are done with it. The model tracks the
 bytes each client really has on the GPU, in flight included, so tests can check the
 arbiter's invariants against what would physically be there.
 """
@@ -22,6 +24,7 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    PrefetchAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
@@ -50,7 +53,11 @@ class Client:
     holding: bool = False
     swapping_in: bool = False
     fills: bool = False
+    prefetch: bool = False
     room: int = 0  # while filling: the most it may have on the GPU
+    pf_room: int = 0  # the latest prefetch ask: the most it may have on the GPU
+    pf_seq: int = 0
+    pf_running: bool = False
     parked: Callable[[], None] | None = None  # a fill waiting for room
     busy: bool = False  # the real client does one swap at a time, under its lock
     tasks: deque[Task] = field(default_factory=deque)
@@ -59,6 +66,8 @@ class Client:
     grant_times: list[float] = field(default_factory=list)
     want_since: float = 0.0
     waits: list[float] = field(default_factory=list)
+    work_since: float | None = None  # holding with its memory back: GPU time
+    work: list[tuple[float, float]] = field(default_factory=list)
 
 
 class Model:
@@ -98,6 +107,7 @@ class Model:
                     self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
             elif isinstance(a, EscalateAction):
                 if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
+                    self._stop_work(self.clients[a.session])
                     self.clients[a.session].holding = False
                 elif a.escalation == "kill":
                     self.at(
@@ -106,7 +116,17 @@ class Model:
             elif isinstance(a, SwapOutAction):
                 c = self.clients[a.session]
                 assert not c.holding, "the planner asked a holder to swap out"
+                assert not c.pf_running, "the planner asked a prefetching session to swap out"
                 self._swap_out(c, a.bytes)
+            elif isinstance(a, PrefetchAction):
+                c = self.clients[a.session]
+                assert c.prefetch, "a prefetch asked of a client that cannot"
+                assert c.wants and not c.holding, "a prefetch asked of a holder or idle session"
+                assert a.seq > c.pf_seq and a.room > c.pf_room, "a prefetch ask went back"
+                c.pf_room, c.pf_seq = a.room, a.seq
+                if not c.pf_running:
+                    c.pf_running = True
+                    self.serial(c, lambda done, c=c: self._prefetch(c, done))
             elif isinstance(a, RoomAction):
                 c = self.clients[a.session]
                 assert a.room > c.room or not c.room, "a room shrank"
@@ -145,7 +165,14 @@ class Model:
     def add(self, c: Client, start: float = 0.0) -> Client:
         self.clients[c.sid] = c
         self.apply(
-            self.arb.attach(c.sid, name=f"s{c.sid}", limit=c.limit, weight=c.weight, fills=c.fills)
+            self.arb.attach(
+                c.sid,
+                name=f"s{c.sid}",
+                limit=c.limit,
+                weight=c.weight,
+                fills=c.fills,
+                prefetch=c.prefetch,
+            )
         )
         self.at(start, lambda: self._want(c))
         return c
@@ -165,6 +192,7 @@ class Model:
         self.grants.append(c.sid)
         c.holding = True
         c.swapping_in = True
+        c.pf_room = 0  # a prefetch in flight stops at its next chunk
         assert not a.room or c.fills, "a room for a client that cannot fill"
         c.room = a.room
 
@@ -177,6 +205,8 @@ class Model:
                     c.parked = finished  # waits until its whole limit has room
                     return
                 c.swapping_in = False
+                if c.holding and c.work_since is None:
+                    c.work_since = self.clock.monotonic()
                 done()
                 if c.sid not in self.clients:
                     return
@@ -236,6 +266,7 @@ class Model:
         if c.swapping_in:  # as the real client: the burst begins once the memory is back
             self.at(0.001, lambda: self._burst_end(c, lease))
             return
+        self._stop_work(c)
         c.holding = False
         c.wants = False
         self.apply(self.arb.release(c.sid, resident=c.on_gpu, swapped=c.in_host))
@@ -248,6 +279,7 @@ class Model:
             self.at(0.001, lambda: self._yield(c, a))
             return
         moved = min(a.swap_out, c.on_gpu)
+        self._stop_work(c)
         c.holding = False
         c.want_since = self.clock.monotonic()
         again = c.kind == "batch"
@@ -284,6 +316,50 @@ class Model:
                 self.at(c.think_s, lambda: self._want(c))
 
         self.at(moved / self.bw, done)
+
+    def _prefetch(self, c: Client, done: Callable[[], None]) -> None:
+        """Swap in (no lease) chunk by chunk within the latest ask's room; then say which
+        ask it is done with. A grant meanwhile ends it: the grant's swap-in goes on."""
+        t0 = self.clock.monotonic()
+        moved = [0]
+
+        def finished() -> None:
+            c.pf_running = False
+            c.pf_room = 0  # done with every ask so far: the next may be for less
+            done()
+            if c.sid in self.clients:
+                self.apply(
+                    self.arb.swap_done(
+                        c.sid,
+                        direction="in",
+                        nbytes=moved[0],
+                        seconds=self.clock.monotonic() - t0,
+                        resident=c.on_gpu,
+                        swapped=c.in_host,
+                        prefetch=c.pf_seq,
+                    )
+                )
+
+        def chunk() -> None:
+            if c.sid not in self.clients:
+                c.pf_running = False
+                return done()
+            k = min(CHUNK, c.in_host, c.pf_room - c.on_gpu)
+            if c.holding or k <= 0:
+                return finished()
+            c.on_gpu += k
+            c.in_host -= k
+            moved[0] += k
+            self._observe()
+
+            def landed() -> None:
+                if c.sid in self.clients:
+                    self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
+                chunk()
+
+            self.at(k / self.bw, landed)
+
+        chunk()
 
     def _swap_out(self, c: Client, n: int) -> None:
         def swap_out(done: Callable[[], None]) -> None:
@@ -347,6 +423,18 @@ class Model:
         c = self.clients.pop(sid)
         c.on_gpu = 0
         self.apply(self.arb.detach(sid, reason="killed"))
+
+    def _stop_work(self, c: Client) -> None:
+        if c.work_since is not None:
+            c.work.append((c.work_since, self.clock.monotonic()))
+            c.work_since = None
+
+    def work(self, sid: int, t0: float, t1: float) -> float:
+        """Seconds of GPU time session ``sid`` had between ``t0`` and ``t1`` (holding,
+        its memory back)."""
+        c = self.clients[sid]
+        spans = [*c.work, *([(c.work_since, t1)] if c.work_since is not None else [])]
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
 
     def lease_seconds(self) -> dict[int, float]:
         return {sid: self.arb.lease_seconds(s) for sid, s in self.arb.sessions.items()}

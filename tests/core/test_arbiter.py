@@ -13,7 +13,7 @@ from gpushare.core.actions import (
     RoomAction,
     SwapOutAction,
 )
-from gpushare.core.arbiter import SWAP_RETRY_S, Arbiter, ArbiterError
+from gpushare.core.arbiter import ANTICIPATE_FLOOR_S, SWAP_RETRY_S, Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
@@ -83,18 +83,25 @@ def test_renewal_when_nobody_waits(clock):
     assert a.sessions[1].quantum_end == pytest.approx(clock.monotonic() + 5)
 
 
-def test_release_at_burst_end_grants_next_at_once(clock):
+def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
     a = arb(clock, tq_s=30, mode="exclusive")
     a.attach(1, name="a", limit=GiB)
     a.attach(2, name="b", limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
-    g = actions_of(a.release(1, resident=GiB, swapped=0), GrantAction)
+    out = a.release(1, resident=GiB, swapped=0)
+    # no history of gaps: the rest of the quantum waits the shortest window for it
+    assert actions_of(out, GrantAction) == []
+    assert events_of(out, "release")[0]["anticipate_s"] == ANTICIPATE_FLOOR_S
+    assert a.sessions[1].state is State.IDLE and a.reserved == 1
+    assert a.next_deadline() == pytest.approx(clock.monotonic() + ANTICIPATE_FLOOR_S)
+    clock.advance(ANTICIPATE_FLOOR_S)
+    g = actions_of(a.tick(), GrantAction)
     assert [x.session for x in g] == [2]
-    assert a.sessions[1].state is State.IDLE
+    assert a.reserved is None
     assert a.lease_seconds(a.sessions[1]) == pytest.approx(1)
-    assert a.sessions[2].wait_s == pytest.approx(1)
+    assert a.sessions[2].wait_s == pytest.approx(1 + ANTICIPATE_FLOOR_S)
 
 
 def test_detach_of_holder_frees_lease_and_memory(clock):
@@ -332,6 +339,7 @@ sessions_st = st.lists(
         st.sampled_from([0.25, 0.5, 1.0]),  # weight
         st.floats(0.0, 0.3),  # yield delay
         st.booleans(),  # fills: a current client (overlapped switches) or an older one
+        st.booleans(),  # prefetch: it swaps in ahead of its grant when told
     ),
     min_size=1,
     max_size=8,
@@ -355,8 +363,10 @@ def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills,
     m = Model(
         cap, GpuSettings(tq_s=tq, mode=mode, policy=policy, grace_s=1.0, escalation=escalation)
     )
-    for i, (lim, kind, burst, think, w, yd, fills) in enumerate(sessions, start=1):
-        c = Client(i, lim * GiB, w, kind, burst, think, yd, stuck=i in stuck, fills=fills)
+    for i, (lim, kind, burst, think, w, yd, fills, pf) in enumerate(sessions, start=1):
+        c = Client(
+            i, lim * GiB, w, kind, burst, think, yd, stuck=i in stuck, fills=fills, prefetch=pf
+        )
         m.add(c, start=0.01 * i)
     t = 0.0
     for when, idx in sorted(kills):
@@ -369,10 +379,13 @@ def test_invariants_hold_for_any_workload_mix(sessions, mode, policy, tq, kills,
     if mode == "exclusive":
         assert m.max_holders <= 1
     assert m.max_on_gpu <= cap
-    # No starvation: any wait is bounded by everyone else's quantum plus switch time.
+    # No starvation: any wait is bounded by everyone else's quantum plus switch time,
+    # and by the turns taken meanwhile: none once a waiter has waited a round (the
+    # queue's length in quanta, docs/scheduling.md), and each lasts at most a turn.
     n = len(sessions)
     switch = 64 * GiB / 55e9 * 2 + 0.3 + 1.0  # swaps, a yield, a grace period
-    bound = n * (tq + switch + 0.1) + 1.0
+    turns = tq * (n + 1) + n * (m.arb.settings.turn_s + switch)
+    bound = n * (tq + switch + 0.1) + 1.0 + turns
     for c in m.clients.values():
         if c.stuck:  # frozen by design; the others must not starve behind it
             continue
@@ -391,8 +404,9 @@ def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
     (g,) = actions_of(out, GrantAction)
     assert g.session == 2 and not g.thaw
     assert a.sessions[1].frozen and list(a.queue) == [1]
-    out = a.release(2, resident=0, swapped=0)
-    (g,) = actions_of(out, GrantAction)
+    a.release(2, resident=0, swapped=0)
+    clock.advance(ANTICIPATE_FLOOR_S)  # 2 did not ask again within its window
+    (g,) = actions_of(a.tick(), GrantAction)
     assert g.session == 1 and g.thaw and not a.sessions[1].frozen
 
 

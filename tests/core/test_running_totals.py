@@ -127,6 +127,8 @@ def scanned_deadline(a: Arbiter) -> float | None:
             times.append(s.swap_out_deadline)
         if s.yield_due and not s.escalated:
             times.append(s.revoke_deadline)
+    # a quantum waiting for its holder to ask again, while someone waits (scheduling.md)
+    times += [s.reserve_until for s in a.sessions.values() if s.reserved and a.queue]
     if a.queue or any(a.sessions[h].room for h in a.holders):
         now = a.clock.monotonic()
         times += [s.swap_failed_until for s in a.sessions.values() if s.swap_failed_until > now]
@@ -162,6 +164,8 @@ def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     a.acquire(1)
     a.report(1, resident=3 * G, swapped=0)
     a.release(1, resident=3 * G, swapped=0)
+    clock.advance(1.0)
+    a.tick()  # the rest of 1's quantum waited for it to ask again; no more
     a.acquire(2)  # 1 is asked to swap out; its swap fails
     a.swap_done(1, direction="out", nbytes=0, seconds=0.1, resident=3 * G, swapped=0, error="x")
     assert a.next_deadline() == clock.monotonic() + 1.0

@@ -28,16 +28,22 @@ async def test_grants_within_the_set_timer_set_no_timer_and_an_early_one_does_no
     await a.send(p.Acquire())
     await a.expect(p.Grant)
     assert node.node.dispatch.timers_set == 1  # for t0 + 5
-    for _ in range(40):  # short bursts back to back, each grant's quantum ending later
+    for _ in range(40):  # short bursts back to back: the rest of the same quantum each time
         await asyncio.sleep(0.05)
         await a.send(p.Release(resident=0, swapped=0), p.Acquire())
         await a.expect(p.Grant)
-    last_grant = node.clock.monotonic()
-    assert last_grant - t0 == pytest.approx(2.0)
+    # nobody waits: the windows at the bursts' ends set no timer either
     assert node.node.dispatch.timers_set == 1  # not one per message
-    # At t0 + 5 the timer fires early for the last quantum: nothing is due, no tick
+    await a.send(p.Release(resident=0, swapped=0))
+    await asyncio.sleep(1.0)  # past its window: the next burst is a new quantum
+    await a.send(p.Acquire())
+    await a.expect(p.Grant)
+    last_grant = node.clock.monotonic()
+    assert last_grant - t0 == pytest.approx(3.0)
+    assert node.node.dispatch.timers_set == 1
+    # At t0 + 5 the timer fires early for the new quantum: nothing is due, no tick
     await node.until(lambda: node.clock.monotonic() > t0 + 5)
-    assert node.node.dispatch.timers_set == 2  # set again, for the last quantum's end
+    assert node.node.dispatch.timers_set == 2  # set again, for the new quantum's end
     assert ticks == []
     b = await node.workload(memory_limit=G, name="b")
     await b.send(p.Acquire())
@@ -45,7 +51,9 @@ async def test_grants_within_the_set_timer_set_no_timer_and_an_early_one_does_no
     assert node.clock.monotonic() == pytest.approx(last_grant + 5)
     assert ticks == [pytest.approx(last_grant + 5)]  # the arbiter ticked when it was due
     kinds = [e["event"] for e in node.events()]
-    assert kinds == ["attach", "grant", *["release", "grant"] * 40, "attach", "revoke"]
+    assert kinds == ["attach", "grant", *["release", "grant"] * 41, "attach", "revoke"]
+    grants = [e for e in node.events() if e["event"] == "grant"]
+    assert [bool(e.get("continued")) for e in grants] == [False, *[True] * 40, False]
 
 
 @in_process(mode="exclusive", tq=60)
@@ -109,3 +117,28 @@ async def test_a_peer_that_stops_reading_is_refused_and_the_others_go_on(node):
     assert conn.unread_bytes() <= 4096 + 1024  # held no more than the limit and a round
     await other.send(p.Acquire())
     await other.expect(p.Grant)
+
+
+@in_process(memory="10GiB", mode="exclusive", tq=5)
+async def test_a_failed_swap_out_is_asked_again_when_its_retry_time_comes(node):
+    """Regression: the timer set for a failed swap's retry found, when it fired, that
+    the retry time had passed (next_deadline no longer named it) and did not tick: both
+    sessions waited for ever, the GPU held by no one."""
+    a = await node.workload(memory_limit=6 * G, name="a")
+    await a.send(p.Acquire())
+    await a.expect(p.Grant)
+    await a.send(p.Report(resident=6 * G, swapped=0), p.Release(resident=6 * G, swapped=0))
+    b = await node.workload(memory_limit=6 * G, name="b")
+    await b.send(p.Acquire())
+    ask = await a.expect(p.SwapOut)  # room for b, once a's quantum stops waiting for a
+    await a.send(
+        p.SwapDone(direction="out", bytes=0, seconds=0.0, resident=6 * G, swapped=0, error="x")
+    )
+    failed = node.clock.monotonic()
+    again = await a.expect(p.SwapOut, timeout=10)
+    assert again.bytes == ask.bytes
+    assert node.clock.monotonic() == pytest.approx(failed + 1.0, abs=0.01)  # SWAP_RETRY_S
+    await a.send(
+        p.SwapDone(direction="out", bytes=2 * G, seconds=0.0, resident=4 * G, swapped=2 * G)
+    )
+    await b.expect(p.Grant)

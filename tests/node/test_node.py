@@ -29,7 +29,10 @@ def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
     # Two sessions of 6 GiB on a 10 GiB GPU: a handoff swaps whenever the other waits
     # (nearly always: 1200 bursts leave room for a tenth that did not, as seen under
     # load). Fast modelled link.
-    node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
+    # each burst's end a switch (workloads.cycles)
+    node = node_factory(
+        *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", idle_release="0.02")
+    )
     with all_start_together(node, waiting=2):  # both cycling from the first burst
         procs = [
             node.workload(

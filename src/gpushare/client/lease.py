@@ -13,7 +13,10 @@ yielding, and what each message from the node means in each state.
      |                              (swapping out                      |
      +------------------------------ what the revoke asked) <-- end ---+
 
-(docs/client.md has the table of transitions.)
+(docs/client.md has the table of transitions.) While ACQUIRING, the thread that waits
+for the grant also swaps in ahead of it when the node says (a Prefetch: the lease is
+another's, this session is next): memory only, within the room the node gives, no GPU
+work; it tells the node when it is done with each ask, and a grant ends it.
 
 The connection (:class:`~gpushare.client.transport.Link`) is apart: while it is AWAY a
 burst in progress goes on and a new one waits; ENDED, CLOSED and FORKED end every burst
@@ -61,6 +64,14 @@ class NodeLost(SwapError):
     """The node that granted a swap-in went away: the swap-in stops at the next piece."""
 
 
+class PrefetchPaused(SwapError):
+    """A prefetch stops at the next piece: its room is used up, or the grant came."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(f"prefetch {seq} paused")
+        self.seq = seq  # the last ask it acted on
+
+
 class Lease:
     """The lease of one session; :class:`~gpushare.client.session.Session` is its face."""
 
@@ -91,6 +102,12 @@ class Lease:
         self.revoke: p.Revoke | None = None  # pending, for self.lease
         self.rejoin = False  # yielding: the burst asks again once swapped out
         self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
+        # Prefetch (before the grant): the latest ask's room and number, the last ask it
+        # is done with, and whether its swap-in runs now.
+        self.prefetch_room = 0
+        self.prefetch_seq = 0
+        self.prefetch_done = 0
+        self.prefetching = False
         self.resume = False  # a grant for the lease a reconnect hello claimed is due
         self.swap_gen = -1  # the connection whose grant the swap-in follows
         self.told = (0, 0)  # the resident and swapped bytes this connection heard last
@@ -242,10 +259,13 @@ class Lease:
         try:
             while True:
                 self.usable()  # may wait for a reconnect: look at the grant after it
-                if self.grant is None:
+                if self.grant is not None:
+                    if self._swap_in():
+                        break
+                elif self.prefetch_seq > self.prefetch_done:
+                    self._prefetch()
+                else:
                     self.cond.wait()
-                elif self._swap_in():
-                    break
         except BaseException:
             self._withdraw()
             raise
@@ -280,6 +300,32 @@ class Lease:
         self.phase = Phase.HOLDING
         self._update()
         return True
+
+    def _prefetch(self) -> None:
+        """Swap in ahead of the grant, within the node's room (the swap lock held, the
+        condition not); then tell the node which ask this was done with."""
+        gen = self.link.generation
+        self.swap_gen, self.prefetching = gen, True
+        before, t0, error = self.backend.resident_bytes, _now(), ""
+        done = self.prefetch_seq  # all in, a grant, or a failure: done with every ask
+        try:
+            with self._unlocked(), self.swap_lock:
+                self.backend.swap_in()
+        except PrefetchPaused as e:
+            done = e.seq
+        except NodeLost:
+            pass  # the next node hears the figures in the hello
+        except SwapError as e:
+            log.warning("prefetch swap-in failed: %s", e)
+            error = str(e)
+        finally:
+            self.prefetching = False
+        if self.link.generation != gen:
+            return  # asked by a node that went away: the new one numbers its own asks
+        self.prefetch_done = max(self.prefetch_done, done)
+        if self.link.state is Link.CONNECTED:
+            moved = max(0, self.backend.resident_bytes - before)
+            self.link.send(self._swap_done_msg("in", moved, _now() - t0, error, prefetch=done))
 
     def _ask_again(self) -> None:
         """A swap-in stopped because the node that granted it went away: re-register
@@ -386,11 +432,20 @@ class Lease:
                         "the gpushare node went away during this session's swap-in:"
                         " it stops here and asks again"
                     )
+                if self.prefetching:  # no waiting here: the grant, or more room, may come
+                    if self.grant is not None or resident > self.prefetch_room:
+                        raise PrefetchPaused(self.prefetch_seq)
+                    return
                 if not self.room or resident <= self.room:
                     return
                 self.cond.wait()
 
     def report(self) -> None:
+        # A swap-in's progress is not the node's concern: a holder counts at its limit
+        # (or its room), a prefetching session at its room, and the SwapDone carries the
+        # figures. Untold, the node is not kept busy with them during a switch.
+        if self.phase is Phase.SWAPPING_IN or self.prefetching:
+            return
         self.link.send(self._report_msg())
 
     # --- messages -------------------------------------------------------------------
@@ -407,7 +462,12 @@ class Lease:
         return p.Release(resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
 
     def _swap_done_msg(
-        self, direction: Literal["in", "out"], nbytes: int, seconds: float, error: str = ""
+        self,
+        direction: Literal["in", "out"],
+        nbytes: int,
+        seconds: float,
+        error: str = "",
+        prefetch: int = 0,
     ) -> p.SwapDone:
         self.told = resident, swapped = self._figures()
         return p.SwapDone(
@@ -417,6 +477,7 @@ class Lease:
             resident=resident,
             swapped=swapped,
             error=error[:1000],  # the node takes no more than 1024 characters
+            prefetch=prefetch,
         )
 
     def _swap(self, direction: Literal["in", "out"], nbytes: int) -> None:
@@ -444,6 +505,8 @@ class Lease:
                 self._on_grant(msg)
             elif isinstance(msg, p.Room):
                 self._set_room(msg.room)
+            elif isinstance(msg, p.Prefetch):
+                self._on_prefetch(msg)
             elif isinstance(msg, p.Revoke):
                 if msg.lease and msg.lease == self.lease:  # else: for a lease gone already
                     self.revoke = msg
@@ -471,6 +534,13 @@ class Lease:
         else:
             log.debug("grant %d not asked for (crossed a release): not taken", g.lease)
 
+    def _on_prefetch(self, m: p.Prefetch) -> None:
+        waiting = self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin)
+        if waiting and self.grant is None and m.seq > self.prefetch_seq:
+            self.prefetch_room, self.prefetch_seq = m.room, m.seq
+        else:  # it crossed a grant or a withdrawal: the node counts it no longer
+            log.debug("prefetch %d not taken (%s)", m.seq, self.phase.value)
+
     def _set_room(self, room: int) -> None:
         self.room = room if room < self.memory_limit else 0  # its limit: no bound
 
@@ -493,6 +563,7 @@ class Lease:
         self.revoke = None
         if self.grant is not None:
             self.grant, self.lease = None, 0
+        self.prefetch_room = self.prefetch_seq = self.prefetch_done = 0
         self._update()
 
     def resume_hello(self, hello: p.Hello) -> p.Hello:

@@ -81,6 +81,7 @@ def attach(
         container=env.container,
         pod_uid=env.pod_uid,
         fills=True,
+        prefetch=True,
     )
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)

@@ -33,6 +33,17 @@ class RoomAction:
 
 
 @dataclass(frozen=True)
+class PrefetchAction:
+    """The next holder may swap in now, before its grant, up to ``room`` resident bytes
+    (no GPU work: the lease is another's). ``seq`` numbers the asks: its client says
+    which one it is done with."""
+
+    session: int
+    room: int
+    seq: int
+
+
+@dataclass(frozen=True)
 class RevokeAction:
     session: int
     lease: int
@@ -69,6 +80,7 @@ Action = (
     GrantAction
     | RevokeAction
     | RoomAction
+    | PrefetchAction
     | SwapOutAction
     | EscalateAction
     | ThawAction

@@ -20,13 +20,14 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    PrefetchAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
     ThawAction,
 )
 from gpushare.core.clock import Clock
-from gpushare.core.planner import MemoryView, plan_grant
+from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
 from gpushare.units import format_size
@@ -40,6 +41,12 @@ SWAP_FLOOR_BPS = 1e9
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 MAX_SECONDS = 1e6  # a swap reported longer than this (11 days) is not a measurement
 MAX_ERROR = 1024  # characters of a failed swap's error text
+# docs/scheduling.md has the rules these figures belong to.
+ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to ask again
+EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
+TURN_MIN_S = 0.02  # a turn shorter than this is not worth its two switches
+RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
+PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is left)
 
 
 class ArbiterError(ValueError):
@@ -112,6 +119,7 @@ class Arbiter:
         self.queue: deque[int] = deque()
         self.holders: list[int] = []
         self._lease_seq = lease_base  # leases are numbered on from the last node's
+        self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self._out: list[Action] = []
         # After a node restart, until the sessions it knew are back: nothing is granted.
@@ -143,6 +151,7 @@ class Arbiter:
         lease: int = 0,
         verified: bool = False,
         fills: bool = False,
+        prefetch: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
         outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
@@ -151,7 +160,8 @@ class Arbiter:
         the recovery window, if one is open); any other claim is told to yield (a revoke
         for ``lease``), and escalated like a holder's if it does not within the grace
         period. ``fills``: its client can swap in within a room, so its swap-in may
-        overlap another's swap-out."""
+        overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
+        told."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
@@ -182,6 +192,9 @@ class Arbiter:
             weight=weight,
             attached=self.clock.monotonic(),
             fills=fills,
+            prefetch=prefetch,
+            idle_since=self.clock.monotonic(),
+            credit=self.settings.turn_s,  # a notebook's first cell after it is a turn
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
@@ -267,6 +280,8 @@ class Arbiter:
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
+        if s.reserved:
+            self._unreserve(s)
         del self.sessions[sid]
         self._asked.discard(sid)
         self._told.discard(sid)
@@ -281,8 +296,28 @@ class Arbiter:
         s = self._get(sid)
         if s.state is not State.IDLE:
             raise ArbiterError(f"session {sid} already has a burst open ({s.state})")
+        now = self.clock.monotonic()
         s.bursts += 1
-        self._enqueue(s)
+        idle = now - s.idle_since
+        if s.bursts > 1:  # a gap between two bursts (not attach to the first)
+            s.gap_last = min(idle, 2 * self.settings.anticipate_s)
+            s.gap_ewma = s.gap_last if s.gap_ewma is None else _ewma(s.gap_ewma, s.gap_last)
+        self._expire_reservation(now)  # a window that passed while nobody waited
+        if s.reserved:  # back within its window: the rest of its quantum, at once
+            self._unreserve(s)
+            s.continued = True
+            self._enqueue(s, front=True)
+            return self._advance()
+        rate = self.settings.turn_share * self._weight_share(s)
+        s.credit = min(self.settings.turn_s, s.credit + rate * idle)
+        if s.resume_s and now < s.front_until:  # its quantum was paused by a turn
+            self._enqueue(s, front=True)
+        elif self._may_take_turn(s, idle, now):
+            s.turn = True
+            self._enqueue(s, front=True)
+        else:
+            s.resume_s = 0.0
+            self._enqueue(s)
         return self._advance()
 
     def release(
@@ -313,6 +348,9 @@ class Arbiter:
             self._end_wait(s, now)
             s.state, s.claim = State.IDLE, 0
             self._clear_yield(s)
+            s.idle_since = now
+            s.turn, s.resume_s, s.continued = False, 0.0, False
+            s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
             self._set_memory(s, resident, swapped)
             return self._advance()
         if s.state is State.WAITING and (s.frozen or s.yield_due):
@@ -332,7 +370,11 @@ class Arbiter:
         revoked = s.state is State.YIELDING
         held = now - s.lease_start
         s.lease_s += held
+        s.burst_lease += max(0.0, now - s.gpu_since)  # GPU time: after the swap-in
         self.holders.remove(sid)
+        turn = s.turn
+        # An older client swapped out before it released: that copy is no GPU time.
+        self._settle_quantum(s, now - (seconds if swapped_out else 0.0), revoked)
         if swapped_out:
             self._count_swap(s, "out", swapped_out, seconds)
         # The release answers the revoke's ask, whatever was done: what is still missing
@@ -345,14 +387,26 @@ class Arbiter:
         if s.pending_out:  # swapping out after the release, as a non-holder: a deadline
             self._set_swap_deadline(s, now + self.settings.grace_s)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")
-        self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
-        s.lease = 0
+        lease, s.lease = s.lease, 0
         s.escalated = False
+        window = 0.0
         if again:
-            self._enqueue(s)
+            self._enqueue(s, front=s.resume_s > 0)  # paused by a turn: it goes on next
         else:
             s.state = State.IDLE
+            s.idle_since = now
+            s.resume_s = 0.0
+            s.burst_ewma = (
+                s.burst_lease if s.burst_ewma is None else _ewma(s.burst_ewma, s.burst_lease)
+            )
+            s.burst_lease = 0.0
             self._recount(s)
+            if not revoked and not turn:
+                window = self._anticipation(s, now)
+        fields: dict[str, Any] = {"anticipate_s": window} if window else {}
+        self._event("release", sid, lease=lease, seconds=held, reason=reason, **fields)
+        if window:
+            self._reserve(s, now + window)
         return self._advance()
 
     def swap_done(
@@ -365,32 +419,46 @@ class Arbiter:
         resident: int,
         swapped: int,
         error: str = "",
+        prefetch: int = 0,
     ) -> list[Action]:
+        """A swap ended (or failed: ``error``). ``prefetch``: the swap-in was the
+        prefetch asked by that :class:`PrefetchAction` (its ``seq``), and the client is
+        done with every ask up to it."""
         s = self._get(sid)
         if direction not in ("in", "out"):
             raise FieldError(f"swap_done: direction must be in or out, not {direction!r}")
         _count("swap_done: bytes", nbytes, s.limit)
         _seconds("swap_done: seconds", seconds)
+        _count("swap_done: prefetch", prefetch, 2**63 - 1)
+        if prefetch and (direction != "in" or prefetch > s.prefetch_seq):
+            raise ArbiterError(f"no prefetch {prefetch} was asked of session {sid}")
         self._check_figures(s, "swap_done", resident, swapped)
         if len(error) > MAX_ERROR:
             raise FieldError(
                 f"swap_done: error is {len(error)} characters, the most is {MAX_ERROR}"
             )
         if error:
-            if direction == "out":
-                s.pending_out = 0  # the planner will look for another way
-                self._set_swap_deadline(s, math.inf)
+            if direction == "out" or prefetch:
+                if direction == "out":
+                    s.pending_out = 0  # the planner will look for another way
+                    self._set_swap_deadline(s, math.inf)
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
                 self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
+        elif prefetch:
+            self._count_swap(s, direction, nbytes, seconds, prefetch=True)
         else:
             self._count_swap(s, direction, nbytes, seconds)
-        if direction == "in":
+        if prefetch:
+            if prefetch == s.prefetch_seq:  # no later ask is out: counted at what it has
+                s.prefetch_acked, s.prefetch_room = prefetch, 0
+        elif direction == "in":
             s.swapping_in = False
             if s.state is State.HOLDING:
                 # The quantum is GPU time: it starts once the memory is back (or the
                 # swap-in failed, and the workload gives the lease back).
-                s.quantum_end = self.clock.monotonic() + self.quantum(s)
+                s.gpu_since = self.clock.monotonic()
+                s.quantum_end = s.gpu_since + s.quantum_len
         self._set_memory(s, resident, swapped)
         return self._advance()
 
@@ -471,14 +539,19 @@ class Arbiter:
             changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
-        running = {sid: self.quantum(self.sessions[sid]) for sid in self.holders}
+        # The quanta running now (and one waiting for its holder to ask again); a turn's
+        # length is the turn's, not TQ's.
+        ids = [*self.holders, *(() if self.reserved is None else (self.reserved,))]
+        running = {sid: self.quantum(self.sessions[sid]) for sid in ids}
         for key, value in changes.items():
             setattr(self.settings, key, value)
         for sid, before in running.items():
             s = self.sessions[sid]
             cut = before - self.quantum(s)
-            if cut > 0 and s.state is State.HOLDING and not math.isinf(s.quantum_end):
-                s.quantum_end -= cut
+            if cut > 0 and s.state is not State.YIELDING and not s.turn:
+                if not math.isinf(s.quantum_end):
+                    s.quantum_end -= cut
+                s.quantum_len = max(0.0, s.quantum_len - cut)
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -514,20 +587,25 @@ class Arbiter:
         times += [
             self.sessions[i].revoke_deadline for i in self._told if not self.sessions[i].escalated
         ]
+        if self.reserved is not None and self.queue:  # nobody waits: nothing to do then
+            times.append(self.sessions[self.reserved].reserve_until)
         return times
 
     def quantum(self, s: SessionState) -> float:
         tq = self.settings.tq_s
         if self.settings.policy == "weighted":
-            if not self._top_weight:
-                self._top_weight = max(self._weights)
-            return tq * s.weight / self._top_weight
+            return tq * s.weight / self._largest_weight()
         return tq
 
     @property
     def last_lease(self) -> int:
         """The number of the last lease granted (leases are numbered on across restarts)."""
         return self._lease_seq
+
+    def _largest_weight(self) -> float:
+        if not self._top_weight:
+            self._top_weight = max(self._weights)
+        return self._top_weight
 
     def lease_seconds(self, s: SessionState) -> float:
         live = self.clock.monotonic() - s.lease_start if s.holding else 0.0
@@ -564,6 +642,9 @@ class Arbiter:
         told = {s.id for s in self.sessions.values() if s.yield_due}
         check(self._told == told, f"told to yield {self._told}, scan {told}")
         check(self._blocking <= told, f"blocking {self._blocking}, told {told}")
+        reserved = [s.id for s in self.sessions.values() if s.reserved]
+        kept_r = [] if self.reserved is None else [self.reserved]
+        check(reserved == kept_r, f"quantum waiting for {kept_r}, scan {reserved}")
         times = self._holder_deadlines()
         if self.queue or any(self.sessions[h].room for h in self.holders):
             now = self._advanced  # retries due since the rules last ran are due still
@@ -580,7 +661,11 @@ class Arbiter:
         self._advanced = now  # the plans below see every retry due by now
         if self._asked or self._told:
             self._overdue(now)
+        self._expire_reservation(now)
+        if self.reserved is not None and self.queue and self.sessions[self.queue[0]].turn:
+            self._pause_reserved(self.sessions[self.reserved], now)
         self._grant_what_fits()
+        self._preempt_for_turn(now)
         self._fill_rooms()
         for sid in list(self.holders):
             s = self.sessions[sid]
@@ -588,13 +673,17 @@ class Arbiter:
                 if self.queue:
                     self._revoke(s, now)
                 else:  # nobody waits: a new quantum, no needless switch
-                    s.quantum_end = now + self.quantum(s)
+                    if s.turn:  # the turn is over; it holds on as anyone would
+                        s.turn, s.credit = False, 0.0
+                    s.quantum_len = self.quantum(s)
+                    s.quantum_end = now + s.quantum_len
             elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
                 s.escalated = True
                 esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
                 if esc == "freeze":
                     self._freeze(s, now)
                     self._grant_what_fits()
+        self._plan_prefetch(now)
         out, self._out = self._out, []
         if self.check_every_input:
             self.verify()
@@ -644,14 +733,16 @@ class Arbiter:
     def _may_join_holders(self) -> bool:
         if self.recovering or self._blocking:
             return False  # nothing granted until the sessions it knew are back / yielded
-        if not self.holders:
+        if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
             return False
-        # Do the limits of all who want the GPU fit? Stop at the first that does not: the
-        # queue is long only when they do not.
+        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
+        # included)? Stop at the first that does not: the queue is long only when they
+        # do not.
         total = 0
-        for i in itertools.chain(self.holders, self.queue):
+        reserved = () if self.reserved is None else (self.reserved,)
+        for i in itertools.chain(self.holders, reserved, self.queue):
             total += self.sessions[i].limit
             if total > self.capacity:
                 return False
@@ -660,8 +751,13 @@ class Arbiter:
     def _grant_what_fits(self) -> None:
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
-            # Fast path (the common case, on every handoff): it fits as things are.
-            others = self.used_bytes() - head.used
+            # Fast path (the common case, on every handoff): it fits as things are. A
+            # filling holder counts at its limit: a holder joining in mode auto may not
+            # take what its room is to grow into (it could never fill).
+            filling = sum(
+                x.limit - x.room for x in map(self.sessions.get, self.holders) if x and x.room
+            )
+            others = self.used_bytes() - head.used + filling
             if others + head.limit <= self.capacity:
                 self._grant(head)
                 continue
@@ -708,6 +804,7 @@ class Arbiter:
         s.pending_out = 0
         self._set_swap_deadline(s, math.inf)
         s.room = 0
+        s.turn, s.resume_s = False, 0.0
         self._enqueue(s)
 
     def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
@@ -721,9 +818,30 @@ class Arbiter:
         s.grants += 1
         self.grants_total += 1
         s.lease_start = now
-        q = self.quantum(s)
+        kind: dict[str, Any] = {}
+        if s.continued:  # asked again within its window: what is left of its quantum
+            q = max(0.0, s.quantum_end - now)
+            s.continued = False
+            s.continues += 1
+            kind["continued"] = True
+        elif s.turn:
+            q = min(max(s.credit, TURN_MIN_S), self.settings.turn_s)
+            s.turns += 1
+            kind["turn"] = True
+        elif s.resume_s:  # paused by a turn: the rest of it
+            q, s.resume_s = s.resume_s, 0.0
+            kind["resumed"] = True
+        else:  # GPU time held past earlier quanta comes off this one, up to half of it
+            q = self.quantum(s)
+            take = min(s.debt, q / 2)
+            q -= take
+            s.debt -= take
+        s.quantum_len = q
         s.room = room
         s.swapping_in = bool(s.swapped)
+        s.gpu_since = math.inf if s.swapping_in or room else now
+        # A prefetch in flight is moot: the holder counts at its limit (or its room).
+        s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
         # The quantum starts when the swap-in is done (swap_done); a filling holder's
         # bound waits for its room too.
         s.quantum_end = math.inf if room else self._quantum_end(s)
@@ -749,12 +867,13 @@ class Arbiter:
             quantum_s=q,
             shared=shared,
             **({"room_bytes": room} if room else {}),
+            **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room, resume))
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
-        return self.clock.monotonic() + self.quantum(s) + s.swapped / SWAP_FLOOR_BPS
+        return self.clock.monotonic() + s.quantum_len + s.swapped / SWAP_FLOOR_BPS
 
     def _fill_rooms(self) -> None:
         """Grow each filling holder's room into what swap-outs have freed, and ask for
@@ -778,9 +897,10 @@ class Arbiter:
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
 
-    def _revoke(self, s: SessionState, now: float) -> None:
+    def _revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
         s.state = State.YIELDING
         s.revoke_deadline = now + self.settings.grace_s
+        s.revoked_at = now
         s.revokes += 1
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
@@ -796,8 +916,145 @@ class Arbiter:
                     swap_out = n
                 else:
                     self._ask_swap_out(sid, n)
-        self._event("revoke", s.id, lease=s.lease, reason="quantum", swap_out_bytes=swap_out)
+        self._event("revoke", s.id, lease=s.lease, reason=reason, swap_out_bytes=swap_out)
         self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- scheduling (docs/scheduling.md) ----------------------------------------------
+
+    def _settle_quantum(self, s: SessionState, now: float, revoked: bool) -> None:
+        """A lease ends: a turn is paid from the credit; GPU time held past a quantum
+        (the way to the safe point, a late answer) is owed, taken off later quanta; a
+        quantum paused by a turn keeps what was left of it at the revoke."""
+        if s.turn:  # its GPU time (its swap-in is a switch's cost, as anyone's)
+            s.credit = max(0.0, s.credit - max(0.0, now - s.gpu_since))
+            s.turn = False
+        elif s.resume_s:
+            s.resume_s = max(0.0, s.resume_s - (now - s.revoked_at))
+            if s.resume_s < RESUME_MIN_S:
+                s.resume_s = 0.0
+        elif revoked and not math.isinf(s.quantum_end):
+            s.debt = min(s.debt + max(0.0, now - s.quantum_end), self.quantum(s))
+
+    def _anticipation(self, s: SessionState, now: float) -> float:
+        """How long the rest of ``s``'s quantum waits for it to ask again after its
+        burst ended: within its quantum, at most ``anticipate_s``, and four of its usual
+        gaps between bursts (at least the floor); none when its gaps are long (a session
+        that is done for now is released early, as Kiwi does)."""
+        left = s.quantum_end - now
+        if math.isinf(left) or left <= 0 or s.frozen:
+            return 0.0
+        cap = self.settings.anticipate_s
+        # Its usual gap, or the last one if shorter: one long pause (a data loader, a
+        # start) does not cost the next few bursts their windows.
+        g = None if s.gap_ewma is None else min(s.gap_ewma, s.gap_last)
+        if g is not None and g > cap / 2:
+            return 0.0
+        return min(left, cap, max(ANTICIPATE_FLOOR_S, 4 * (g or 0.0)))
+
+    def _reserve(self, s: SessionState, until: float) -> None:
+        if self.reserved is not None:
+            self._unreserve(self.sessions[self.reserved])
+        self.reserved = s.id
+        s.reserved, s.reserve_until = True, until
+        self._recount(s)
+
+    def _expire_reservation(self, now: float) -> None:
+        """A quantum's holder did not ask again within its window: the GPU moves on. (The
+        window's end is a deadline only while someone waits; otherwise it is seen here,
+        at the next input.)"""
+        if self.reserved is not None:
+            r = self.sessions[self.reserved]
+            if r.reserve_until <= now:
+                self._unreserve(r)
+
+    def _unreserve(self, s: SessionState) -> None:
+        s.reserved, s.reserve_until = False, 0.0
+        if self.reserved == s.id:
+            self.reserved = None
+        self._recount(s)
+
+    def _pause_reserved(self, r: SessionState, now: float) -> None:
+        """A turn comes while a quantum waits for its holder: the turn goes first; if the
+        holder asks before its window (lengthened by a turn) is over, it goes next with
+        what was left of its quantum."""
+        r.resume_s = max(0.0, r.quantum_end - now)
+        r.front_until = r.reserve_until + self.settings.turn_s
+        self._unreserve(r)
+
+    def _weight_share(self, s: SessionState) -> float:
+        if self.settings.policy == "weighted":
+            return s.weight / self._largest_weight()
+        return 1.0
+
+    def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
+        """An interactive turn: the session asked (not for the first time) after idling
+        longer than half of ``anticipate_s`` (away long enough that its quantum would not
+        wait for it: no session falls between the two rules and waits two quanta), its
+        credit covers its usual burst, the GPU is taken, and no one waiting has waited a
+        whole round yet (the queue's length in quanta): turns never starve a queue."""
+        st = self.settings
+        if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.frozen or s.burst_ewma is None:
+            return False  # (no burst of its own yet: nothing says it asks briefly)
+        if not self.holders and self.reserved is None:
+            return False  # nothing to go ahead of
+        if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):
+            return False
+        guard = st.tq_s * (len(self.holders) + len(self.queue) + 1)
+        return all(now - self.sessions[q].wait_start < guard for q in self.queue)
+
+    def _preempt_for_turn(self, now: float) -> None:
+        """A turn at the front of the queue that cannot join the holders: they are
+        revoked at once, each keeping what is left of its quantum for after the turn.
+        Holders still swapping in are revoked once their memory is back."""
+        if not self.queue or not self.sessions[self.queue[0]].turn:
+            return
+        for sid in list(self.holders):
+            h = self.sessions[sid]
+            if h.state is not State.HOLDING or h.turn or h.swapping_in or h.room:
+                continue
+            h.resume_s = max(0.0, h.quantum_end - now)
+            self._revoke(h, now, reason="turn")
+
+    def _expected_back(self, s: SessionState, now: float) -> bool:
+        """An idle session that usually asks again soon (within twice its usual gap)."""
+        g = s.gap_ewma
+        return s.state is State.IDLE and g is not None and now - s.idle_since < max(2 * g, 1e-3)
+
+    def _plan_prefetch(self, now: float) -> None:
+        """While the GPU is held, the head of the queue swaps in (without the lease) what
+        fits beside everyone's count (holders at their limits), in steps as memory frees;
+        for the rest, idle sessions not expected back soon and waiting sessions further
+        back in the queue (furthest first) swap out, only as much as needed."""
+        st = self.settings
+        if not (st.prefetch and self.queue) or (not self.holders and self.reserved is None):
+            return
+        h = self.sessions[self.queue[0]]
+        if not h.prefetch or not h.swapped or h.frozen or h.pending_out or h.swapping_in:
+            return
+        if h.swap_failed_until > now:
+            return
+        want = h.resident + h.swapped
+        have = max(h.resident, h.prefetch_room) if h.prefetching else h.resident
+        free = self.capacity - self.used_bytes()
+        more = min(free, want - have)
+        if more > 0 and (more >= PREFETCH_STEP or have + more == want):
+            have += more
+            h.prefetch_room = have
+            h.prefetch_seq += 1
+            self._recount(h)
+            self._event("prefetch", h.id, room_bytes=have, bytes=have - h.resident)
+            self._out.append(PrefetchAction(h.id, have, h.prefetch_seq))
+        need = want - have - sum(v.pending_out for v in self.sessions.values() if v is not h)
+        if need <= 0:
+            return
+        idle = sorted(
+            (v for v in self.sessions.values() if v.state is State.IDLE and not v.reserved),
+            key=lambda v: (self._expected_back(v, now), v.last_served, v.id),
+        )
+        victims = [self._view(v) for v in idle if not self._expected_back(v, now)]
+        victims += [self._view(self.sessions[q]) for q in reversed(self.queue) if q != h.id]
+        for sid, n in take_from(victims, need)[0]:
+            self._ask_swap_out(sid, n)
 
     # --- helpers --------------------------------------------------------------------
 
@@ -812,11 +1069,23 @@ class Arbiter:
                 planned += v.limit - v.used
         return planned <= self.capacity
 
-    def _enqueue(self, s: SessionState) -> None:
+    def _enqueue(self, s: SessionState, front: bool = False) -> None:
+        """Join the queue: at its back, or (``front``) at its front, behind the sessions
+        there already that go first: turns before paused quanta (docs/scheduling.md)."""
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
-        self.queue.append(s.id)
         self._recount(s)
+        if not front:
+            self.queue.append(s.id)
+            return
+        i = 0
+        for i, sid in enumerate(self.queue):  # noqa: B007  the place to insert at
+            q = self.sessions[sid]
+            if not (q.turn or (q.resume_s and not s.turn)):
+                break
+        else:
+            i = len(self.queue)
+        self.queue.insert(i, s.id)
 
     def _recount(self, s: SessionState, gone: bool = False) -> None:
         """The one place the running total of counted memory changes: after anything
@@ -863,7 +1132,9 @@ class Arbiter:
         s.recent_waits.append(waited)
         return waited
 
-    def _count_swap(self, s: SessionState, direction: str, nbytes: int, seconds: float) -> None:
+    def _count_swap(
+        self, s: SessionState, direction: str, nbytes: int, seconds: float, prefetch: bool = False
+    ) -> None:
         if direction == "out":  # pending_out went down with resident (_set_memory)
             s.swap_outs += 1
             s.swap_out_bytes += nbytes
@@ -872,7 +1143,8 @@ class Arbiter:
             s.swap_ins += 1
             s.swap_in_bytes += nbytes
             s.swap_in_s += seconds
-        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds)
+        fields = {"prefetch": True} if prefetch else {}
+        self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
 
     def _set_memory(self, s: SessionState, resident: int, swapped: int) -> None:
         """The figures, checked by the caller (before anything changed)."""
@@ -889,9 +1161,14 @@ class Arbiter:
         self._recount(s)
 
     def _view(self, s: SessionState) -> MemoryView:
-        pinned = s.frozen or s.swap_failed_until > self.clock.monotonic()
+        now = self.clock.monotonic()
+        pinned = s.frozen or s.swap_failed_until > now or s.prefetching
         resident = s.resident if s.holding else s.used
-        return MemoryView(s.id, s.limit, resident, s.holding, s.last_served, s.pending_out, pinned)
+        holding = s.holding or s.reserved  # a quantum waiting for its holder is its
+        keep = self._expected_back(s, now)
+        return MemoryView(
+            s.id, s.limit, resident, holding, s.last_served, s.pending_out, pinned, keep
+        )
 
     def _views(self) -> list[MemoryView]:
         return [self._view(s) for s in self.sessions.values()]
@@ -925,3 +1202,7 @@ class Arbiter:
             rec["session"] = sid
         rec.update(fields)
         self._out.append(EventAction(rec))
+
+
+def _ewma(old: float, sample: float) -> float:
+    return old + EWMA * (sample - old)

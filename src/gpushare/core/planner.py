@@ -27,7 +27,8 @@ class MemoryView:
     holding: bool
     last_served: float
     pending_out: int = 0  # bytes asked to swap out, not yet reported done
-    pinned: bool = False  # cannot be asked now (frozen, or its last swap failed)
+    pinned: bool = False  # cannot be asked now (frozen, its last swap failed, prefetching)
+    keep: bool = False  # expected back soon (an interactive session): asked last
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ def used_total(sessions: Sequence[MemoryView]) -> int:
 def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) -> Plan:
     """Can ``candidate`` be granted now; if not, which swap-outs would make room?
 
-    Victims are non-holders other than the candidate, least recently served first, and
-    each is asked only for what is still missing after swap-outs already under way.
+    Victims are non-holders other than the candidate, least recently served first (those
+    expected back soon last), and each is asked only for what is still missing after
+    swap-outs already under way.
     """
     cand = next(s for s in sessions if s.id == candidate)
     others = [s for s in sessions if s.id != candidate]
@@ -57,8 +59,17 @@ def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) ->
     if need <= 0:
         return Plan(fits=True)
     need -= sum(s.pending_out for s in others)
+    victims = sorted(others, key=lambda s: (s.keep, s.last_served, s.id))
+    asks, short = take_from(victims, need)
+    return Plan(fits=False, swap_outs=asks, shortfall=short)
+
+
+def take_from(victims: Sequence[MemoryView], need: int) -> tuple[list[tuple[int, int]], int]:
+    """Ask ``victims`` in order, each for what it can give (its resident bytes not already
+    on their way out), until ``need`` bytes are asked; returns the asks and what is
+    still missing. Holders and pinned sessions are passed over."""
     asks: list[tuple[int, int]] = []
-    for v in sorted(others, key=lambda s: (s.last_served, s.id)):
+    for v in victims:
         if need <= 0:
             break
         if v.holding or v.pinned:
@@ -69,4 +80,4 @@ def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) ->
         take = min(avail, need)
         asks.append((v.id, take))
         need -= take
-    return Plan(fits=False, swap_outs=asks, shortfall=max(need, 0))
+    return asks, max(need, 0)

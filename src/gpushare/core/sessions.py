@@ -42,6 +42,27 @@ class SessionState:
     swap_failed_until: float = 0.0
     over_limit: bool = False
     last_served: float = -math.inf
+    # scheduling (docs/scheduling.md)
+    prefetch: bool = False  # its client swaps in before its grant when the node says
+    prefetch_room: int = 0  # while prefetching: the most it may have on the GPU
+    prefetch_seq: int = 0  # the last Prefetch sent
+    prefetch_acked: int = 0  # the last one its client said it is done with
+    reserved: bool = False  # its quantum waits for it to ask again (anticipation)
+    reserve_until: float = 0.0
+    continued: bool = False  # asked again within its window: granted the rest of its quantum
+    resume_s: float = 0.0  # a quantum paused by a turn: what is left of it
+    front_until: float = 0.0  # paused while reserved: asks before this to resume it
+    revoked_at: float = 0.0
+    turn: bool = False  # waits for, or holds, an interactive turn
+    credit: float = 0.0  # turn credit, seconds of GPU time
+    idle_since: float = 0.0  # monotonic: when its last burst ended (or it attached)
+    gap_ewma: float | None = None  # seconds from a burst's end to the next ask
+    gap_last: float = 0.0
+    burst_ewma: float | None = None  # GPU seconds per burst
+    burst_lease: float = 0.0  # GPU seconds of the burst in progress
+    quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
+    gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
+    debt: float = 0.0  # GPU seconds held past earlier quanta, taken off later ones
     # Asked to swap out (pending_out > 0) as a non-holder: escalated if no byte has left
     # by this time (each one that leaves moves it on by a grace period).
     swap_out_deadline: float = math.inf
@@ -59,6 +80,8 @@ class SessionState:
     bursts: int = 0
     revokes: int = 0
     escalations: int = 0
+    turns: int = 0
+    continues: int = 0  # grants that continued a quantum (asked again within the window)
     swap_outs: int = 0
     swap_ins: int = 0
     swap_out_bytes: int = 0
@@ -73,11 +96,21 @@ class SessionState:
         return self.state in (State.HOLDING, State.YIELDING)
 
     @property
+    def prefetching(self) -> bool:
+        """A Prefetch is out that its client has not said it is done with."""
+        return self.prefetch_acked < self.prefetch_seq
+
+    @property
     def used(self) -> int:
-        """What it may have on the GPU: a holder its limit (its room while filling),
+        """What it may have on the GPU: a holder its limit (its room while filling), a
+        session whose quantum waits for it its limit too, a prefetching one its room,
         anyone else what is there now."""
         if self.holding:
             return self.room or self.limit
+        if self.reserved:
+            return self.limit
         if self.swapping_in:  # frozen mid swap-in: all of it may have landed
             return self.resident + self.swapped
+        if self.prefetching:
+            return max(self.resident, self.prefetch_room)
         return self.resident

@@ -47,6 +47,9 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     escalation: Escalation = "log"
     idle_release: float = 0.5
     overlap: bool = True  # a switch's swap-in runs while the swap-out frees memory
+    prefetch: bool = True  # the next holder swaps in during the quantum, where memory allows
+    turn: float = 1.0  # the longest interactive turn, seconds (0: no turns)
+    turn_share: float = 0.25  # turn credit earned per idle second (docs/scheduling.md)
     reserve: str | int = 0
     # NVML counts a process's CUDA context and libraries' workspaces beside the memory
     # its session accounts for: a process is over its limit only past this much more.
@@ -162,6 +165,17 @@ def load(
 ) -> NodeConfig:
     """Defaults, then the config file, the state file and the flags."""
     return merge(read_raw(path), read_raw(state), flags or {})
+
+
+def scheduling(cfg: NodeConfig) -> dict[str, Any]:
+    """The arbiters' scheduling settings (docs/scheduling.md) from the node's keys: a
+    quantum waits for its holder to ask again up to ``idle_release``."""
+    return {
+        "anticipate_s": cfg.idle_release,
+        "turn_s": cfg.turn,
+        "turn_share": cfg.turn_share,
+        "prefetch": cfg.prefetch,
+    }
 
 
 def gpu_settings(cfg: NodeConfig, index: int) -> dict[str, Any]:

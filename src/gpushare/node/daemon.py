@@ -35,7 +35,7 @@ from gpushare.core.clock import Clock
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, check_gpus, gpu_settings
+from gpushare.node.config import NodeConfig, check_gpus, gpu_settings, scheduling
 from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
@@ -88,7 +88,10 @@ class Node:
         self.arbiters: list[Arbiter] = []
         for g in gpus:
             settings = GpuSettings(
-                grace_s=config.grace, overlap=config.overlap, **gpu_settings(config, g.index)
+                grace_s=config.grace,
+                overlap=config.overlap,
+                **scheduling(config),
+                **gpu_settings(config, g.index),
             )
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")

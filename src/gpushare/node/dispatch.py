@@ -32,6 +32,7 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    PrefetchAction,
     RevokeAction,
     RoomAction,
     SwapOutAction,
@@ -128,6 +129,8 @@ class Dispatch:
                 send(c, p.SwapOut(bytes=a.bytes))
             elif isinstance(a, RoomAction):
                 send(c, p.Room(room=a.room))
+            elif isinstance(a, PrefetchAction):
+                send(c, p.Prefetch(room=a.room, seq=a.seq))
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))
         self._schedule(arb)

@@ -22,6 +22,7 @@ EVENT_KINDS = (
     "release",
     "swap_out",
     "swap_in",
+    "prefetch",
     "config",
     "config_refused",
     "escalate",

@@ -18,6 +18,7 @@ from gpushare.node.config import (
     gpu_settings,
     load,
     persist,
+    scheduling,
 )
 from gpushare.node.dispatch import Dispatch
 
@@ -79,6 +80,8 @@ class LiveConfig:
             return
         for arb in self.arbiters:
             arb.settings.overlap = new.overlap  # the next switch is planned with it
+            for key, value in scheduling(new).items():  # from the next decision on
+                setattr(arb.settings, key, value)
             before, after = gpu_settings(self.config, arb.gpu), gpu_settings(new, arb.gpu)
             change = {k: v for k, v in after.items() if before[k] != v}
             if change:

@@ -230,6 +230,7 @@ class WorkloadServer:
                 lease=h.lease,
                 verified=verified,
                 fills=h.fills,
+                prefetch=h.prefetch,
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
@@ -298,6 +299,7 @@ class WorkloadServer:
                 resident=msg.resident,
                 swapped=msg.swapped,
                 error=msg.error,
+                prefetch=msg.prefetch,
             )
         if isinstance(msg, p.Report):
             return arb.report(sid, resident=msg.resident, swapped=msg.swapped)

@@ -206,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="swap the next holder in only after the last one swapped out (default: overlap"
         " the two, the link is full duplex)",
     )
+    n.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        default=None,
+        help="do not swap the next holder in during the quantum (default: where memory allows)",
+    )
+    n.add_argument(
+        "--turn",
+        type=_setting("turn"),
+        metavar="SECONDS",
+        help="the longest interactive turn, 0 for none (default 1; docs/scheduling.md)",
+    )
     n.add_argument("--event-log", metavar="PATH", help="append every event as a JSON line")
     n.add_argument(
         "--proc-root",
@@ -354,6 +367,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw the last DURATION of the events (default 5m; 0: all of them)",
     )
 
+    sim = sub.add_parser(
+        "simulate",
+        help="a policy study: goodput, waits and batch loss against TQ (no GPU needed)",
+        description="Run model workloads against the real arbiter under a virtual clock, "
+        "for each TQ: print a table (goodput against the one-switch-per-quantum ideal, "
+        "waits, batch loss) and draw it as a PNG. See docs/scheduling.md.",
+    )
+    sim.add_argument(
+        "--mix",
+        choices=["batch", "short", "interactive", "mixed"],
+        default="mixed",
+        help="three sessions: batch jobs, short bursts, two batch jobs and a notebook, or "
+        "one of each (default mixed)",
+    )
+    sim.add_argument(
+        "--fitting",
+        action="store_true",
+        help="sessions of 1/4 of the GPU each, fitting together (default: 3/8 each, over it)",
+    )
+    sim.add_argument(
+        "--workload",
+        action="append",
+        metavar="KIND:SIZE[@WEIGHT]",
+        help="a session of your own mix instead (repeat): batch, short or interactive",
+    )
+    sim.add_argument("--gpu-memory", type=_size, default=80 * 2**30, metavar="SIZE")
+    sim.add_argument(
+        "--bandwidth",
+        type=_setting("sim_bandwidth"),
+        default=55e9,
+        metavar="BYTES_PER_S",
+        help="each way",
+    )
+    sim.add_argument("--tq", type=_seconds, nargs="+", default=[1.0, 5.0, 30.0], metavar="SECONDS")
+    sim.add_argument("--seconds", type=_seconds, default=120.0, help="per run (default 120)")
+    sim.add_argument("--mode", choices=MODES, default="exclusive")
+    sim.add_argument("--policy", choices=POLICIES, default="equal")
+    sim.add_argument(
+        "--no-prefetch", dest="prefetch", action="store_false", help="as the node's flag"
+    )
+    sim.add_argument(
+        "--turn", type=_setting("turn"), default=1.0, metavar="SECONDS", help="0: no turns"
+    )
+    sim.add_argument(
+        "--idle-release",
+        type=_setting("idle_release"),
+        default=0.5,
+        metavar="SECONDS",
+        help="the longest a quantum waits for its holder to ask again (default 0.5)",
+    )
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("-o", "--output", default="simulate.png", metavar="FILE.png")
+    sim.add_argument("--no-plot", action="store_true", help="print the table only")
+
     d = sub.add_parser(
         "demo",
         help="a node on a simulated GPU, three workloads, a report",
@@ -451,6 +518,8 @@ def _command(args: argparse.Namespace) -> int:
         return run_top(_admin(args), args.once, args.interval, as_json=args.json)
     if args.cmd == "timeline":
         return _timeline(args)
+    if args.cmd == "simulate":
+        return _simulate(args)
     if args.cmd == "demo":
         from gpushare.tools.demo import run_demo
 
@@ -458,6 +527,42 @@ def _command(args: argparse.Namespace) -> int:
     if args.cmd == "completion":
         return _completion(args.shell)
     return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from gpushare.settings import GpuSettings
+    from gpushare.tools import simulate as sim
+
+    try:
+        if args.workload:
+            workloads = [sim.Workload.parse(w) for w in args.workload]
+        else:
+            workloads = sim.preset(args.mix, not args.fitting, args.gpu_memory)
+    except ValueError as e:
+        print(f"gpushare simulate: error: {e}", file=sys.stderr)
+        return 2
+    settings = GpuSettings(
+        mode=args.mode,
+        policy=args.policy,
+        prefetch=args.prefetch,
+        turn_s=args.turn,
+        anticipate_s=args.idle_release,
+    )
+    title = sim.describe(workloads, args.gpu_memory, settings)
+    print(f"gpushare simulate: {title}; {args.seconds:g} s per run")
+    rows = sim.study(
+        workloads, args.tq, args.gpu_memory, settings, args.seconds, args.bandwidth, args.seed
+    )
+    print(sim.table(rows))
+    if args.no_plot:
+        return 0
+    try:
+        sim.plot(rows, args.output, title)
+    except ImportError as e:
+        print(f"gpushare simulate: error: {e} (or --no-plot)", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    return 0
 
 
 def _completion(shell: str) -> int:
@@ -552,6 +657,8 @@ def _node(args: argparse.Namespace) -> int:
         "kubernetes": args.kubernetes,
         "metrics_address": args.metrics_address,
         "overlap": args.overlap,
+        "prefetch": args.prefetch,
+        "turn": args.turn,
     }
     flags = {k: v for k, v in flags.items() if v is not None}
     try:

@@ -99,20 +99,41 @@ def interactive(
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
+def short(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
+    """Short bursts back to back (``with s.gpu():`` around 100 ms of work, a loop)."""
+    m = _memory(s, memory, seed)
+    check = _Checker(s, m, seed)
+    steps = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with s.gpu():
+            check()
+            for _ in range(10):
+                time.sleep(STEP_S)
+                steps += 1
+                s.checkpoint()
+    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+
+
 def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100) -> dict[str, Any]:
-    """Many short bursts back to back: every grant after another session's is a swap cycle."""
+    """Many short bursts, each a swap cycle when another session waits: between bursts it
+    stays away for the node's ``idle_release`` (over half of it), so its quantum does not
+    wait for it (docs/scheduling.md) and the GPU goes to the other (nodes that test swap
+    cycles run with a short ``--idle-release``)."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     end = time.monotonic() + seconds
-    for _ in range(bursts):
+    for i in range(bursts):
         if time.monotonic() > end:
             break
+        if i:
+            time.sleep(s.idle_release_s)
         with s.gpu():
             check()
     return {"steps": 0, "checks": check.checks, "failures": check.failures}
 
 
-KINDS = {"batch": batch, "interactive": interactive, "cycles": cycles}
+KINDS = {"batch": batch, "interactive": interactive, "short": short, "cycles": cycles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
+    ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
     a = ap.parse_args(argv)
     if a.until is not None:  # however late this process started, all end together
         a.seconds = max(0.0, a.until - time.time())
     memory = parse_size(a.memory)
-    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind)
+    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind, weight=a.weight)
     try:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, memory, a.seed, a.bursts)
         elif a.kind == "batch":
             out = batch(s, a.seconds, memory, a.seed, deadline=a.until is not None)
+        elif a.kind == "short":
+            out = short(s, a.seconds, memory, a.seed)
         else:
             out = interactive(s, a.seconds, memory, a.seed, deadline=a.until is not None)
     finally:

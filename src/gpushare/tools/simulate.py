@@ -1,0 +1,571 @@
+"""``gpushare simulate``: a policy study on the real arbiter, under a virtual clock.
+
+Model workloads drive :class:`~gpushare.core.arbiter.Arbiter` as the client runtime does
+(``gpushare.client.lease``): a burst asks and waits; a grant's swap-in comes back chunk
+by chunk within the room the node gives, then the work runs in steps with a safe point
+after each; a revoke is answered at the next safe point with a release, then the
+swap-out it asked; swap-outs asked of idle or waiting sessions, and prefetches asked of
+the next holder, run one at a time per session. Copies book the lanes of one modelled
+PCIe link (:func:`gpushare.simlink.book`: the timing model of the simulated GPUs), apart
+from compute, as a GPU's copy engines are. Several holders at once (mode ``auto``) share
+the GPU's compute: a step takes as many times longer as there are sessions working.
+
+Workloads: ``batch`` (one long burst), ``short`` (bursts of 100 ms of work, 1 ms apart),
+``interactive`` (notebook cells of 50-200 ms of work, 0.5-1.5 s of thinking between).
+For each TQ the study runs the mix, the same sessions as batch jobs (the ideal: one switch
+per quantum), and the mix's batch jobs alone (what the others cost them), and reports
+goodput (GPU seconds of work per second), waits and batch loss. Deterministic: the same
+mix, settings and seed give the same figures.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from gpushare.core.actions import (
+    Action,
+    GrantAction,
+    PrefetchAction,
+    RevokeAction,
+    RoomAction,
+    SwapOutAction,
+)
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.clock import ManualClock
+from gpushare.settings import GpuSettings
+from gpushare.simlink import IN, OUT, book
+from gpushare.units import format_size, parse_size
+
+Kind = Literal["batch", "short", "interactive"]
+KINDS: tuple[Kind, ...] = ("batch", "short", "interactive")
+GiB = 2**30
+CHUNK = 256 * 2**20  # the swap granularity of the client's backends
+STEP_S = 0.005  # work between two safe points
+Task = Callable[[Callable[[], None]], None]  # runs, then calls its argument when done
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: Kind
+    memory: int
+    weight: float = 1.0
+    name: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> Workload:
+        """``KIND:SIZE[@WEIGHT]``, e.g. ``batch:30GiB``, ``interactive:10GiB@0.5``."""
+        kind, _, rest = text.partition(":")
+        size, _, weight = rest.partition("@")
+        if kind not in KINDS or not size:
+            raise ValueError(
+                f"workload {text!r}: write KIND:SIZE[@WEIGHT], KIND one of {', '.join(KINDS)}"
+            )
+        w = float(weight) if weight else 1.0
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"workload {text!r}: the weight must be a positive number")
+        return cls(kind, parse_size(size), w)
+
+
+MIXES: dict[str, tuple[Kind, ...]] = {
+    "batch": ("batch", "batch", "batch"),
+    "short": ("short", "short", "short"),
+    "interactive": ("batch", "batch", "interactive"),
+    "mixed": ("batch", "short", "interactive"),
+}
+
+
+def preset(mix: str, oversubscribed: bool, capacity: int) -> list[Workload]:
+    """Three sessions: 3/8 of the GPU each (together over its memory) or 1/4 each."""
+    share = capacity * 3 // 8 if oversubscribed else capacity // 4
+    return [Workload(k, share) for k in MIXES[mix]]
+
+
+@dataclass
+class SessionFigures:
+    name: str
+    kind: Kind
+    work_s: float = 0.0
+    bursts: int = 0
+    waits: list[float] = field(default_factory=list)
+    swapped_in: int = 0
+    swapped_out: int = 0
+
+
+@dataclass
+class Run:
+    seconds: float
+    sessions: list[SessionFigures]
+    grants: int
+    switches: int  # grants to another session than the last
+
+    @property
+    def goodput(self) -> float:
+        return sum(s.work_s for s in self.sessions) / self.seconds
+
+    def work(self, kind: Kind | None = None) -> float:
+        return sum(s.work_s for s in self.sessions if kind is None or s.kind == kind)
+
+    def waits(self, kind: Kind) -> list[float]:
+        return [w for s in self.sessions if s.kind == kind for w in s.waits]
+
+
+class _Client:
+    def __init__(self, sim: Simulation, sid: int, w: Workload, rng: random.Random) -> None:
+        self.sim, self.sid, self.w, self.rng = sim, sid, w, rng
+        self.fig = SessionFigures(w.name or f"{w.kind}-{sid}", w.kind)
+        self.resident, self.swapped = w.memory, 0
+        self.phase = "idle"  # idle, asking, swapping_in, holding, yielding
+        self.lease = 0
+        self.grant: GrantAction | None = None
+        self.revoke: RevokeAction | None = None
+        self.room = 0  # while swapping in: the most it may have (0: no bound)
+        self.parked: Callable[[], None] | None = None  # a swap-in waiting for room
+        self.pf_room = self.pf_seq = self.pf_done = 0
+        self.pf_running = False
+        self.tasks: deque[Task] = deque()
+        self.busy = False
+        self.burst_left = 0.0
+        self.asked_at = 0.0
+        self.waiting_since: float | None = None  # the burst's ask, until it works
+
+    # --- the burst -------------------------------------------------------------------
+    def ask(self) -> None:
+        self.fig.bursts += 1
+        if self.w.kind == "batch":
+            self.burst_left = math.inf
+        elif self.w.kind == "short":
+            self.burst_left = 0.1
+        else:
+            self.burst_left = self.rng.uniform(0.05, 0.2)
+        self.waiting_since = self.sim.now
+        self.phase = "asking"
+        self.sim.apply(self.sim.arb.acquire(self.sid))
+
+    def think(self) -> float:
+        return 0.001 if self.w.kind == "short" else self.rng.uniform(0.5, 1.5)
+
+    def on_grant(self, g: GrantAction) -> None:
+        if self.phase not in ("asking", "yielding") or self.grant is not None:
+            return  # not asked for (crossed a release): the release gives it back
+        self.grant, self.lease = g, g.lease
+        self.room = g.room if g.room < self.w.memory else 0
+        self.serial(self._take_grant)
+
+    def _take_grant(self, done: Callable[[], None]) -> None:
+        g, self.grant = self.grant, None
+        assert g is not None
+        self.phase = "swapping_in"
+        moved, t0 = self.swapped, self.sim.now
+
+        def finished() -> None:
+            if self.room:  # work may grow the session to its limit: room first
+                self.parked = finished
+                return
+            if moved:
+                self.swap_done("in", moved, self.sim.now - t0)
+            done()
+            self.phase = "holding"
+            if self.waiting_since is not None:
+                # not its first burst: a session's start (a real one allocates in it), never
+                # a turn, waits its turn in the queue (docs/scheduling.md)
+                if self.fig.bursts > 1:
+                    self.fig.waits.append(self.sim.now - self.waiting_since)
+                self.waiting_since = None
+            self.sim.work(self)
+
+        self.copy_in(lambda: self.room, finished)
+
+    def step_done(self, seconds: float) -> None:
+        """A safe point after ``seconds`` of work."""
+        self.fig.work_s += seconds
+        self.burst_left -= seconds
+        arb = self.sim.arb
+        if self.burst_left <= 1e-12:  # the burst's end
+            self.phase, self.lease, self.revoke = "idle", 0, None
+            self.sim.apply(arb.release(self.sid, resident=self.resident, swapped=self.swapped))
+            self.sim.at(self.think(), self.ask)
+        elif self.revoke is not None and self.revoke.lease == self.lease:
+            n = min(self.revoke.swap_out, self.resident)
+            self.revoke, self.lease = None, 0
+            self.waiting_since = self.sim.now
+            self.phase = "yielding" if n else "asking"
+            self.sim.apply(
+                arb.release(
+                    self.sid,
+                    resident=self.resident,
+                    swapped=self.swapped,
+                    again=True,
+                    swapping_out=n,
+                )
+            )
+            if n:
+                self.serial(lambda done: self.copy_out(n, done, rejoin=True))
+        else:
+            self.sim.work(self)
+
+    # --- swaps (one at a time, as under the client's swap lock) ----------------------
+    def serial(self, task: Task) -> None:
+        self.tasks.append(task)
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self.tasks:
+            self.busy = False
+            return
+        self.busy = True
+        self.tasks.popleft()(self._next)
+
+    def copy_in(self, room: Callable[[], int], finished: Callable[[], None]) -> None:
+        """Chunks back while ``room()`` allows (0: no bound); parks when it does not."""
+
+        def chunk() -> None:
+            if not self.swapped:
+                return finished()
+            k = min(CHUNK, self.swapped)
+            r = room()
+            if r and self.resident + k > r:
+                self.parked = chunk
+                return
+            self.resident += k
+            self.swapped -= k
+            self.fig.swapped_in += k
+            end = self.sim.book(IN, k)
+            self.sim.at(end - self.sim.now, self.report_then(chunk))
+
+        chunk()
+
+    def copy_out(self, n: int, done: Callable[[], None], rejoin: bool = False) -> None:
+        left, t0 = min(n, self.resident), self.sim.now
+        moved = left
+
+        def chunk() -> None:
+            nonlocal left
+            if left <= 0:
+                self.swap_done("out", moved, self.sim.now - t0)
+                if rejoin and self.phase == "yielding":
+                    self.phase = "asking"
+                return done()
+            k = min(CHUNK, left)
+            end = self.sim.book(OUT, k)
+
+            def freed() -> None:  # GPU memory is freed as its copy ends
+                nonlocal left
+                left -= k
+                self.resident -= k
+                self.swapped += k
+                self.fig.swapped_out += k
+                self.report_then(chunk)()
+
+            self.sim.at(end - self.sim.now, freed)
+
+        chunk()
+
+    def report_then(self, then: Callable[[], None]) -> Callable[[], None]:
+        def go() -> None:
+            self.sim.apply(
+                self.sim.arb.report(self.sid, resident=self.resident, swapped=self.swapped)
+            )
+            then()
+
+        return go
+
+    def swap_done(
+        self, direction: Literal["in", "out"], n: int, s: float, pf: int = 0, error: str = ""
+    ) -> None:
+        self.sim.apply(
+            self.sim.arb.swap_done(
+                self.sid,
+                direction=direction,
+                nbytes=n,
+                seconds=s,
+                resident=self.resident,
+                swapped=self.swapped,
+                prefetch=pf,
+                error=error,
+            )
+        )
+
+    def on_room(self, room: int) -> None:
+        self.room = 0 if room >= self.w.memory else room
+        if self.parked is not None:
+            go, self.parked = self.parked, None
+            go()
+
+    def on_swap_out(self, n: int) -> None:
+        if self.phase in ("holding", "swapping_in") or self.grant is not None:
+            self.swap_done("out", 0, 0.0, error="session holds the GPU")
+            return
+        self.serial(lambda done: self.copy_out(n, done))
+
+    def on_prefetch(self, a: PrefetchAction) -> None:
+        if self.phase not in ("asking", "yielding") or self.grant is not None:
+            return
+        self.pf_room, self.pf_seq = a.room, a.seq
+        if not self.pf_running:
+            self.pf_running = True
+            self.serial(self._prefetch)
+
+    def _prefetch(self, done: Callable[[], None]) -> None:
+        t0, before = self.sim.now, self.resident
+
+        def stop() -> None:
+            self.pf_running = False
+            seq = self.pf_seq
+            self.pf_done = seq
+            self.swap_done("in", self.resident - before, self.sim.now - t0, pf=seq)
+            done()
+
+        def chunk() -> None:
+            k = min(CHUNK, self.swapped)
+            if not k or self.grant is not None or self.resident + k > self.pf_room:
+                return stop()
+            self.resident += k
+            self.swapped -= k
+            self.fig.swapped_in += k
+            end = self.sim.book(IN, k)
+            self.sim.at(end - self.sim.now, self.report_then(chunk))
+
+        chunk()
+
+
+class Simulation:
+    """One GPU, its arbiter and model workloads, on a virtual clock."""
+
+    def __init__(
+        self,
+        workloads: Sequence[Workload],
+        capacity: int,
+        settings: GpuSettings,
+        bandwidth: float = 55e9,
+        step_s: float = STEP_S,
+        seed: int = 1,
+    ) -> None:
+        self.clock = ManualClock(start=0.0)
+        self.arb = Arbiter(0, capacity, self.clock, settings)
+        self.bandwidth, self.step_s = bandwidth, step_s
+        self.lanes = [0.0, 0.0]
+        self.heap: list[tuple[float, int, Callable[[], None]]] = []
+        self.seq = itertools.count()
+        self.clients: dict[int, _Client] = {}
+        self.working: set[int] = set()
+        self.grants = self.switches = 0
+        self._last_holder = 0
+        rng = random.Random(seed)
+        for sid, w in enumerate(workloads, start=1):
+            c = _Client(self, sid, w, random.Random(rng.random()))
+            self.clients[sid] = c
+            # its memory made: on the GPU as far as it fits, the rest in host memory (the
+            # node refuses a session whose memory could not be there)
+            c.resident = min(w.memory, max(0, capacity - self.arb.used_bytes()))
+            c.swapped = w.memory - c.resident
+            self.apply(
+                self.arb.attach(
+                    sid,
+                    name=c.fig.name,
+                    limit=w.memory,
+                    weight=w.weight,
+                    resident=c.resident,
+                    swapped=c.swapped,
+                    fills=True,
+                    prefetch=True,
+                )
+            )
+            # a notebook's first cell comes after its user has thought too
+            self.at(0.001 * sid + (c.think() if w.kind == "interactive" else 0.0), c.ask)
+
+    @property
+    def now(self) -> float:
+        return self.clock.monotonic()
+
+    def at(self, delay: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self.heap, (self.now + max(delay, 0.0), next(self.seq), fn))
+
+    def book(self, lane: int, nbytes: int) -> float:
+        return book(self.lanes, lane, nbytes, self.bandwidth, self.now)
+
+    def work(self, c: _Client) -> None:
+        """One step of ``c``'s work, slower while others work beside it (mode auto)."""
+        self.working.add(c.sid)
+        step = min(self.step_s, c.burst_left)
+        share = len(self.working)
+
+        def end() -> None:
+            self.working.discard(c.sid)
+            c.step_done(step)
+
+        self.at(step * share, end)
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, GrantAction):
+                self.grants += 1
+                if a.session != self._last_holder:
+                    self.switches += 1
+                    self._last_holder = a.session
+                self.clients[a.session].on_grant(a)
+            elif isinstance(a, RevokeAction):
+                c = self.clients[a.session]
+                if a.lease == c.lease:
+                    c.revoke = a
+            elif isinstance(a, RoomAction):
+                self.clients[a.session].on_room(a.room)
+            elif isinstance(a, SwapOutAction):
+                self.clients[a.session].on_swap_out(a.bytes)
+            elif isinstance(a, PrefetchAction):
+                self.clients[a.session].on_prefetch(a)
+            # events and escalations: the model's workloads always yield in time
+
+    def run(self, seconds: float) -> Run:
+        end = self.now + seconds
+        while True:
+            t_ev = self.heap[0][0] if self.heap else math.inf
+            t_dl = self.arb.next_deadline()
+            t = min(t_ev, math.inf if t_dl is None else t_dl)
+            if t > end:
+                self.clock.set(end)
+                break
+            self.clock.set(max(t, self.now))
+            if t_ev <= t:
+                heapq.heappop(self.heap)[2]()
+            else:
+                self.apply(self.arb.tick())
+        return Run(seconds, [c.fig for c in self.clients.values()], self.grants, self.switches)
+
+
+# --- the study -------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    tq: float
+    goodput: float
+    ideal: float  # the same sessions as batch jobs: one switch per quantum
+    batch_loss: float  # GPU time the batch jobs lose beyond the others' own work
+    waits: dict[str, tuple[float, float]]  # kind: (p50, p99) of a burst's wait
+    switches_per_min: float
+    swapped_gib_per_min: float
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def study(
+    workloads: Sequence[Workload],
+    tqs: Sequence[float],
+    capacity: int,
+    settings: GpuSettings,
+    seconds: float = 120.0,
+    bandwidth: float = 55e9,
+    seed: int = 1,
+) -> list[Row]:
+    rows = []
+    batch_only = [w for w in workloads if w.kind == "batch"]
+    as_batch = [replace(w, kind="batch") for w in workloads]
+    for tq in tqs:
+        st = replace(settings, tq_s=tq)
+
+        def run(ws: Sequence[Workload], st: GpuSettings = st) -> Run:
+            return Simulation(ws, capacity, st, bandwidth, seed=seed).run(seconds)
+
+        mix = run(workloads)
+        ideal = run(as_batch).goodput if as_batch != list(workloads) else mix.goodput
+        loss = math.nan
+        if batch_only and len(batch_only) < len(workloads):
+            alone = run(batch_only).work()
+            loss = 1 - mix.goodput * seconds / alone if alone else math.nan
+        waits: dict[str, tuple[float, float]] = {
+            k: (percentile(mix.waits(k), 0.5), percentile(mix.waits(k), 0.99))
+            for k in KINDS
+            if k != "batch" and mix.waits(k)
+        }
+        moved = sum(s.swapped_out for s in mix.sessions)
+        rows.append(
+            Row(
+                tq,
+                mix.goodput,
+                ideal,
+                loss,
+                waits,
+                mix.switches * 60 / seconds,
+                moved / GiB * 60 / seconds,
+            )
+        )
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    kinds = sorted({k for r in rows for k in r.waits})
+    head = ["TQ s", "goodput", "ideal", "/ideal", "batch loss"]
+    head += [f"{k} wait p50/p99 s" for k in kinds] + ["switches/min", "swapped GiB/min"]
+    out = [head]
+    for r in rows:
+        line = [
+            f"{r.tq:g}",
+            f"{r.goodput:.3f}",
+            f"{r.ideal:.3f}",
+            f"{r.goodput / r.ideal:.2f}" if r.ideal else "-",
+            "-" if math.isnan(r.batch_loss) else f"{r.batch_loss:.1%}",
+        ]
+        line += [
+            f"{r.waits[k][0]:.2f} / {r.waits[k][1]:.2f}" if k in r.waits else "-" for k in kinds
+        ]
+        line += [f"{r.switches_per_min:.1f}", f"{r.swapped_gib_per_min:.0f}"]
+        out.append(line)
+    widths = [max(len(x[i]) for x in out) for i in range(len(head))]
+    return "\n".join("  ".join(x[i].rjust(widths[i]) for i in range(len(head))) for x in out)
+
+
+def plot(rows: Sequence[Row], path: str, title: str) -> None:
+    """Goodput, waits and batch loss against TQ, as a PNG (matplotlib: the plot extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "gpushare simulate draws with matplotlib: pip install 'gpushare[plot]'"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tqs = [r.tq for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    a1.plot(tqs, [r.goodput for r in rows], "o-", label="goodput")
+    a1.plot(tqs, [r.ideal for r in rows], "s--", label="ideal (one switch per quantum)")
+    if not all(math.isnan(r.batch_loss) for r in rows):
+        a1.plot(tqs, [r.batch_loss for r in rows], "^-", label="batch loss")
+    a1.set_xscale("log")
+    a1.set_xlabel("TQ (s)")
+    a1.set_ylim(bottom=0)
+    a1.legend()
+    a1.grid(alpha=0.3)
+    for k in sorted({k for r in rows for k in r.waits}):
+        a2.plot(tqs, [r.waits.get(k, (math.nan,) * 2)[0] for r in rows], "o-", label=f"{k} p50")
+        a2.plot(tqs, [r.waits.get(k, (math.nan,) * 2)[1] for r in rows], "^--", label=f"{k} p99")
+    a2.set_xscale("log")
+    a2.set_xlabel("TQ (s)")
+    a2.set_ylabel("wait of a burst (s)")
+    a2.legend()
+    a2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def describe(workloads: Sequence[Workload], capacity: int, settings: GpuSettings) -> str:
+    ws = ", ".join(f"{w.kind} {format_size(w.memory)}" for w in workloads)
+    return (
+        f"{ws} on {format_size(capacity)}; mode {settings.mode}, policy {settings.policy},"
+        f" prefetch {'on' if settings.prefetch else 'off'}, turn {settings.turn_s:g} s"
+    )
