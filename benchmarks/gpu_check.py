@@ -58,6 +58,7 @@ PARTS = [
     Part("swap", 2, 35, "torch backend swap-out/in GB/s, first and steady"),
     Part("switch_overlap", 2, 45, "two sessions of 54%: revoke to next swapped in"),
     Part("switch_sequential", 2, 45, "the same with --sequential-switches"),
+    Part("prefetch_overlap", 2, 60, "holder's step time while the next prefetches, vs not"),
     Part("lm_bare", 2, 40, "a small LM at 60% of the GPU, alone, bare"),
     Part("lm_gpushare", 2, 45, "the same under gpushare run, uncontended"),
     Part("lm_pair_tq10", 2, 80, "two LMs at 60% each under gpushare, TQ 10 s"),
@@ -179,6 +180,9 @@ def ratios(parts: dict[str, dict]) -> dict[str, float | None]:
     bare = _get(parts, "lm_bare", "tokens_per_s")
     for tq in (10, 30):
         r[f"lm_aggregate_tq{tq}"] = _ratio(_get(parts, f"lm_pair_tq{tq}", "tokens_per_s"), bare)
+    r["holder_throughput_while_prefetching"] = _get(
+        parts, "prefetch_overlap", "holder_throughput_while_prefetching"
+    )
     r["lm_uncontended"] = _ratio(_get(parts, "lm_gpushare", "tokens_per_s"), bare)
     return r
 

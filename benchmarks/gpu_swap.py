@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import platform
@@ -318,6 +319,106 @@ def part_holder(sock: str, memory: int, fill: int, seconds: float, dry: bool) ->
     return {"intact": ok, "grants": s.grants}
 
 
+def part_stepper(sock: str, memory: int, fill: int, seconds: float, dry: bool) -> dict[str, Any]:
+    """A session that fills its memory, then computes in short steps for ``seconds``
+    (revoked and granted again by the node as its quanta come): the wall time at which
+    each step ended, to be laid beside the node's prefetch windows."""
+    import gpushare
+
+    s = gpushare.attach(memory, socket=sock, backend="sim" if dry else "torch")
+    backend: Any = s.backend
+    ends: list[float] = []
+    if dry:
+        with s.gpu():
+            mem = backend.allocate(fill)
+            mem.fill(1)
+        end = time.monotonic() + seconds
+        with s.gpu():
+            while time.monotonic() < end:
+                time.sleep(0.005)
+                ends.append(time.time())
+                s.checkpoint()
+            ok = bool(mem.verify(1))
+        s.close()
+        return {"session": s.id, "ends": ends, "intact": ok, "dry": True}
+    import torch
+
+    backend.wait_for_host_buffers()
+    with s.gpu():
+        xs = [torch.ones(GiB, dtype=torch.uint8, device="cuda") for _ in range(fill // GiB)]
+        y = torch.randn(2048, 2048, device="cuda")
+    end = time.monotonic() + seconds
+    with s.gpu():
+        while time.monotonic() < end:
+            for _ in range(4):
+                y = (y @ y).tanh()
+            torch.cuda.synchronize()
+            ends.append(time.time())
+            s.checkpoint()
+        ok = all(bool((x == 1).all()) for x in xs)
+    s.close()
+    return {"session": s.id, "ends": ends, "intact": ok}
+
+
+def step_rates(
+    ends: list[float], windows: list[tuple[float, float]], gap: float = 0.1
+) -> tuple[list[float], list[float]]:
+    """A holder's step times (seconds per step) split by whether the step ended inside
+    one of ``windows`` (another session's prefetch); a pause longer than ``gap`` is not
+    a step (the session was waiting for its turn)."""
+    inside: list[float] = []
+    outside: list[float] = []
+    for a, b in itertools.pairwise(ends):
+        if b - a > gap:
+            continue
+        (inside if any(lo <= b <= hi for lo, hi in windows) else outside).append(b - a)
+    return inside, outside
+
+
+def prefetch_overlap(tmp: Path, dry: bool, _arg: Any = None) -> dict[str, Any]:
+    """Three sessions of 40% of the GPU in turns (one always in host memory): the next
+    holder swaps in during the quantum (prefetch), on the copy engines, while the holder
+    computes. The holder's step time while another session prefetches against its step
+    time otherwise, in the same run: what hiding a switch costs the holder."""
+    total = _gpu_bytes(dry)
+    cap = total - RESERVE
+    unit = 256 * MiB
+    limit, fill = int(cap * 0.4) // unit * unit, int(cap * 0.38) // unit * unit
+    seconds = 3.0 if dry else 20.0
+    node = Node(tmp, 0.5 if dry else 3.0, dry=dry)
+    stepper = [sys.executable, str(HERE), "--part", "stepper", node.sock]
+    stepper += [str(limit), str(fill), str(seconds), "1" if dry else "0"]
+    outs, ev = node.run([stepper] * 3, 2 * limit + 2 * GiB, seconds + 120)
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        return {"error": errors, "dry": dry}
+    # a prefetch's window: from its swap-in's start to its end, as the node saw them
+    pre = [e for e in ev if e["event"] == "swap_in" and e.get("prefetch") and e["bytes"]]
+    inside: list[float] = []
+    outside: list[float] = []
+    for o in outs:
+        others = [(e["ts"] - e["seconds"], e["ts"]) for e in pre if e["session"] != o["session"]]
+        i, x = step_rates(o["ends"], others)
+        inside += i
+        outside += x
+    step_in = statistics.median(inside) if inside else None
+    step_out = statistics.median(outside) if outside else None
+    out: dict[str, Any] = {
+        "prefetches": len(pre),
+        "prefetched_bytes": sum(e["bytes"] for e in pre),
+        "steps_while_prefetching": len(inside),
+        "steps_otherwise": len(outside),
+        "step_s_while_prefetching": step_in,
+        "step_s_otherwise": step_out,
+        "holder_throughput_while_prefetching": step_out / step_in if step_in and step_out else None,
+        "intact": all(o.get("intact") for o in outs),
+        "dry": dry,
+    }
+    if not out["intact"]:
+        out["error"] = "a session's memory came back different"
+    return out
+
+
 def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
     """Train a small GPT on synthetic tokens; tokens/s over [warmup, warmup+seconds].
 
@@ -575,6 +676,7 @@ CHECKS: dict[str, Any] = {
     "lm_gpushare": lambda dry: _with_tmp(lm_alone, dry, True),
     "lm_pair_tq10": lambda dry: _with_tmp(lm_pair, dry, 10),
     "lm_pair_tq30": lambda dry: _with_tmp(lm_pair, dry, 30),
+    "prefetch_overlap": lambda dry: _with_tmp(prefetch_overlap, dry, None),
 }
 
 
@@ -589,6 +691,8 @@ def _part(argv: list[str]) -> None:
     name, rest = argv[0], argv[1:]
     if name == "holder":
         out = part_holder(rest[0], int(rest[1]), int(rest[2]), float(rest[3]), rest[4] == "1")
+    elif name == "stepper":
+        out = part_stepper(rest[0], int(rest[1]), int(rest[2]), float(rest[3]), rest[4] == "1")
     elif name == "lm":
         out = part_lm(float(rest[0]), float(rest[1]), int(rest[2]))
     else:

@@ -52,6 +52,8 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path):
     assert "skipped" in parts["cuda_tests"]["result"]["summary"]  # pytest -m gpu ran
     assert parts["switch_overlap"]["result"]["switches"] > 0
     assert parts["lm_pair_tq10"]["result"]["switches"] > 0
+    pre = parts["prefetch_overlap"]["result"]  # the next holder swapped in during a quantum
+    assert pre["prefetches"] > 0 and pre["steps_while_prefetching"] > 0, pre
     md = (out / "results.md").read_text()
     rows = [x for x in md.splitlines() if x.startswith("| 1 |") or x.startswith("| 2 |")]
     assert len(rows) == len(PARTS) and "| copy | timeout |" in md
