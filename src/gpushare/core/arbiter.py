@@ -24,6 +24,7 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.clock import Clock
+from gpushare.core.gangs import REGROUP_S, Gang
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
@@ -62,6 +63,8 @@ class Arbiter:
         self._lease_seq = 0
         self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
+        self.gangs: dict[str, Gang] = {}  # by the node's key (core/gangs.py)
+        self._revoked_gangs: set[str] = set()
         self._out: list[Action] = []
 
     # --- inputs ---------------------------------------------------------------------
@@ -78,11 +81,16 @@ class Arbiter:
         holding: bool = False,
         fills: bool = False,
         prefetch: bool = False,
+        gang: str = "",
+        gang_size: int = 0,
+        spans_nodes: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
         outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
         its client can swap in within a room, so its swap-in may overlap another's
-        swap-out; ``prefetch``: it swaps in ahead of its grant when told."""
+        swap-out; ``prefetch``: it swaps in ahead of its grant when told. ``gang``: the
+        node's key of the distributed job it is a rank of (``gang_size`` ranks on the
+        node, as its client says; ``spans_nodes``: it has ranks elsewhere too)."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if limit <= 0:
@@ -96,6 +104,9 @@ class Arbiter:
             raise ArbiterError("weight must be a positive number")
         if resident < 0 or swapped < 0 or resident + swapped > limit:
             raise ArbiterError("re-registered memory must be within the memory limit")
+        g = self.gangs.get(gang) if gang else None
+        if gang:
+            self._check_gang(gang, g, limit, spans_nodes)
         s = SessionState(
             id=sid,
             name=name,
@@ -109,6 +120,12 @@ class Arbiter:
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
+        if gang:
+            if g is None:
+                g = self.gangs[gang] = Gang(gang)
+            g.members.add(sid)
+            g.size, g.spans_nodes = max(g.size, gang_size), g.spans_nodes or spans_nodes
+            s.gang = gang
         resumed = bool(resident or swapped or holding)
         self._event(
             "attach",
@@ -119,6 +136,7 @@ class Arbiter:
             resumed=resumed,
             resident_bytes=resident,
             swapped_bytes=swapped,
+            **({"gang": gang, "gang_size": gang_size, "spans_nodes": spans_nodes} if gang else {}),
         )
         if holding:  # it was working when the node went away: it holds a lease again
             s.bursts += 1
@@ -140,6 +158,12 @@ class Arbiter:
         if s.reserved:
             self._unreserve(s)
         del self.sessions[sid]
+        if s.gang:
+            g = self.gangs[s.gang]
+            g.members.discard(sid)
+            if not g.members:
+                del self.gangs[s.gang]
+                self._revoked_gangs.discard(s.gang)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
 
@@ -231,6 +255,10 @@ class Arbiter:
         window = 0.0
         if again:
             self._enqueue(s, front=s.resume_s > 0)  # paused by a turn: it goes on next
+            if revoked and s.gang:  # its gang holds the GPU until every member yields
+                s.parked = True
+                g = self.gangs[s.gang]
+                g.regroup_at = min(g.regroup_at, now + REGROUP_S)
         else:
             s.state = State.IDLE
             s.idle_since = now
@@ -358,6 +386,9 @@ class Arbiter:
                 times.append(s.revoke_deadline)
         if self.reserved is not None:
             times.append(self.sessions[self.reserved].reserve_until)
+        for key in self._revoked_gangs:  # parked members go on to their next safe point
+            if not math.isinf(self.gangs[key].regroup_at):
+                times.append(self.gangs[key].regroup_at)
         if self.queue or any(self.sessions[h].room for h in self.holders):
             # a plan (or a filling holder) waiting on a failed swap: look again at retry
             now = self.clock.monotonic()
@@ -402,7 +433,7 @@ class Arbiter:
         for sid in list(self.holders):
             s = self.sessions[sid]
             if s.state is State.HOLDING and s.quantum_end <= now:
-                if self.queue:
+                if self._others_wait(s):
                     self._revoke(s, now)
                 else:  # nobody waits: a new quantum, no needless switch
                     if s.turn:  # the turn is over; it holds on as anyone would
@@ -411,7 +442,11 @@ class Arbiter:
                     s.quantum_end = now + s.quantum_len
             elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
                 s.escalated = True
-                esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
+                fields: dict[str, Any] = {"grace_s": self.settings.grace_s}
+                if s.gang:  # the gang as a whole: all its members still holding, once
+                    self.gangs[s.gang].escalated = True
+                    fields["gang"] = s.gang
+                esc = self._escalate(s, "no_yield_within_grace", fields)
                 if esc == "freeze":
                     self._freeze(s, now)
                     self._grant_what_fits()
@@ -424,14 +459,27 @@ class Arbiter:
             return True
         if self.settings.mode == "exclusive":
             return False
-        wanting = [*self.holders, *self.queue]
+        wanting = {*self.holders, *self.queue}
         if self.reserved is not None:
-            wanting.append(self.reserved)
+            wanting.add(self.reserved)
+        for key in {self.sessions[i].gang for i in wanting} - {""}:
+            wanting |= self.gangs[key].members  # its ranks may all ask at any time
         return sum(self.sessions[i].limit for i in wanting) <= self.capacity
 
     def _grant_what_fits(self) -> None:
+        now = self.clock.monotonic()
+        if self._revoked_gangs:
+            self._settle_gangs()
+        if self.gangs:
+            for g in self.gangs.values():
+                held = self._gang_active(g)
+                for m in g.members:
+                    self.sessions[m].gang_held = held
+            self._grant_gangs(now)
         while self.queue and self._may_join_holders():
             head = self.sessions[self.queue[0]]
+            if head.parked:  # its gang is yielding: the GPU is not free yet
+                return
             # Fast path (the common case, on every handoff): it fits as things are. A
             # filling holder counts at its limit: a holder joining in mode auto may not
             # take what its room is to grow into (it could never fill).
@@ -441,6 +489,8 @@ class Arbiter:
             others = self.used_bytes() - head.used + filling
             if others + head.limit <= self.capacity:
                 self._grant(head)
+                if head.gang:  # its peers that ask join it
+                    self._grant_gangs(now)
                 continue
             plan = plan_grant(self.capacity, self._views(), head.id)
             if not plan.fits:
@@ -457,6 +507,8 @@ class Arbiter:
                     # Enough is on its way out: the head swaps in now, into what is free
                     # and then into what the swap-outs free (RoomActions), at once.
                     self._grant(head, room)
+                    if head.gang:
+                        self._grant_gangs(now)
                     continue
                 if plan.shortfall and not plan.swap_outs and not self.holders:
                     # A frozen session's memory (a stopped process cannot swap) blocks the
@@ -471,6 +523,8 @@ class Arbiter:
                             )
                 return
             self._grant(head)
+            if head.gang:
+                self._grant_gangs(now)
 
     def _freeze(self, s: SessionState, now: float) -> None:
         """The freeze escalation: the process is stopped; its lease goes to the next, and
@@ -489,7 +543,11 @@ class Arbiter:
 
     def _grant(self, s: SessionState, room: int = 0) -> None:
         now = self.clock.monotonic()
-        self.queue.popleft()
+        if self.queue[0] == s.id:
+            self.queue.popleft()
+        else:  # a gang member joining its gang's lease, ahead of the queue
+            self.queue.remove(s.id)
+        regroup, s.parked = s.parked, False
         waited = self._end_wait(s, now)
         shared = bool(self.holders)
         self._lease_seq += 1
@@ -516,6 +574,21 @@ class Arbiter:
             take = min(s.debt, q / 2)
             q -= take
             s.debt -= take
+        g = self.gangs.get(s.gang) if s.gang else None
+        if g is not None:
+            for m in g.members:
+                self.sessions[m].gang_held = True
+        if g is not None:  # the gang's quantum is its first holder's: no more than what is left
+            ends = [
+                m.quantum_end
+                for m in map(self.sessions.__getitem__, g.members)
+                if m is not s and (m.holding or m.reserved) and not math.isinf(m.quantum_end)
+            ]
+            if ends:
+                q = min(q, max(0.0, min(ends) - now))
+            kind["gang"] = s.gang
+            if regroup:  # parked, its peers still holding: on to its next safe point
+                kind["regroup"] = True
         s.quantum_len = q
         s.room = room
         s.swapping_in = bool(s.swapped)
@@ -541,6 +614,8 @@ class Arbiter:
             **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+        if g is not None and g.revoked:  # it joins a gang on its way out: to its safe point
+            self._revoke(s, now, g.reason)
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
@@ -567,6 +642,9 @@ class Arbiter:
                 self._ask_swap_out(vid, n)
 
     def _revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
+        if s.gang:
+            self._revoke_gang(self.gangs[s.gang], now, reason)
+            return
         s.state = State.YIELDING
         s.revoke_deadline = now + self.settings.grace_s
         s.revoked_at = now
@@ -584,6 +662,96 @@ class Arbiter:
                     self._ask_swap_out(sid, n)
         self._event("revoke", s.id, lease=s.lease, reason=reason, swap_out_bytes=swap_out)
         self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- gangs (core/gangs.py, docs/scheduling.md "Gangs") ------------------------------
+
+    def _check_gang(self, key: str, g: Gang | None, limit: int, spans_nodes: bool) -> None:
+        """A member the gang can hold the GPU with, or :class:`ArbiterError`."""
+        if spans_nodes and self.settings.mode == "exclusive":
+            raise ArbiterError(
+                f"job {key} has ranks on other nodes, and one node cannot grant them"
+                f" together: in mode exclusive its ranks would wait for each other; give it"
+                f" GPUs of its own, or set mode auto on GPU {self.gpu}"
+            )
+        together = limit + (sum(self.sessions[m].limit for m in g.members) if g else 0)
+        if together > self.capacity:
+            raise ArbiterError(
+                f"the ranks of job {key} on GPU {self.gpu} would need {together} bytes"
+                f" together, more than its usable {self.capacity} bytes: they are granted"
+                " together, so give each less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+            )
+
+    def _gang_active(self, g: Gang) -> bool:
+        """The GPU is the gang's: a member holds, or its quantum waits for it."""
+        return any(self.sessions[m].holding or self.sessions[m].reserved for m in g.members)
+
+    def _others_wait(self, s: SessionState) -> bool:
+        """Someone not of ``s``'s job waits for the GPU."""
+        if not s.gang:
+            return bool(self.queue)
+        return any(self.sessions[q].gang != s.gang for q in self.queue)
+
+    def _revoke_gang(self, g: Gang, now: float, reason: str) -> None:
+        """Every holding member is revoked, with the gang's one deadline. Members keep
+        their memory until all have yielded (a parked one may be granted again); the
+        next holder's plan asks for it then."""
+        if not g.revoked:
+            g.revoked, g.reason, g.escalated = True, reason, False
+            g.deadline = now + self.settings.grace_s
+            self._revoked_gangs.add(g.key)
+        for m in map(self.sessions.__getitem__, sorted(g.members)):
+            if m.state is not State.HOLDING:
+                continue
+            if reason == "turn":
+                m.resume_s = max(0.0, m.quantum_end - now)
+            m.state = State.YIELDING
+            m.revoke_deadline = g.deadline
+            # Escalated once per revoke, not per regroup (nor at one at the deadline).
+            m.escalated = g.escalated or now >= g.deadline
+            m.revoked_at = now
+            m.revokes += 1
+            self._event("revoke", m.id, lease=m.lease, reason=reason, swap_out_bytes=0, gang=g.key)
+            self._out.append(RevokeAction(m.id, m.lease, 0, max(0.0, g.deadline - now)))
+
+    def _settle_gangs(self) -> None:
+        """A revoked gang none of whose members holds has yielded: its parked members
+        are plain waiting sessions again, in the queue where they joined it."""
+        for key in list(self._revoked_gangs):
+            g = self.gangs[key]
+            if any(self.sessions[m].holding for m in g.members):
+                continue
+            self._revoked_gangs.discard(key)
+            g.settle()
+            for m in g.members:
+                self.sessions[m].parked = False
+
+    def _grant_gangs(self, now: float) -> None:
+        """Members asking while their gang holds the GPU join it at once, when their
+        memory fits (else the planner makes room, as for any grant). A parked member
+        waits for its peers to yield, until the regroup: then it goes on to its next
+        safe point (a peer may be blocked in a collective, waiting for it)."""
+        for g in list(self.gangs.values()):
+            if not self._gang_active(g):
+                continue
+            regroup = g.revoked and now >= g.regroup_at
+            before = g.regroups
+            for m in map(self.sessions.__getitem__, sorted(g.members)):
+                if m.state is not State.WAITING or m.frozen or (m.parked and not regroup):
+                    continue
+                if not self._gang_active(g):
+                    break
+                others = self.used_bytes() - m.used
+                if others + m.limit > self.capacity:
+                    plan = plan_grant(self.capacity, self._views(), m.id)
+                    if not plan.fits:
+                        for sid, n in plan.swap_outs:
+                            self._ask_swap_out(sid, n)
+                        continue
+                if m.parked:
+                    g.regroups += 1
+                self._grant(m)
+            if regroup:  # until a member parks again (or, none went on, a while)
+                g.regroup_at = math.inf if g.regroups > before else now + REGROUP_S
 
     # --- scheduling (docs/scheduling.md) ----------------------------------------------
 
@@ -649,6 +817,8 @@ class Arbiter:
         st = self.settings
         if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.burst_ewma is None:
             return False  # (no burst of its own yet: nothing says it asks briefly)
+        if s.gang:  # a rank's turn alone would wait in its collectives for the others
+            return False
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
         if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):
@@ -764,7 +934,7 @@ class Arbiter:
         now = self.clock.monotonic()
         pinned = s.frozen or s.swap_failed_until > now or s.prefetching
         resident = s.resident if s.holding else s.used
-        holding = s.holding or s.reserved  # a quantum waiting for its holder is its
+        holding = s.holding or s.reserved or s.gang_held  # a quantum waiting for its holder
         keep = self._expected_back(s, now)
         return MemoryView(
             s.id, s.limit, resident, holding, s.last_served, s.pending_out, pinned, keep

@@ -1,0 +1,51 @@
+"""Gangs: the ranks of one distributed job on a GPU, granted and revoked as one holder.
+
+The ranks of a DDP job wait for each other in their collectives. Granted one at a time,
+the rank that holds the GPU blocks in an all-reduce for a rank that waits for the GPU,
+and never reaches a safe point (issue 14). So the arbiter treats a gang as one holder
+(docs/scheduling.md "Gangs"):
+
+* a member that asks while its gang holds (or waits for a holder's next ask) is
+  granted at once, its memory permitting, ahead of the queue: the GPU is its job's;
+* the gang's quantum is its first holder's: members that join get what is left of it;
+* when it ends and another job waits, every holding member is revoked, with one
+  deadline (the gang's grace period) for all of them;
+* a member that yields at its safe point is *parked*: it waits, and the GPU stays the
+  gang's until every member has yielded. A member blocked in a collective may be
+  waiting for a parked one: after :data:`REGROUP_S` with peers still holding, the
+  parked members are granted again (and revoked again), to reach their next safe
+  point, which is past the collective;
+* members that have not attached or asked are never waited for: the size a client
+  gives is shown, never trusted to hold the GPU (a gang is the members present).
+
+Pure bookkeeping here; the rules that use it are the arbiter's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# A parked member waits this long for its peers to reach their safe points before it
+# is let go on to its next one (a peer may be blocked in a collective waiting for it).
+# Short beside the grace period: a wasted regroup costs one step of the job's work.
+REGROUP_S = 0.25
+
+
+@dataclass
+class Gang:
+    key: str  # the node's: the verified identity and the job's id
+    size: int = 0  # ranks on this node, as the client says: shown, never waited for
+    spans_nodes: bool = False  # the job has ranks on other nodes
+    members: set[int] = field(default_factory=set)
+    revoked: bool = False  # its members were revoked: each yields at its safe point
+    reason: str = ""  # why (quantum, turn)
+    deadline: float = 0.0  # while revoked: then the members still holding are escalated
+    escalated: bool = False  # this revoke's escalation was applied
+    regroup_at: float = math.inf  # parked members go on to their next safe point then
+    regroups: int = 0
+
+    def settle(self) -> None:
+        """Every member has yielded: the revoke is over."""
+        self.revoked, self.reason, self.escalated = False, "", False
+        self.regroup_at = math.inf
