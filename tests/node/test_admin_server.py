@@ -29,7 +29,7 @@ TODAY_NODE = ["pid", "started", "config"]
 TODAY_GPU = [
     "index", "name", "uuid", "simulated", "memory_bytes", "usable_bytes", "used_bytes",
     "utilization_ratio", "grants_total", "shared_utilization_seconds_total", "tq_s", "mode",
-    "policy", "escalation", "holders", "queue", "sessions",
+    "policy", "escalation", "holders", "queue", "sessions", "gangs",
 ]  # fmt: skip
 TODAY_SESSION = [
     "id", "name", "frozen", "state", "weight", "memory_limit_bytes", "resident_bytes",
@@ -40,7 +40,7 @@ TODAY_SESSION = [
     "attached_seconds", "wait_seconds_completed_total", "wait_seconds_buckets",
     "wait_seconds_p95", "utilization_seconds_total", "pid", "uid", "pod", "namespace",
     "container", "identity_verified", "identity_source", "claimed", "pod_uid",
-    "container_id", "runtime",
+    "container_id", "runtime", "gang", "gang_rank", "parked",
 ]  # fmt: skip
 
 

@@ -614,7 +614,7 @@ class Arbiter:
             **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
-        if g is not None and g.revoked:  # it joins a gang on its way out: to its safe point
+        if g is not None and g.revoked:  # its gang is on its way out: to its next safe point
             self._revoke(s, now, g.reason)
 
     def _quantum_end(self, s: SessionState) -> float:

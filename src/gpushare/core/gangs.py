@@ -13,8 +13,13 @@ and never reaches a safe point (issue 14). So the arbiter treats a gang as one h
 * a member that yields at its safe point is *parked*: it waits, and the GPU stays the
   gang's until every member has yielded. A member blocked in a collective may be
   waiting for a parked one: after :data:`REGROUP_S` with peers still holding, the
-  parked members are granted again (and revoked again), to reach their next safe
-  point, which is past the collective;
+  parked members are granted again and revoked at once, to go on to their next safe
+  point. Each regroup takes them one safe point further, to the collective and
+  through it; then the blocked peers reach their safe points after it, and the
+  regrouped ones theirs, before the next collective (which needs them all): the gang
+  has yielded. A member that asks while its gang yields is granted the same way. (The
+  client gives a rank fewer safe points, its outermost ones, so that this takes a
+  few regroups: docs/scheduling.md);
 * members that have not attached or asked are never waited for: the size a client
   gives is shown, never trusted to hold the GPU (a gang is the members present).
 
@@ -28,8 +33,8 @@ from dataclasses import dataclass, field
 
 # A parked member waits this long for its peers to reach their safe points before it
 # is let go on to its next one (a peer may be blocked in a collective waiting for it).
-# Short beside the grace period: a wasted regroup costs one step of the job's work.
-REGROUP_S = 0.25
+# Short beside the grace period: a regroup too early costs a step of the job's work.
+REGROUP_S = 0.1
 
 
 @dataclass

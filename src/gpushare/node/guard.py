@@ -32,6 +32,7 @@ class Conn:
     claimed: Claimed = field(default_factory=Claimed)  # what the client says it is
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
+    rank: int = -1  # its rank in its gang, as its client says (shown)
     frozen: bool = False
     tokens: float = 0.0
     refilled: float = 0.0

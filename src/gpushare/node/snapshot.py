@@ -8,12 +8,20 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
-from gpushare.core.sessions import SessionState
+from gpushare.core.gangs import Gang
+from gpushare.core.sessions import SessionState, State
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn
 from gpushare.node.identity import CgroupIdentity
 from gpushare.node.k8s import PodCache
-from gpushare.status import Claimed, GpuStatus, NodeInfo, NodeStatus, SessionStatus
+from gpushare.status import (
+    Claimed,
+    GangStatus,
+    GpuStatus,
+    NodeInfo,
+    NodeStatus,
+    SessionStatus,
+)
 
 
 def take(
@@ -87,6 +95,29 @@ def session(
         pod_uid=ident.pod_uid,
         container_id=ident.container_id,
         runtime=ident.runtime,
+        gang=s.gang,
+        gang_rank=c.rank if c and s.gang else -1,
+        parked=s.parked,
+    )
+
+
+def gang(a: Arbiter, g: Gang) -> GangStatus:
+    members = [a.sessions[m] for m in sorted(g.members)]
+    if g.revoked:
+        state = "yielding"
+    elif any(m.holding for m in members):
+        state = "holding"
+    elif any(m.state is State.WAITING for m in members):
+        state = "waiting"
+    else:
+        state = "idle"
+    return GangStatus(
+        gang=g.key,
+        sessions=[m.id for m in members],
+        size=g.size,
+        spans_nodes=g.spans_nodes,
+        state=state,
+        regroups_total=g.regroups,
     )
 
 
@@ -109,6 +140,7 @@ def gpu(g: GpuInfo, a: Arbiter, att: Attribution, sessions: list[SessionStatus])
         holders=list(a.holders),
         queue=list(a.queue),
         sessions=sessions,
+        gangs=[gang(a, g) for g in a.gangs.values()],
     )
 
 

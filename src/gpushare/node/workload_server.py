@@ -15,9 +15,12 @@ from gpushare.node.config import NodeConfig
 from gpushare.node.dispatch import Dispatch
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
-from gpushare.node.identity import read_identity
+from gpushare.node.identity import CgroupIdentity, read_identity
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
+
+MAX_GANG_ID = 256  # characters of a job id
+MAX_RANKS = 1 << 16  # ranks a job may say it has (on the node, or in all)
 
 
 class WorkloadServer:
@@ -109,6 +112,8 @@ class WorkloadServer:
         weight = h.weight if h.weight is not None else 1.0
         sid = self._next_session
         name = h.name or f"pid-{conn.pid}"
+        identity = read_identity(conn.pid, cfg.proc_root)
+        gang, spans_nodes = gang_of(h, conn.uid, identity)
         try:
             actions = arb.attach(
                 sid,
@@ -120,12 +125,16 @@ class WorkloadServer:
                 holding=h.holding,
                 fills=h.fills,
                 prefetch=h.prefetch,
+                gang=gang,
+                gang_size=h.gang_size,
+                spans_nodes=spans_nodes,
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
         self._next_session += 1
         conn.session, conn.gpu = sid, gpu
-        conn.identity = read_identity(conn.pid, cfg.proc_root)
+        conn.identity = identity
+        conn.rank = h.rank if gang else -1
         conn.verified = bool(conn.identity.pod_uid) and h.pod_uid == conn.identity.pod_uid
         conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
         self.conns[sid] = conn
@@ -181,3 +190,29 @@ class WorkloadServer:
             f"{type(msg).__name__} is not a workload message: a workload acts only on its own"
             " session (administration uses the admin socket)",
         )
+
+
+def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
+    """The node's key of the job a hello says it is a rank of ("" for none), and whether
+    the job spans nodes; or :class:`Refused` for figures out of bounds. The key joins
+    the job's id to what the kernel says (the pod, else the uid): a rank can join only
+    a job of its own pod or user, whatever id it claims."""
+    if not h.gang:
+        return "", False
+    if len(h.gang) > MAX_GANG_ID:
+        raise Refused(
+            "attach", f"gang id longer than {MAX_GANG_ID} characters: set a shorter GPUSHARE_GANG"
+        )
+    for what, value, low in (
+        ("gang_size", h.gang_size, 0),
+        ("world_size", h.world_size, 0),
+        ("rank", h.rank, -1),
+    ):
+        if not low <= value <= MAX_RANKS:
+            raise Refused(
+                "attach",
+                f"{what} {value} is not in {low}..{MAX_RANKS}: check GPUSHARE_GANG_SIZE,"
+                " GPUSHARE_RANK or what the launcher set (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK)",
+            )
+    who = f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
+    return f"{h.gang}@{who}", 0 < h.gang_size < h.world_size

@@ -38,6 +38,12 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"
             )
+        for gang in g.gangs:  # the ranks of one job: one holder
+            spans = "  spans nodes" if gang.spans_nodes else ""
+            out.write(
+                f"  gang {gang.gang}: sessions {', '.join(map(str, gang.sessions))}"
+                f" ({len(gang.sessions)} of {gang.size or '?'} ranks) {gang.state}{spans}\n"
+            )
 
 
 def status(path: str | None, as_json: bool) -> int:

@@ -1,0 +1,109 @@
+"""Distributed jobs time-sharing one GPU (issue 14): two 2-rank DDP jobs (torchrun, gloo,
+the CPU build of PyTorch), unmodified, under ``gpushare run`` on a node in mode
+exclusive. Each rank is a session; its hello names its job, so the node grants a job's
+ranks together and revokes them together. Without that, the rank holding the GPU waits
+in its backward all-reduce for a rank that waits for the GPU, and both jobs stall until
+gloo's timeout (30 minutes by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.client.test_run import gs_run
+from tests.support import sim
+
+pytest.importorskip(
+    "torch",
+    reason="PyTorch is not installed (make test installs the CPU build where its wheel is on disk)",
+)
+
+STEPS = 150
+DDP = textwrap.dedent("""
+    import json, os, sys, time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    for _ in range(int(sys.argv[2])):
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()  # the all-reduce: every rank of the job at once
+        opt.step()
+        time.sleep(0.005)
+    out = {"params": [p.detach().flatten().tolist() for p in model.parameters()]}
+    try:
+        from gpushare.client import runner
+        out["session"], out["grants"] = runner.SESSION.id, runner.SESSION.grants
+    except Exception:  # the bare run
+        pass
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
+    dist.destroy_process_group()
+""")
+
+
+def torchrun(script: Path, out: Path, node=None) -> subprocess.Popen[str]:
+    out.mkdir()
+    args = ["--standalone", "--nproc-per-node", "2", str(script), str(out), str(STEPS)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    runner = str(Path(sys.executable).parent / "torchrun")
+    if node is not None:
+        return gs_run(node, "--memory", "4GiB", "--", runner, *args, extra_env=env)
+    return subprocess.Popen(
+        [runner, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def results(folder: Path) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_factory, short_tmp):
+    if not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    script = short_tmp / "ddp.py"
+    script.write_text(DDP)
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
+    jobs = [torchrun(script, short_tmp / f"job{j}", node) for j in (0, 1)]
+    bare = torchrun(script, short_tmp / "bare")  # the same job, no gpushare
+    procs = [*jobs, bare]
+    try:
+        # Loose: about 15 s here; deadlocked ranks would wait for gloo's 30 minutes.
+        errs = [pr.communicate(timeout=150)[1] for pr in procs]
+    finally:
+        for pr in procs:
+            pr.kill()
+    assert [pr.returncode for pr in procs] == [0, 0, 0], errs
+    expected = results(short_tmp / "bare")
+    assert expected[0]["params"] == expected[1]["params"]  # DDP: the ranks agree
+    events = node.event_list()
+    for j in (0, 1):
+        ranks = results(short_tmp / f"job{j}")
+        assert [r["params"] for r in ranks] == [expected[0]["params"]] * 2, f"job {j}"
+        gangs = {
+            e["gang"]
+            for e in events
+            if e["event"] == "attach" and e["session"] in {r["session"] for r in ranks}
+        }
+        assert len(gangs) == 1 and next(iter(gangs)).startswith("torchelastic:"), gangs
+    # They took turns: the jobs' ranks were revoked together, and none was escalated.
+    revokes = [e for e in events if e["event"] == "revoke"]
+    assert len({e.get("gang") for e in revokes} - {None}) == 2, revokes
+    assert all(e.get("gang") for e in revokes), revokes
+    assert not [e for e in events if e["event"] == "escalate"]

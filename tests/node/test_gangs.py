@@ -1,0 +1,77 @@
+"""Gangs through a running node (in process, virtual time): the ranks of one job, told
+by their hellos, are granted as one holder; the job's key is the kernel's identity and
+the job's id; figures out of bounds and jobs spanning nodes in mode exclusive are
+refused; status shows each session's gang."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+
+from gpushare import protocol as p
+from gpushare.tools.ctl import show_status
+from tests.node.harness import G, InProcessNode, Workload, in_process
+
+
+async def rank(node: InProcessNode, job: str, r: int, size: int = 2, **hello: object):
+    return await node.workload(
+        memory_limit=2 * G, name=f"{job}-{r}", gang=job, gang_size=size, rank=r, **hello
+    )
+
+
+@in_process(mode="exclusive", tq=5)
+async def test_a_jobs_ranks_are_granted_together_and_shown(node: InProcessNode) -> None:
+    r0, r1 = await rank(node, "job", 0), await rank(node, "job", 1)
+    other = await node.workload(memory_limit=2 * G, name="other")
+    await r0.send(p.Acquire())
+    await r0.expect(p.Grant)
+    await other.send(p.Acquire())
+    await r1.send(p.Acquire())
+    await r1.expect(p.Grant)  # joins its job's lease while "other" waits
+    status = node.node.status()
+    gpu = status.gpus[0]
+    key = f"job@uid:{os.getuid()}"
+    assert sorted(gpu.holders) == sorted([r0.session, r1.session])
+    assert [(g.gang, g.sessions, g.size, g.state) for g in gpu.gangs] == [
+        (key, sorted([r0.session, r1.session]), 2, "holding")
+    ]
+    by_id = {s.id: s for s in gpu.sessions}
+    assert (by_id[r1.session].gang, by_id[r1.session].gang_rank) == (key, 1)
+    assert (by_id[other.session].gang, by_id[other.session].gang_rank) == ("", -1)
+    text = io.StringIO()
+    show_status(status, text)
+    assert (
+        f"gang {key}: sessions" in text.getvalue() and "(2 of 2 ranks) holding" in text.getvalue()
+    )
+    attach = next(e for e in node.events("attach") if e["session"] == r0.session)
+    assert attach["gang"] == key and attach["gang_size"] == 2
+    # The quantum ends: both ranks are revoked, and "other" waits until both yielded.
+    revokes = [await r.expect(p.Revoke) for r in (r0, r1)]
+    await r0.send(p.Release(resident=0, swapped=0, again=True))
+    await node.settle()
+    assert node.node.status().gpus[0].holders == [r1.session]
+    await r1.send(p.Release(resident=0, swapped=0, again=True))
+    await other.expect(p.Grant)
+    assert {r.grace_s for r in revokes} == {node.node.arbiters[0].settings.grace_s}
+
+
+@in_process(mode="exclusive")
+async def test_a_job_spanning_nodes_is_refused_in_exclusive_mode(node: InProcessNode) -> None:
+    peer = Workload(*await asyncio.open_unix_connection(node.socket))
+    await peer.send(p.Hello(version=1, memory_limit=G, gang="big", gang_size=2, world_size=16))
+    err = await peer.expect(p.Error)
+    assert err.code == "attach" and "ranks on other nodes" in err.message
+    assert "mode auto" in err.message and "\n" not in err.message
+    assert not node.node.arbiters[0].sessions
+
+
+@in_process(mode="auto")
+async def test_a_job_spanning_nodes_is_a_gang_flagged_in_mode_auto(node: InProcessNode) -> None:
+    await rank(node, "big", 0, world_size=16)
+    (g,) = node.node.status().gpus[0].gangs
+    assert g.spans_nodes and g.size == 2
+    text = io.StringIO()
+    show_status(node.node.status(), text)
+    assert "spans nodes" in text.getvalue()
+    assert [e["spans_nodes"] for e in node.events("attach")] == [True]
