@@ -68,10 +68,31 @@ async def test_a_job_spanning_nodes_is_refused_in_exclusive_mode(node: InProcess
 
 @in_process(mode="auto")
 async def test_a_job_spanning_nodes_is_a_gang_flagged_in_mode_auto(node: InProcessNode) -> None:
-    await rank(node, "big", 0, world_size=16)
+    r0 = await rank(node, "big", 0, world_size=16)
     (g,) = node.node.status().gpus[0].gangs
     assert g.spans_nodes and g.size == 2
     text = io.StringIO()
     show_status(node.node.status(), text)
     assert "spans nodes" in text.getvalue()
     assert [e["spans_nodes"] for e in node.events("attach")] == [True]
+    assert r0.welcome.gpu == 0
+
+
+@in_process(gpus=2, mode="exclusive")
+async def test_a_job_on_two_exclusive_gpus_is_refused_with_the_fix(node: InProcessNode) -> None:
+    r0 = await rank(node, "job", 0, gpu=0)
+    peer = Workload(*await asyncio.open_unix_connection(node.socket))
+    await peer.send(p.Hello(version=1, memory_limit=G, gpu=1, gang="job", gang_size=2, rank=1))
+    err = await peer.expect(p.Error)
+    assert err.code == "attach" and "GPUs 0, 1" in err.message
+    assert "put its ranks on one GPU, or set mode auto" in err.message
+    assert not node.node.arbiters[1].sessions and r0.session in node.node.arbiters[0].sessions
+    other = await rank(node, "other-job", 0, gpu=1)  # another job: no matter
+    assert other.session in node.node.arbiters[1].sessions
+
+
+@in_process(gpus=2, mode="auto")
+async def test_a_job_on_two_gpus_in_mode_auto_is_a_gang_on_each(node: InProcessNode) -> None:
+    ranks = [await rank(node, "job", r, gpu=r) for r in (0, 1)]
+    assert [list(a.gangs) for a in node.node.arbiters] == [[f"job@uid:{os.getuid()}"]] * 2
+    assert [r.welcome.gpu for r in ranks] == [0, 1]

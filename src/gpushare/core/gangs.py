@@ -29,7 +29,10 @@ Pure bookkeeping here; the rules that use it are the arbiter's.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from gpushare.settings import Mode
 
 # A parked member waits this long for its peers to reach their safe points before it
 # is let go on to its next one (a peer may be blocked in a collective waiting for it).
@@ -54,3 +57,25 @@ class Gang:
         """Every member has yielded: the revoke is over."""
         self.revoked, self.reason, self.escalated = False, "", False
         self.regroup_at = math.inf
+
+
+def across_gpus(key: str, gpu: int, mode: Mode, elsewhere: Mapping[int, Mode]) -> str:
+    """Why a rank of ``key`` may not attach to ``gpu`` (in ``mode``) when the job has
+    ranks on the node's other GPUs (``elsewhere``: their index and mode), or ''.
+
+    Each GPU's arbiter grants its own part of a gang: parts on two GPUs could each wait
+    for the other's GPU, held by another job (issue 14). Until a node-wide rule grants a
+    job on all its GPUs at once, a job on several GPUs is refused where a GPU is
+    exclusive; in mode auto its ranks share while their memory fits."""
+    if not elsewhere:
+        return ""
+    modes = {gpu: mode, **elsewhere}
+    exclusive = sorted(i for i, m in modes.items() if m == "exclusive")
+    if not exclusive:
+        return ""
+    gpus = ", ".join(map(str, sorted({gpu, *elsewhere})))
+    return (
+        f"job {key} has ranks on GPUs {gpus} of this node, and they are not granted together"
+        f" yet: in mode exclusive (GPU {', '.join(map(str, exclusive))}) its ranks would wait"
+        " for each other; put its ranks on one GPU, or set mode auto on its GPUs"
+    )

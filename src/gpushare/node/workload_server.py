@@ -11,6 +11,7 @@ from gpushare import protocol as p
 from gpushare.core.actions import Action
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.attribution import Attribution
+from gpushare.core.gangs import across_gpus
 from gpushare.node.config import NodeConfig
 from gpushare.node.dispatch import Dispatch
 from gpushare.node.gpus import GpuInfo
@@ -114,6 +115,13 @@ class WorkloadServer:
         name = h.name or f"pid-{conn.pid}"
         identity = read_identity(conn.pid, cfg.proc_root)
         gang, spans_nodes = gang_of(h, conn.uid, identity)
+        if gang:
+            elsewhere = {
+                a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
+            }
+            why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
+            if why:
+                raise Refused("attach", why)
         try:
             actions = arb.attach(
                 sid,
