@@ -26,38 +26,43 @@ pytest.importorskip(
 
 STEPS = 150
 DDP = textwrap.dedent("""
-    import json, os, sys, time, torch, torch.distributed as dist
+    import contextlib, json, os, sys, time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from gpushare.client import runner
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    burst, s = contextlib.nullcontext, runner.SESSION  # under gpushare run: its hooks gate
+    if os.environ.get("DDP_ATTACH"):  # gpushare.attach around each step, rank r on GPU r
+        import gpushare
+        s = gpushare.attach(memory="2GiB", gpu=int(os.environ["LOCAL_RANK"]))
+        burst = s.gpu
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     for _ in range(int(sys.argv[2])):
-        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
-        loss = ((ddp(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()  # the all-reduce: every rank of the job at once
-        opt.step()
+        with burst():
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()  # the all-reduce: every rank of the job at once
+            opt.step()
         time.sleep(0.005)
     out = {"params": [p.detach().flatten().tolist() for p in model.parameters()]}
-    try:
-        from gpushare.client import runner
-        out["session"], out["grants"] = runner.SESSION.id, runner.SESSION.grants
-    except Exception:  # the bare run
-        pass
+    if s is not None:  # (none in the bare run)
+        out["session"], out["grants"] = s.id, s.grants
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
     dist.destroy_process_group()
 """)
 
 
-def torchrun(script: Path, out: Path, node=None) -> subprocess.Popen[str]:
+def torchrun(script: Path, out: Path, node=None, env=None) -> subprocess.Popen[str]:
+    """The job under ``gpushare run`` on ``node``, or bare (``env``: more environment)."""
     out.mkdir()
     args = ["--standalone", "--nproc-per-node", "2", str(script), str(out), str(STEPS)]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})}
     runner = str(Path(sys.executable).parent / "torchrun")
     if node is not None:
         return gs_run(node, "--memory", "4GiB", "--", runner, *args, extra_env=env)
@@ -82,7 +87,12 @@ def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_f
     node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
     jobs = [torchrun(script, short_tmp / f"job{j}", node) for j in (0, 1)]
     bare = torchrun(script, short_tmp / "bare")  # the same job, no gpushare
-    procs = [*jobs, bare]
+    check_results(node, short_tmp, [*jobs, bare], gpus={0})
+
+
+def check_results(node, tmp: Path, procs: list[subprocess.Popen[str]], gpus: set[int]) -> None:
+    """Both jobs and the bare one finished; each job's ranks end with the bare run's
+    parameters; the node granted them as gangs, took turns, escalated none."""
     try:
         # Loose: about 15 s here; deadlocked ranks would wait for gloo's 30 minutes.
         errs = [pr.communicate(timeout=150)[1] for pr in procs]
@@ -90,11 +100,11 @@ def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_f
         for pr in procs:
             pr.kill()
     assert [pr.returncode for pr in procs] == [0, 0, 0], errs
-    expected = results(short_tmp / "bare")
+    expected = results(tmp / "bare")
     assert expected[0]["params"] == expected[1]["params"]  # DDP: the ranks agree
     events = node.event_list()
     for j in (0, 1):
-        ranks = results(short_tmp / f"job{j}")
+        ranks = results(tmp / f"job{j}")
         assert [r["params"] for r in ranks] == [expected[0]["params"]] * 2, f"job {j}"
         gangs = {
             e["gang"]
@@ -107,3 +117,18 @@ def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_f
     assert len({e.get("gang") for e in revokes} - {None}) == 2, revokes
     assert all(e.get("gang") for e in revokes), revokes
     assert not [e for e in events if e["event"] == "escalate"]
+    assert {e["gpu"] for e in events if e["event"] == "grant"} == gpus
+
+
+def test_two_ddp_jobs_on_two_exclusive_gpus_each_are_granted_both_at_once(node_factory, short_tmp):
+    """Rank r of each job on GPU r: granted one GPU at a time, rank 0 of one job would
+    hold GPU 0 while its rank 1 waits for GPU 1, held by the other job's rank 1."""
+    if not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    script = short_tmp / "ddp.py"
+    script.write_text(DDP)
+    node = node_factory(*sim("16GiB", gpus=2, mode="exclusive", tq="0.3"))
+    env = {"GPUSHARE_SOCKET": node.socket, "DDP_ATTACH": "1"}
+    jobs = [torchrun(script, short_tmp / f"job{j}", env=env) for j in (0, 1)]
+    bare = torchrun(script, short_tmp / "bare")
+    check_results(node, short_tmp, [*jobs, bare], gpus={0, 1})

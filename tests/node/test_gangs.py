@@ -79,13 +79,35 @@ async def test_a_job_spanning_nodes_is_a_gang_flagged_in_mode_auto(node: InProce
 
 
 @in_process(gpus=2, mode="exclusive")
-async def test_a_job_on_two_exclusive_gpus_is_refused_with_the_fix(node: InProcessNode) -> None:
+async def test_a_job_on_two_exclusive_gpus_is_granted_on_both_at_once(node: InProcessNode) -> None:
+    a0, a1 = await rank(node, "a", 0, gpu=0), await rank(node, "a", 1, gpu=1)
+    b0, b1 = await rank(node, "b", 0, gpu=0), await rank(node, "b", 1, gpu=1)
+    await a0.send(p.Acquire())
+    await a0.expect(p.Grant)
+    await b1.send(p.Acquire())  # GPU 1 is a's, though its rank there has not asked
+    await b0.send(p.Acquire())
+    await a1.send(p.Acquire())
+    await a1.expect(p.Grant)
+    await node.settle()
+    assert [a.holders for a in node.node.arbiters] == [[a0.session], [a1.session]]
+    # The quantum ends on both; both of a's ranks yield, then b starts on both at once.
+    for r in (a0, a1):
+        await r.expect(p.Revoke)
+        await r.send(p.Release(resident=0, swapped=0, again=True))
+    await b0.expect(p.Grant)
+    await b1.expect(p.Grant)
+    assert [a.holders for a in node.node.arbiters] == [[b0.session], [b1.session]]
+
+
+@in_process(gpus=2, mode="exclusive")
+async def test_a_job_on_gpus_in_two_modes_is_refused_with_the_fix(node: InProcessNode) -> None:
+    await node.ask(p.SetConfig(gpu=1, mode="auto"))
     r0 = await rank(node, "job", 0, gpu=0)
     peer = Workload(*await asyncio.open_unix_connection(node.socket))
     await peer.send(p.Hello(version=1, memory_limit=G, gpu=1, gang="job", gang_size=2, rank=1))
     err = await peer.expect(p.Error)
-    assert err.code == "attach" and "GPUs 0, 1" in err.message
-    assert "put its ranks on one GPU, or set mode auto" in err.message
+    assert err.code == "attach" and "GPUs 0 (exclusive), 1 (auto)" in err.message
+    assert "set one mode on its GPUs" in err.message and "\n" not in err.message
     assert not node.node.arbiters[1].sessions and r0.session in node.node.arbiters[0].sessions
     other = await rank(node, "other-job", 0, gpu=1)  # another job: no matter
     assert other.session in node.node.arbiters[1].sessions

@@ -24,7 +24,7 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.clock import Clock
-from gpushare.core.gangs import REGROUP_S, Gang
+from gpushare.core.gangs import REGROUP_S, Gang, Peers
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
@@ -65,6 +65,8 @@ class Arbiter:
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self.gangs: dict[str, Gang] = {}  # by the node's key (core/gangs.py)
         self._revoked_gangs: set[str] = set()
+        # The node's other GPUs, for gangs with ranks on several (core/coordinator.py).
+        self.peers: Peers | None = None
         self._out: list[Action] = []
 
     # --- inputs ---------------------------------------------------------------------
@@ -455,6 +457,8 @@ class Arbiter:
         return out
 
     def _may_join_holders(self) -> bool:
+        if self.peers is not None and self.peers.claimed(self.gpu):
+            return False  # kept for a gang on several GPUs: its ranks only (_grant_gangs)
         if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
@@ -477,7 +481,9 @@ class Arbiter:
                     self.sessions[m].gang_held = held
             self._grant_gangs(now)
         while self.queue and self._may_join_holders():
-            head = self.sessions[self.queue[0]]
+            head = self._head()
+            if head is None:
+                return
             if head.parked:  # its gang is yielding: the GPU is not free yet
                 return
             # Fast path (the common case, on every handoff): it fits as things are. A
@@ -614,7 +620,9 @@ class Arbiter:
             **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
-        if g is not None and g.revoked:  # its gang is on its way out: to its next safe point
+        if g is not None and self._yielding(
+            g
+        ):  # its gang is on its way out: to its next safe point
             self._revoke(s, now, g.reason)
 
     def _quantum_end(self, s: SessionState) -> float:
@@ -681,12 +689,48 @@ class Arbiter:
                 " together, so give each less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
             )
 
-    def _gang_active(self, g: Gang) -> bool:
+    def gang_here(self, key: str) -> bool:
         """The GPU is the gang's: a member holds, or its quantum waits for it."""
-        return any(self.sessions[m].holding or self.sessions[m].reserved for m in g.members)
+        g = self.gangs.get(key)
+        return g is not None and any(
+            self.sessions[m].holding or self.sessions[m].reserved for m in g.members
+        )
+
+    def _spread(self, g: Gang) -> bool:
+        """The gang has ranks on other GPUs of the node too, granted with these."""
+        return self.peers is not None and self.peers.spread(g.key)
+
+    def _gang_active(self, g: Gang) -> bool:
+        """The gang holds this GPU (or, with ranks on several, one of them)."""
+        if self.gang_here(g.key):
+            return True
+        return self._spread(g) and self.peers is not None and self.peers.active(g.key)
+
+    def _yielding(self, g: Gang) -> bool:
+        if g.revoked:
+            return True
+        return self._spread(g) and self.peers is not None and self.peers.revoked(g.key)
+
+    def _head(self) -> SessionState | None:
+        """The queue's head for a grant on its own: not a rank of a gang on several GPUs
+        (the gang starts on all of them at once, in _grant_gangs)."""
+        if self.peers is None:
+            return self.sessions[self.queue[0]]
+        for sid in self.queue:
+            s = self.sessions[sid]
+            if not (s.gang and self._spread(self.gangs[s.gang])):
+                return s
+        return None
 
     def _others_wait(self, s: SessionState) -> bool:
-        """Someone not of ``s``'s job waits for the GPU."""
+        """Someone not of ``s``'s job waits for the GPU (or, a gang with ranks on several
+        GPUs, for one of them; or a gang on several GPUs waits to start here)."""
+        if self.peers is not None:
+            g = self.gangs.get(s.gang) if s.gang else None
+            if g is not None and self._spread(g):
+                return self.peers.others_wait(g.key)
+            if self.peers.claimed(self.gpu):
+                return True
         if not s.gang:
             return bool(self.queue)
         return any(self.sessions[q].gang != s.gang for q in self.queue)
@@ -720,6 +764,8 @@ class Arbiter:
             g = self.gangs[key]
             if any(self.sessions[m].holding for m in g.members):
                 continue
+            if self._spread(g) and self.peers is not None and self.peers.holding(key):
+                continue  # its ranks on another GPU have not all yielded yet
             self._revoked_gangs.discard(key)
             g.settle()
             for m in g.members:
@@ -731,14 +777,16 @@ class Arbiter:
         waits for its peers to yield, until the regroup: then it goes on to its next
         safe point (a peer may be blocked in a collective, waiting for it)."""
         for g in list(self.gangs.values()):
-            if not self._gang_active(g):
+            if not self._gang_active(g) and not self._may_start(g):
                 continue
+            if not g.revoked and self.gang_here(g.key) and self._yielding(g):
+                self._revoke_gang(g, now, "quantum")  # revoked on its other GPUs
             regroup = g.revoked and now >= g.regroup_at
             before = g.regroups
             for m in map(self.sessions.__getitem__, sorted(g.members)):
                 if m.state is not State.WAITING or m.frozen or (m.parked and not regroup):
                     continue
-                if not self._gang_active(g):
+                if not self._gang_active(g) and not self._may_start(g):
                     break
                 others = self.used_bytes() - m.used
                 if others + m.limit > self.capacity:
@@ -752,6 +800,13 @@ class Arbiter:
                 self._grant(m)
             if regroup:  # until a member parks again (or, none went on, a while)
                 g.regroup_at = math.inf if g.regroups > before else now + REGROUP_S
+
+    def _may_start(self, g: Gang) -> bool:
+        """A gang on several GPUs starts on all at once: when it is the next to and none
+        of its GPUs is held by another job (each was kept for it meanwhile)."""
+        if self.peers is None or not self._spread(g):
+            return False
+        return self.peers.next() == g.key and self.peers.free(g.key)
 
     # --- scheduling (docs/scheduling.md) ----------------------------------------------
 
@@ -819,6 +874,8 @@ class Arbiter:
             return False  # (no burst of its own yet: nothing says it asks briefly)
         if s.gang:  # a rank's turn alone would wait in its collectives for the others
             return False
+        if self.peers is not None and self.peers.claimed(self.gpu):
+            return False  # kept for a gang on several GPUs
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
         if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):

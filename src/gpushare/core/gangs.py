@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpushare.settings import Mode
 
@@ -59,23 +60,34 @@ class Gang:
         self.regroup_at = math.inf
 
 
+class Peers(Protocol):
+    """The node's view across its GPUs that an arbiter asks about its gangs with ranks
+    on several GPUs (core/coordinator.py)."""
+
+    def spread(self, key: str) -> bool: ...  # ranks on several GPUs, all exclusive
+    def active(self, key: str) -> bool: ...  # it holds (or its quantum waits) on a GPU
+    def holding(self, key: str) -> bool: ...  # a rank of it holds on a GPU
+    def revoked(self, key: str) -> bool: ...  # it is yielding on a GPU
+    def free(self, key: str) -> bool: ...  # no GPU of it is held or reserved
+    def others_wait(self, key: str) -> bool: ...  # another job waits on a GPU of it
+    def next(self) -> str | None: ...  # the gang on several GPUs to start next
+    def claimed(self, gpu: int) -> bool: ...  # the GPU is kept for such a gang
+
+
 def across_gpus(key: str, gpu: int, mode: Mode, elsewhere: Mapping[int, Mode]) -> str:
     """Why a rank of ``key`` may not attach to ``gpu`` (in ``mode``) when the job has
     ranks on the node's other GPUs (``elsewhere``: their index and mode), or ''.
 
-    Each GPU's arbiter grants its own part of a gang: parts on two GPUs could each wait
-    for the other's GPU, held by another job (issue 14). Until a node-wide rule grants a
-    job on all its GPUs at once, a job on several GPUs is refused where a GPU is
-    exclusive; in mode auto its ranks share while their memory fits."""
-    if not elsewhere:
-        return ""
+    A gang on several GPUs is granted on all of them at once where they are all in mode
+    exclusive (core/coordinator.py); in mode auto its ranks share each GPU while their
+    memory fits. Across modes neither holds: an exclusive GPU's part could wait for
+    another GPU's, held by another job (issue 14)."""
     modes = {gpu: mode, **elsewhere}
-    exclusive = sorted(i for i, m in modes.items() if m == "exclusive")
-    if not exclusive:
+    if len(set(modes.values())) < 2:
         return ""
-    gpus = ", ".join(map(str, sorted({gpu, *elsewhere})))
+    gpus = ", ".join(f"{i} ({m})" for i, m in sorted(modes.items()))
     return (
-        f"job {key} has ranks on GPUs {gpus} of this node, and they are not granted together"
-        f" yet: in mode exclusive (GPU {', '.join(map(str, exclusive))}) its ranks would wait"
-        " for each other; put its ranks on one GPU, or set mode auto on its GPUs"
+        f"job {key} has ranks on GPUs {gpus} of this node: its ranks are granted together"
+        " only on GPUs all in mode exclusive (or share them in mode auto): set one mode on"
+        " its GPUs, or put its ranks on one GPU"
     )

@@ -28,6 +28,7 @@ from typing import Any
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
+from gpushare.core.coordinator import Coordinator
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
@@ -87,7 +88,10 @@ class Node:
         self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
-        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller)
+        # Gangs with ranks on several GPUs are granted on all of them at once.
+        self.coordinator = Coordinator(self.arbiters) if len(self.arbiters) > 1 else None
+        linked = self.coordinator.linked if self.coordinator else None
+        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller, linked)
         self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
         self.workloads = WorkloadServer(

@@ -49,14 +49,18 @@ class Dispatch:
         events: EventBus,
         conns: dict[int, Conn],
         signaller: Signaller = send_signal,
+        linked: Callable[[int], list[Arbiter]] | None = None,
     ) -> None:
         self.clock = clock
+        # The GPUs whose decisions may follow from a GPU's (a gang on several GPUs:
+        # core/coordinator.py): ticked after its own.
+        self.linked = linked
         self.events = events
         self.conns = conns
         self.signaller = signaller
         self._timers: dict[int, asyncio.TimerHandle] = {}
 
-    def apply(self, arb: Arbiter, actions: list[Action]) -> None:
+    def apply(self, arb: Arbiter, actions: list[Action], depth: int = 0) -> None:
         for a in actions:
             if isinstance(a, EventAction):
                 self.events.publish(a.record)
@@ -88,6 +92,13 @@ class Dispatch:
             elif isinstance(a, PrefetchAction):
                 c.send(p.Prefetch(room=a.room, seq=a.seq))
         self._schedule(arb)
+        if self.linked is not None and depth < 4:
+            for other in self.linked(arb.gpu):
+                follow = other.tick()
+                if follow:
+                    self.apply(other, follow, depth + 1)
+                else:
+                    self._schedule(other)
 
     def end_session(self, c: Conn, reason: str) -> None:
         """An administrator ends a session: it is told, thawed if frozen, and its
