@@ -3,9 +3,13 @@ GPUs at once, revoked together, never holding one GPU while waiting for another.
 
 from __future__ import annotations
 
-import pytest
+import heapq
 
-from gpushare.core.actions import GrantAction, RevokeAction
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import ManualClock
 from gpushare.core.coordinator import Coordinator
@@ -115,3 +119,147 @@ def test_a_parked_rank_on_one_gpu_regroups_while_one_holds_on_another(order):
     n.clock.set(n.arbs[first].next_deadline())
     n.do(first, "tick")  # its peer is still holding on the other GPU: it goes on
     assert n.granted == [1 if first == 0 else 2]
+
+
+class Rank:
+    """A client: a DDP rank (``job``: steps of ``step`` seconds, each ending in a
+    collective of all the job's ranks, on whatever GPU; a safe point after each) or a
+    solo batch session (``job`` ""), answering revokes ``latency`` seconds after."""
+
+    def __init__(self, sid: int, gpu: int, job: str, step: float, latency: float) -> None:
+        self.sid, self.gpu, self.job, self.step, self.latency = sid, gpu, job, step, latency
+        self.holding, self.lease, self.revoked_lease = False, 0, 0
+        self.pos, self.steps, self.grants = "safe", 0, 0
+
+
+class MultiModel:
+    """Ranks of jobs on several GPUs driving real arbiters and their coordinator, ticked
+    as the node's dispatch does, on one ManualClock."""
+
+    def __init__(self, gpus: int, settings: GpuSettings) -> None:
+        self.clock = ManualClock()
+        self.arbs = [
+            Arbiter(i, 80 * GiB, self.clock, GpuSettings(**vars(settings))) for i in range(gpus)
+        ]
+        self.coord = Coordinator(self.arbs)
+        self.ranks: dict[int, Rank] = {}
+        self.heap: list[tuple[float, int, object]] = []
+        self.seq = 0
+        self.escalations = 0
+
+    def at(self, delay: float, fn) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (self.clock.monotonic() + delay, self.seq, fn))
+
+    def apply(self, gpu: int, actions, depth: int = 0) -> None:
+        for a in actions:
+            if isinstance(a, GrantAction):
+                r = self.ranks[a.session]
+                r.holding, r.lease, r.grants = True, a.lease, r.grants + 1
+                self.at(0.0, lambda r=r: self.go(r))
+            elif isinstance(a, RevokeAction):
+                r = self.ranks[a.session]
+                self.at(r.latency, lambda r=r, lease=a.lease: self.seen(r, lease))
+            elif isinstance(a, EscalateAction):
+                self.escalations += 1
+        self.check()
+        if depth < 4:
+            for other in self.coord.linked(gpu):
+                self.apply(other.gpu, other.tick(), depth + 1)
+
+    def check(self) -> None:
+        for a in self.arbs:
+            assert len({a.sessions[h].gang or h for h in a.holders}) <= 1, (a.gpu, a.holders)
+        for r in self.ranks.values():  # a job holding one of its GPUs holds them all
+            if r.job and r.holding:
+                gpus = {x.gpu for x in self.ranks.values() if x.job == r.job}
+                for a in self.arbs:
+                    if a.gpu in gpus:
+                        assert {a.sessions[h].gang for h in a.holders} <= {r.job}, (r.job, a.gpu)
+
+    def add(self, r: Rank) -> None:
+        self.ranks[r.sid] = r
+        a = self.arbs[r.gpu]
+        self.apply(r.gpu, a.attach(r.sid, name=f"s{r.sid}", limit=GiB, gang=r.job))
+        self.at(0.001 * r.sid, lambda: self.apply(r.gpu, a.acquire(r.sid)))
+
+    def seen(self, r: Rank, lease: int) -> None:
+        if r.lease == lease and r.holding:
+            r.revoked_lease = lease
+            if r.pos == "safe" or not r.job:
+                self.go(r)
+
+    def go(self, r: Rank) -> None:
+        """At a safe point: yield to a revoke seen, or work."""
+        if not r.holding or r.pos != "safe":
+            return
+        if r.revoked_lease == r.lease:
+            r.holding = False
+            a = self.arbs[r.gpu]
+            self.apply(r.gpu, a.release(r.sid, resident=0, swapped=0, again=True))
+        elif r.job:
+            r.pos = "step"
+            self.at(r.step, lambda: self.arrive(r))
+
+    def arrive(self, r: Rank) -> None:
+        r.pos = "barrier"
+        job = [x for x in self.ranks.values() if x.job == r.job]
+        if all(x.pos == "barrier" for x in job):
+            for x in job:
+                x.pos, x.steps = "safe", x.steps + 1
+                self.at(0.0, lambda x=x: self.go(x))
+
+    def run(self, until: float) -> None:
+        end = self.clock.monotonic() + until
+        while True:
+            t_ev = self.heap[0][0] if self.heap else float("inf")
+            dls = [(a.next_deadline() or float("inf"), a.gpu) for a in self.arbs]
+            t_dl, gpu = min(dls)
+            t = min(t_ev, t_dl)
+            if t > end:
+                self.clock.set(end)
+                return
+            self.clock.set(max(t, self.clock.monotonic()))
+            if t_ev <= t_dl:
+                heapq.heappop(self.heap)[2]()
+            else:
+                self.apply(gpu, self.arbs[gpu].tick())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    gpus=st.integers(2, 3),
+    jobs=st.lists(
+        st.tuples(
+            st.sets(st.integers(0, 2), min_size=1, max_size=3),  # its GPUs (a rank each)
+            st.floats(0.005, 0.1),  # step
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    solo=st.lists(st.integers(0, 2), max_size=3),  # a solo batch session on that GPU
+    tq=st.floats(0.2, 2.0),
+    latency=st.floats(0.0, 0.05),
+)
+def test_gangs_on_several_gpus_never_deadlock(gpus, jobs, solo, tq, latency):
+    """Never two jobs on a GPU, a job holding one of its GPUs holds them all, and every
+    job goes on: its ranks complete collectives, solo sessions are granted, with no
+    escalation."""
+    m = MultiModel(gpus, GpuSettings(mode="exclusive", tq_s=tq, grace_s=2.0))
+    sid = 1
+    for j, (where, step) in enumerate(jobs):
+        for k, gpu in enumerate(sorted({g % gpus for g in where})):
+            m.add(Rank(sid, gpu, f"job{j}", step, latency * k))
+            sid += 1
+    for gpu in solo:
+        m.add(Rank(sid, gpu % gpus, "", 0.0, latency))
+        sid += 1
+    m.run(30)
+    before = {r.sid: (r.steps, r.grants) for r in m.ranks.values()}
+    m.run(30)
+    for r in m.ranks.values():
+        if r.job:
+            assert r.steps > before[r.sid][0], (r.sid, r.job, r.steps)
+        else:  # granted again, or holding on (no one else wants its GPU)
+            assert r.grants > before[r.sid][1] or r.holding, (r.sid, r.grants)
+    assert m.escalations == 0

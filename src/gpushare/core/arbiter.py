@@ -722,6 +722,11 @@ class Arbiter:
                 return s
         return None
 
+    def head_waiting_since(self) -> float | None:
+        """When the session first in line for a grant on its own began to wait."""
+        head = self._head() if self.queue else None
+        return None if head is None else head.wait_start
+
     def _others_wait(self, s: SessionState) -> bool:
         """Someone not of ``s``'s job waits for the GPU (or, a gang with ranks on several
         GPUs, for one of them; or a gang on several GPUs waits to start here)."""
@@ -806,7 +811,7 @@ class Arbiter:
         of its GPUs is held by another job (each was kept for it meanwhile)."""
         if self.peers is None or not self._spread(g):
             return False
-        return self.peers.next() == g.key and self.peers.free(g.key)
+        return self.peers.may_start(g.key)
 
     # --- scheduling (docs/scheduling.md) ----------------------------------------------
 

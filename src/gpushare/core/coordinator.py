@@ -31,7 +31,8 @@ from gpushare.core.sessions import State
 class Coordinator:
     def __init__(self, arbiters: Sequence[Arbiter]) -> None:
         self.arbiters = {a.gpu: a for a in arbiters}
-        self._tickets: dict[str, int] = {}
+        # Gangs on several GPUs waiting to start: when each began to wait (and a tie-break).
+        self._tickets: dict[str, tuple[float, int]] = {}
         self._seq = 0
         for a in arbiters:
             a.peers = self
@@ -53,7 +54,14 @@ class Coordinator:
         return any(a.gangs[key].revoked for a in self._parts(key))
 
     def free(self, key: str) -> bool:
-        return all(not a.holders and a.reserved is None for a in self._parts(key))
+        """None of the gang's GPUs is held, reserved, or kept by another such gang (one
+        holding elsewhere: it holds all its GPUs or none)."""
+        for a in self._parts(key):
+            if a.holders or a.reserved is not None:
+                return False
+            if any(k != key and self.spread(k) and self.active(k) for k in a.gangs):
+                return False
+        return True
 
     def others_wait(self, key: str) -> bool:
         return any(a.sessions[q].gang != key for a in self._parts(key) for q in a.queue)
@@ -70,20 +78,34 @@ class Coordinator:
         for key in list(self._tickets):
             if key not in waiting:
                 del self._tickets[key]  # started, or no longer waiting: a new ticket later
+        now = next(iter(self.arbiters.values())).clock.monotonic()
         for key in sorted(waiting - set(self._tickets)):
             self._seq += 1
-            self._tickets[key] = self._seq
+            self._tickets[key] = (now, self._seq)
         return min(self._tickets, key=self._tickets.__getitem__, default=None)
 
+    def may_start(self, key: str) -> bool:
+        """The gang starts now, on all its GPUs: it is the next, each of its GPUs is kept
+        for it (no one there waited longer), none is held, and its last turn is over
+        on all of them."""
+        if self.next() != key or not self.free(key) or self.revoked(key):
+            return False
+        return all(self.claimed(a.gpu) for a in self._parts(key))
+
     def claimed(self, gpu: int) -> bool:
-        """GPU ``gpu`` is kept for a gang on several GPUs: one holding, or the next."""
+        """GPU ``gpu`` is kept for a gang on several GPUs: one holding, or the next one
+        unless the session first in line here began to wait before it did."""
         a = self.arbiters[gpu]
         spread = [k for k in a.gangs if self.spread(k)]
         if not spread:
             return False
+        n = self.next()  # (first: a gang holding gives its ticket back)
         if any(self.active(k) for k in spread):
             return True
-        return self.next() in spread
+        if n not in spread:
+            return False
+        since = a.head_waiting_since()
+        return since is None or since >= self._tickets[n][0]
 
     def linked(self, gpu: int) -> list[Arbiter]:
         """The other GPUs that share a gang with ``gpu``: to be ticked after its

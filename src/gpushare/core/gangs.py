@@ -68,9 +68,8 @@ class Peers(Protocol):
     def active(self, key: str) -> bool: ...  # it holds (or its quantum waits) on a GPU
     def holding(self, key: str) -> bool: ...  # a rank of it holds on a GPU
     def revoked(self, key: str) -> bool: ...  # it is yielding on a GPU
-    def free(self, key: str) -> bool: ...  # no GPU of it is held or reserved
     def others_wait(self, key: str) -> bool: ...  # another job waits on a GPU of it
-    def next(self) -> str | None: ...  # the gang on several GPUs to start next
+    def may_start(self, key: str) -> bool: ...  # it starts now, on all its GPUs
     def claimed(self, gpu: int) -> bool: ...  # the GPU is kept for such a gang
 
 
