@@ -82,6 +82,31 @@ class Client:
     frozen: bool = False
 
 
+def drive(
+    clock: ManualClock,
+    heap: list[tuple[float, int, Callable[[], None]]],
+    until: float,
+    deadline: Callable[[], tuple[float, int]],
+    tick: Callable[[int], None],
+) -> None:
+    """Run ``until`` seconds: the model's events in time order, and the arbiters' ticks
+    at their deadlines (``deadline``: the next one and its GPU)."""
+    end = clock.monotonic() + until
+    while True:
+        t_ev = heap[0][0] if heap else float("inf")
+        t_dl, gpu = deadline()
+        t = min(t_ev, t_dl)
+        if t > end:
+            clock.set(end)
+            return
+        clock.set(max(t, clock.monotonic()))
+        if t_ev <= t_dl:
+            _, _, fn = heapq.heappop(heap)
+            fn()
+        else:
+            tick(gpu)
+
+
 class Model:
     def __init__(
         self,
@@ -165,20 +190,13 @@ class Model:
             self.check(self)
 
     def run(self, until: float) -> None:
-        end = self.clock.monotonic() + until
-        while True:
-            t_ev = self.heap[0][0] if self.heap else float("inf")
-            t_dl = self.arb.next_deadline() or float("inf")
-            t = min(t_ev, t_dl)
-            if t > end:
-                self.clock.set(end)
-                return
-            self.clock.set(max(t, self.clock.monotonic()))
-            if t_ev <= t_dl:
-                _, _, fn = heapq.heappop(self.heap)
-                fn()
-            else:
-                self.apply(self.arb.tick())
+        drive(
+            self.clock,
+            self.heap,
+            until,
+            lambda: (self.arb.next_deadline() or float("inf"), 0),
+            lambda _gpu: self.apply(self.arb.tick()),
+        )
 
     # --- clients --------------------------------------------------------------------
     def add(self, c: Client, start: float = 0.0) -> Client:

@@ -4,6 +4,7 @@ GPUs at once, revoked together, never holding one GPU while waiting for another.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,7 @@ from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import ManualClock
 from gpushare.core.coordinator import Coordinator
 from gpushare.settings import GpuSettings
-from tests.core.model import GiB
+from tests.core.model import GiB, drive
 
 
 class Node:
@@ -143,7 +144,7 @@ class MultiModel:
         ]
         self.coord = Coordinator(self.arbs)
         self.ranks: dict[int, Rank] = {}
-        self.heap: list[tuple[float, int, object]] = []
+        self.heap: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = 0
         self.escalations = 0
 
@@ -210,20 +211,13 @@ class MultiModel:
                 self.at(0.0, lambda x=x: self.go(x))
 
     def run(self, until: float) -> None:
-        end = self.clock.monotonic() + until
-        while True:
-            t_ev = self.heap[0][0] if self.heap else float("inf")
-            dls = [(a.next_deadline() or float("inf"), a.gpu) for a in self.arbs]
-            t_dl, gpu = min(dls)
-            t = min(t_ev, t_dl)
-            if t > end:
-                self.clock.set(end)
-                return
-            self.clock.set(max(t, self.clock.monotonic()))
-            if t_ev <= t_dl:
-                heapq.heappop(self.heap)[2]()
-            else:
-                self.apply(gpu, self.arbs[gpu].tick())
+        drive(
+            self.clock,
+            self.heap,
+            until,
+            lambda: min((a.next_deadline() or float("inf"), a.gpu) for a in self.arbs),
+            lambda gpu: self.apply(gpu, self.arbs[gpu].tick()),
+        )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
