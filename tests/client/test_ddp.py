@@ -11,13 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.client.test_run import gs_run
-from tests.support import sim
+from tests.support import REPO, sim
 
 pytest.importorskip(
     "torch",
@@ -25,37 +24,7 @@ pytest.importorskip(
 )
 
 STEPS = 150
-DDP = textwrap.dedent("""
-    import contextlib, json, os, sys, time, torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from gpushare.client import runner
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    burst, s = contextlib.nullcontext, runner.SESSION  # under gpushare run: its hooks gate
-    if os.environ.get("DDP_ATTACH"):  # gpushare.attach around each step, rank r on GPU r
-        import gpushare
-        s = gpushare.attach(memory="2GiB", gpu=int(os.environ["LOCAL_RANK"]))
-        burst = s.gpu
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    for _ in range(int(sys.argv[2])):
-        with burst():
-            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
-            loss = ((ddp(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()  # the all-reduce: every rank of the job at once
-            opt.step()
-        time.sleep(0.005)
-    out = {"params": [p.detach().flatten().tolist() for p in model.parameters()]}
-    if s is not None:  # (none in the bare run)
-        out["session"], out["grants"] = s.id, s.grants
-    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
-    dist.destroy_process_group()
-""")
+DDP = REPO / "benchmarks" / "ddp_job.py"  # the job (bare, under gpushare run, attached)
 
 
 def torchrun(script: Path, out: Path, node=None, env=None) -> subprocess.Popen[str]:
@@ -82,8 +51,7 @@ def results(folder: Path) -> list[dict]:
 def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_factory, short_tmp):
     if not (Path(sys.executable).parent / "torchrun").exists():
         pytest.skip("torchrun is not installed beside this Python")
-    script = short_tmp / "ddp.py"
-    script.write_text(DDP)
+    script = DDP
     node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
     jobs = [torchrun(script, short_tmp / f"job{j}", node) for j in (0, 1)]
     bare = torchrun(script, short_tmp / "bare")  # the same job, no gpushare
@@ -125,8 +93,7 @@ def test_two_ddp_jobs_on_two_exclusive_gpus_each_are_granted_both_at_once(node_f
     hold GPU 0 while its rank 1 waits for GPU 1, held by the other job's rank 1."""
     if not (Path(sys.executable).parent / "torchrun").exists():
         pytest.skip("torchrun is not installed beside this Python")
-    script = short_tmp / "ddp.py"
-    script.write_text(DDP)
+    script = DDP
     node = node_factory(*sim("16GiB", gpus=2, mode="exclusive", tq="0.3"))
     env = {"GPUSHARE_SOCKET": node.socket, "DDP_ATTACH": "1"}
     jobs = [torchrun(script, short_tmp / f"job{j}", env=env) for j in (0, 1)]
