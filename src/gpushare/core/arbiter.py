@@ -581,10 +581,9 @@ class Arbiter:
             q -= take
             s.debt -= take
         g = self.gangs.get(s.gang) if s.gang else None
-        if g is not None:
+        if g is not None:  # the gang's quantum is its first holder's: no more than what is left
             for m in g.members:
                 self.sessions[m].gang_held = True
-        if g is not None:  # the gang's quantum is its first holder's: no more than what is left
             ends = [
                 m.quantum_end
                 for m in map(self.sessions.__getitem__, g.members)
@@ -620,10 +619,9 @@ class Arbiter:
             **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
-        if g is not None and self._yielding(
-            g
-        ):  # its gang is on its way out: to its next safe point
-            self._revoke(s, now, g.reason)
+        # Its gang is on its way out: it goes on to its next safe point only.
+        if g is not None and self._yielding(g):
+            self._revoke(s, now, g.reason or "quantum")
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
