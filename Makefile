@@ -10,7 +10,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
-# One line per package as pip resolves it (no progress bars: they are noise in a log).
+# One line per package as pip resolves it (no progress bars: they are noise in a log), and
+# a line every 15 s while it installs (the long silent part).
 PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip
 # Two workers: most tests wait on real processes and sockets, so the suite takes half
 # the time; hermetic tests (no fixed port or path) make it safe.
@@ -23,14 +24,15 @@ $(STAMP): pyproject.toml src/gpushare/_version.py
 	@test -n "$(PYTHON)" || { echo "make: need Python >= 3.11 on PATH (or PYTHON=...)"; exit 1; }
 	@echo "make: creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
-	@echo "make: installing gpushare and its extras node, plot, k8s, nvml, test, lint" \
+	@echo "make: installing gpushare and its extras node, plot, cli, k8s, nvml, test, lint" \
 	  "(about 80 packages: a line each as pip finds it, then a minute or more to install)"
 	@# The full log in $(VENV)/pip.log; on screen a line per package, and the log's end on failure.
 	@start=$$(date +%s); \
+	( while sleep 15; do echo "  ... $$(( $$(date +%s) - start )) s, still installing"; done ) & ticker=$$!; \
 	$(PIP) install --progress-bar off -e '.[dev]' 2>&1 | tee $(VENV)/pip.log \
 	  | grep -E --line-buffered '^(Collecting|Processing|Installing collected)' \
 	  | sed -u -E 's/ \(from [^)]*\)$$//; s/^Processing .*\/([^/]+)\.whl$$/Processing \1/; s/^(.{1,96}).*/  \1/'; \
-	status=$${PIPESTATUS[0]}; \
+	status=$${PIPESTATUS[0]}; kill $$ticker 2>/dev/null; \
 	if [ $$status -ne 0 ]; then tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit $$status; fi; \
 	echo "make: pip finished in $$(( $$(date +%s) - start )) s"
 	@# PyTorch's CPU build for the `gpushare run` tests, from the wheel on disk where
@@ -39,8 +41,10 @@ $(STAMP): pyproject.toml src/gpushare/_version.py
 	w=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$v-*.whl 2>/dev/null | head -n 1); \
 	if [ -n "$$w" ]; then \
 	  echo "make: installing PyTorch's CPU build from $$w"; start=$$(date +%s); \
+	  ( while sleep 15; do echo "  ... $$(( $$(date +%s) - start )) s, still installing"; done ) & ticker=$$!; \
 	  $(PIP) install --progress-bar off "$$w" >> $(VENV)/pip.log 2>&1 \
-	    || { tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit 1; }; \
+	    || { kill $$ticker; tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit 1; }; \
+	  kill $$ticker 2>/dev/null; \
 	  echo "make: PyTorch installed in $$(( $$(date +%s) - start )) s"; \
 	else echo "make: no PyTorch CPU wheel in $(TORCH_WHEELS): the PyTorch tests will be skipped"; fi
 	touch $(STAMP)

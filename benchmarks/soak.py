@@ -83,9 +83,10 @@ def client(sock: str, first: int, gpus: int, out: str, stop: str, go: str) -> No
                     totals["bursts"] += 1
                 time.sleep(rng.uniform(0, 0.004))
             s.close()
-        except Exception:
+        except Exception as e:
             with lock:
                 totals["errors"] += 1
+            print(f"soak session {first + i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(PER_PROCESS)]
     for t in threads:

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from gpushare.core.arbiter import Arbiter
 from tests.support import NodeProcess
+
+# Every arbiter in the tests (the model's, the in-process nodes') checks its running
+# totals and deadline structures against scans of every session after every input.
+Arbiter.check_every_input = True
 
 # In CI the property tests draw the same examples every run (reproducible verdicts);
 # elsewhere they explore new ones each time.

@@ -48,3 +48,41 @@ def test_malformed_bodies_raise_protocol_error(body):
 def test_decoder_never_fails_other_than_protocol_error(data):
     with contextlib.suppress(p.ProtocolError):
         p.decode(data)
+
+
+# Lies in well-formed messages: the codec carries them to the node exactly as sent (the
+# node's checks see the lie, not a mangled value), and nothing the wire allows is lost.
+int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+anyfloat = st.floats(allow_nan=True, allow_infinity=True)
+lies = st.one_of(
+    st.builds(
+        p.Hello, version=int64, name=st.text(max_size=300),
+        memory_limit=st.one_of(st.none(), int64),
+        weight=st.one_of(st.none(), anyfloat), portion=st.one_of(st.none(), anyfloat),
+        resident=int64, swapped=int64, holding=st.booleans(), session=int64, lease=int64,
+        token=st.text(max_size=80), gang_size=int64, rank=int64,
+    ),
+    st.builds(
+        p.Release, resident=int64, swapped=int64, again=st.booleans(), swapped_out=int64,
+        seconds=anyfloat, swapping_out=int64,
+    ),
+    st.builds(
+        p.SwapDone, direction=st.sampled_from(["in", "out"]), bytes=int64, seconds=anyfloat,
+        resident=int64, swapped=int64, error=st.text(max_size=50),
+    ),
+    st.builds(p.Report, resident=int64, swapped=int64),
+)  # fmt: skip
+
+
+@settings(max_examples=2000, deadline=None)
+@given(lies)
+def test_lies_in_well_formed_messages_reach_the_node_as_sent(msg):
+    frame = p.encode(msg)
+    assert p.frame_length(frame[:4]) == len(frame) - 4
+    back = p.decode(frame[4:])
+    assert type(back) is type(msg) and p.encode(back) == frame  # NaN included, bit for bit
+
+
+def test_a_name_too_long_for_one_frame_is_refused_before_it_is_sent():
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        p.encode(p.Hello(version=1, name="n" * (p.MAX_FRAME + 1)))

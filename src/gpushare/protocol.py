@@ -48,10 +48,14 @@ class Hello(_Msg, tag="hello"):
     namespace: str = ""
     container: str = ""
     pod_uid: str = ""  # claimed; checked against the kernel's cgroup view
-    # A workload that outlived a node restart re-registers what it has:
+    # A workload that outlived a node restart re-registers what it has: its memory, the
+    # session id it had, and mid-burst the lease it holds with the token it came with.
     resident: int = 0
     swapped: int = 0
     holding: bool = False
+    session: int = 0
+    lease: int = 0
+    token: str = ""
     fills: bool = False  # it swaps in within a Room, so its switches may overlap
     prefetch: bool = False  # it swaps in ahead of its grant when a Prefetch says so
     # The distributed job this process is a rank of (client/launchers.py): its ranks on
@@ -118,6 +122,7 @@ class Welcome(_Msg, tag="welcome"):
     sim_swap_failure_rate: float = 0.0
     gpu_uuid: str = ""  # the workload finds its CUDA device by it
     sim_link: str = ""  # the simulated GPU's shared link file (its timing model)
+    tq_s: float = 0.0  # the GPU's TQ at attach (0: an older node did not say)
 
 
 class Grant(_Msg, tag="grant"):
@@ -128,6 +133,8 @@ class Grant(_Msg, tag="grant"):
     quantum_s: float
     shared: bool = False
     room: int = 0  # >0: have at most this many bytes on the GPU until a Room says more
+    token: str = ""  # the node's signature of this lease: shown to claim it back after a restart
+    resume: bool = False  # the lease a hello claimed (holding), given back
 
 
 class Room(_Msg, tag="room"):

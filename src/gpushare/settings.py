@@ -1,10 +1,11 @@
-"""A GPU's settings: the values they may take and their one validation.
+"""The node's settings: the values they may take and their one validation.
 
 Shared vocabulary: the wire (``SetConfig``), the node's config file, the command line
 and the arbiter all name modes, policies and escalations with these literals, and every
-setting is checked by :func:`validate` whichever way it arrives (DESIGN.md rule 6), so a
-value is refused with the same one-line message everywhere. Pure: no I/O, no msgspec
-(the core imports it).
+setting is checked here whichever way it arrives (DESIGN.md rule 6): a GPU's live
+settings by :func:`validate`, every numeric key of the config file (and its flag) by
+:func:`check` against its documented range in :data:`RANGES`. So a value is refused with
+the same one-line message everywhere. Pure: no I/O, no msgspec (the core imports it).
 """
 
 from __future__ import annotations
@@ -52,13 +53,78 @@ class Change(TypedDict, total=False):
     escalation: Escalation
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take, ends included."""
+
+    low: float
+    high: float
+    unit: str = ""  # "s": seconds
+    integer: bool = False
+    note: str = ""  # what a special value means, said in the message
+
+    def describe(self) -> str:
+        if self.unit == "s":
+            return f"a number of seconds from {_num(self.low)} s to {_secs(self.high)}{self.note}"
+        kind = "a whole number" if self.integer else "a number"
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{kind} from {_num(self.low)} to {_num(self.high)}{unit}{self.note}"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e7 else f"{v:g}"
+
+
+def _secs(v: float) -> str:
+    return f"{_num(v)} s" + (f" ({v / 86400:g} d)" if v >= 86400 else "")
+
+
+TQ_MIN_S, TQ_MAX_S = 0.05, 86400.0
+# Every numeric key of the node's config file (``--flag`` on the command line), with the
+# range it may take: a quantum shorter than a switch's handoff only thrashes, one longer
+# than a day is a typo; the rest keep the node's timers, limits and models meaningful.
+RANGES: dict[str, Range] = {
+    "tq": Range(TQ_MIN_S, TQ_MAX_S, "s"),
+    "grace": Range(0.01, 3600.0, "s"),
+    "idle_release": Range(0.01, 3600.0, "s"),
+    "turn": Range(0.0, 3600.0, "s", note=" (0: no interactive turns)"),
+    "turn_share": Range(0.01, 1.0, note=" (turn credit per idle second)"),
+    "hello_timeout": Range(0.01, 3600.0, "s"),
+    "max_sessions_per_uid": Range(1, 1_000_000, integer=True),
+    "max_messages_per_s": Range(1, 1e9, "per second"),
+    "max_pending_per_uid": Range(1, 1_000_000, integer=True),
+    "max_pending": Range(1, 1_000_000, integer=True),
+    "recovery_window": Range(0.0, 3600.0, "s", note=" (0: none)"),
+    "metrics_port": Range(0, 65535, integer=True, note=" (0: no exporter)"),
+    "sim_gpus": Range(0, 64, integer=True, note=" (0: real GPUs)"),
+    "sim_bandwidth": Range(1e6, 1e13, "bytes/s"),
+    "sim_scale": Range(1, 2**20, integer=True),
+    "sim_swap_failure_rate": Range(0.0, 1.0),
+}
+NAMES = {"tq": "TQ"}  # how messages name a key, where not by the key itself
+
+
+def check(key: str, value: object) -> float:
+    """``value`` for the setting ``key``, checked against :data:`RANGES`; or
+    :class:`SettingsError` naming the range (one line, the same whichever way it came).
+    A whole-number setting given as ``3.0`` is 3."""
+    r = RANGES[key]
+    what = NAMES.get(key, key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise SettingsError(f"{what} must be {r.describe()}, not {value!r}")
+    v: float = value
+    if r.integer and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if r.unit == "s" and r.low > 0 and not v > 0:
+        raise SettingsError(f"{what} must be positive: {r.describe()}, not {v:g}")
+    if not (r.low <= v <= r.high) or (r.integer and not isinstance(v, int)):
+        raise SettingsError(f"{what} must be {r.describe()}, not {v:g}")
+    return v
+
+
 def seconds(what: str, value: object) -> float:
-    """A positive, finite number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SettingsError(f"{what} must be a positive number of seconds")
-    if not (value > 0 and math.isfinite(value)):
-        raise SettingsError(f"{what} must be a positive number of seconds")
-    return float(value)
+    """A number of seconds for the setting ``what`` (a key of :data:`RANGES`)."""
+    return float(check(what, value))
 
 
 def _choice(what: str, value: object, allowed: tuple[C, ...]) -> C:
@@ -79,7 +145,7 @@ def validate(
     first bad one raises :class:`SettingsError` and nothing is returned to apply."""
     out = Change()
     if tq_s is not None:
-        out["tq_s"] = seconds("TQ", tq_s)
+        out["tq_s"] = seconds("tq", tq_s)
     if mode is not None:
         out["mode"] = _choice("mode", mode, MODES)
     if policy is not None:

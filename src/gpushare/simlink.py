@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -16,6 +18,9 @@ from collections.abc import Iterator
 DUPLEX = 92 / 110  # each direction's share of the full rate while both are busy
 OUT, IN = 0, 1  # the link's lanes: device to host, host to device
 _LANES = struct.Struct("=dd")  # per lane: CLOCK_MONOTONIC time it is booked until
+# A lane booked further ahead than this (or not a number) holds garbage, not bookings:
+# it is taken as free, so no writer of the file can stall the others' swaps for long.
+MAX_LEAD_S = 60.0
 
 
 def book(booked: list[float], lane: int, nbytes: int, bandwidth: float, now: float) -> float:
@@ -36,7 +41,8 @@ class SimLink:
     With ``path`` (a file the node made), every session's process books the same lanes,
     under an fcntl lock; without, the lanes are this process's own. Times are
     CLOCK_MONOTONIC, which all processes share; a process killed mid-swap leaves a
-    booking that simply runs out.
+    booking that simply runs out, and a booking further ahead than :data:`MAX_LEAD_S`
+    is taken for garbage.
     """
 
     SIZE = _LANES.size
@@ -45,20 +51,36 @@ class SimLink:
         self._lock = threading.Lock()
         self._fd = -1
         if path:
-            self._fd = os.open(path, os.O_RDWR)
-            self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, self.SIZE)
+            self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                size = os.fstat(self._fd).st_size
+                if size < self.SIZE:
+                    raise OSError(
+                        f"simulated link file {path} has {size} bytes, not {self.SIZE}:"
+                        " the node is (re)starting; timing per process"
+                    )
+                self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, self.SIZE)
+            except BaseException:
+                os.close(self._fd)
+                self._fd = -1
+                raise
         else:
             self._mem = bytearray(self.SIZE)
 
     @staticmethod
-    def create(path: str) -> None:
-        """Make the shared file (the node, once per simulated GPU)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+    def create(path: str, mode: int = 0o600) -> None:
+        """Make the shared file: a new one, renamed into place (a process mapping the
+        old one keeps it whole; it is never truncated), never through a symlink. The
+        node makes its own through its checked directory (``gpushare.node.safefs``)."""
+        d, name = os.path.split(os.path.abspath(path))
+        tmp = os.path.join(d, f".{name}.{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
-            os.fchmod(fd, 0o666)  # any workload's user may book the link
+            os.fchmod(fd, mode)
             os.write(fd, bytes(SimLink.SIZE))
         finally:
             os.close(fd)
+        os.rename(tmp, path)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -75,8 +97,12 @@ class SimLink:
     def book(self, lane: int, nbytes: int, bandwidth: float) -> float:
         """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done."""
         with self._locked():
-            booked = list(_LANES.unpack_from(self._mem))
-            end = book(booked, lane, nbytes, bandwidth, time.monotonic())
+            now = time.monotonic()
+            booked = [
+                t if math.isfinite(t) and t <= now + MAX_LEAD_S else now
+                for t in _LANES.unpack_from(self._mem)
+            ]
+            end = book(booked, lane, nbytes, bandwidth, now)
             _LANES.pack_into(self._mem, 0, *booked)
             return end
 

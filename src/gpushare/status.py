@@ -62,6 +62,10 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     pod_uid: str
     container_id: str
     runtime: str
+    # where its weight comes from: "kubernetes" (the pod's gpu-fraction annotation, through
+    # the API), "portion" (the GPU fraction the workload says KAI gave it), "claimed" (a
+    # weight it set), "default" (1)
+    weight_source: str = ""
     # the distributed job it is a rank of (docs/scheduling.md "Gangs"): the node's key of
     # its gang ("": none), its rank as its client says (-1: not known), parked: it
     # yielded and waits for its gang's other ranks to yield too
@@ -79,6 +83,25 @@ class GangStatus(msgspec.Struct, kw_only=True):
     spans_nodes: bool  # the job has ranks on other nodes (one node cannot co-schedule it)
     state: str  # holding, yielding (revoked, members parking), waiting or idle
     regroups_total: int  # parked members sent on to their next safe point
+
+
+class WorkloadStatus(msgspec.Struct, kw_only=True):
+    """A workload's totals on a GPU: its sessions of the same name, namespace, pod and
+    container summed, those that detached included (from the node's start)."""
+
+    name: str
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    sessions: int = 0  # attached now
+    sessions_total: int = 0  # attached since the node started, those gone included
+    lease_seconds_total: float = 0.0
+    wait_seconds_total: float = 0.0
+    grants_total: int = 0
+    revokes_total: int = 0
+    swap_out_bytes_total: int = 0
+    swap_in_bytes_total: int = 0
+    utilization_seconds_total: float = 0.0
 
 
 class GpuStatus(msgspec.Struct, kw_only=True):
@@ -99,6 +122,10 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     holders: list[int]
     queue: list[int]
     sessions: list[SessionStatus]
+    workloads: list[WorkloadStatus] = msgspec.field(default_factory=list)
+    recovering: bool = False  # after a restart: nothing granted until its sessions are back
+    sessions_omitted: int = 0  # sessions left out so that the status fits one frame
+    workloads_omitted: int = 0  # workloads' totals left out so that the status fits
     gangs: list[GangStatus] = msgspec.field(default_factory=list)
 
 
@@ -111,6 +138,8 @@ class NodeInfo(msgspec.Struct, kw_only=True):
 class NodeStatus(msgspec.Struct, kw_only=True):
     node: NodeInfo
     gpus: list[GpuStatus]
+    # some sessions or workloads were left out (GpuStatus.sessions_omitted, .workloads_omitted)
+    truncated: bool = False
 
 
 def to_json_object(status: NodeStatus) -> dict[str, object]:

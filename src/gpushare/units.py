@@ -20,7 +20,9 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A number as people and programs write it: 80, 1.5, 1e9 (the same as 1000000000).
+_NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?"
+_SIZE = re.compile(rf"^\s*(-?(?:{_NUMBER}))\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
@@ -39,6 +41,8 @@ def parse_size(text: str | int) -> int:
         raise ValueError(
             f"cannot read size {text!r}: write it like 80GiB, 512MiB, 1.5GB or a number of bytes"
         )
+    if m.group(1).startswith("-"):
+        raise ValueError(f"size must not be negative: {text.strip()}")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -54,12 +58,13 @@ def format_size(n: float) -> str:
     return f"{v:.1f} {unit}"
 
 
-_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(rf"^\s*([-+]?(?:{_NUMBER}))\s*(ms|s|m|h|d)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``90s``, ``5m``, ``2h``, ``1d``, ``250ms``."""
+    """Seconds from ``90``, ``90s``, ``5m``, ``2h``, ``1d``, ``250ms``, ``1e3``. A sign is
+    read (``-5`` is -5.0), so that whoever checks the range can say what is wrong."""
     m = _DURATION.match(text)
     if m is None:
         raise ValueError(f"cannot read duration {text!r}: write it like 30s, 5m, 2h or 1d")

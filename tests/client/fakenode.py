@@ -192,7 +192,7 @@ class Burst:
         self.cm.__exit__(None, None, None)
 
 
-def hold(s: Session, node: FakeNode, lease: int, **grant: int) -> Burst:
+def hold(s: Session, node: FakeNode, lease: int, **grant: int | str) -> Burst:
     """A burst that asks and is granted ``lease``; returns it holding."""
     b = Burst(s)
     assert isinstance(node.recv(), p.Acquire)

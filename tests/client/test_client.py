@@ -36,7 +36,7 @@ def test_no_daemon_names_the_fix(short_tmp):
 
 
 def test_limit_beyond_the_gpu_is_refused(node):
-    with pytest.raises(gpushare.AttachRefusedError, match="exceeds GPU 0") as e:
+    with pytest.raises(gpushare.AttachRefusedError, match=r"17\.0 GiB is more than GPU 0's") as e:
         gpushare.attach("17GiB", socket=node.socket)
     assert e.value.code == "attach" and isinstance(e.value, GpushareError)
 

@@ -20,8 +20,8 @@ from tests.support import wait_until
 PIECE = 256 * 2**20  # the sim backend's swap granularity
 
 
-def grant(lease: int, swap_in: int = 0, room: int = 0) -> p.Grant:
-    return p.Grant(lease=lease, swap_in=swap_in, quantum_s=30.0, room=room)
+def grant(lease: int, swap_in: int = 0, room: int = 0, resume: bool = False) -> p.Grant:
+    return p.Grant(lease=lease, swap_in=swap_in, quantum_s=30.0, room=room, resume=resume)
 
 
 def swapped_out(s, node: FakeNode, nbytes: int = 2 * G, seed: int = 7):
@@ -318,8 +318,8 @@ def test_a_holder_reconnecting_takes_the_resumed_lease_only():
         assert node.recv() == p.Release(resident=0, swapped=0)
         b2 = Burst(s)
         assert node.recv() == p.Acquire()
-        node.send(grant(1))  # the lease the hello claimed, granted before the release came
-        node.sync(s)
+        node.send(grant(1, resume=True))  # the lease the hello claimed, given back before
+        node.sync(s)  # the release came
         assert not s.holding and s._lease.phase is Phase.ACQUIRING
         node.send(grant(2))  # the answer to the acquire
         b2.granted()
@@ -336,7 +336,7 @@ def test_a_burst_ending_while_reconnecting_gives_back_the_lease_it_claimed():
         hello = node.take()
         assert hello.holding  # made before the burst ended
         assert node.recv() == p.Release(resident=0, swapped=0)  # so it gives that lease back
-        node.send(grant(1))  # granted for the hello, before the release was read
+        node.send(grant(1, resume=True))  # granted for the hello, before the release was read
         node.sync(s)
         assert not s.holding and s._lease.phase is Phase.IDLE
         assert node.said(s) == []
@@ -376,3 +376,39 @@ def test_an_implicit_burst_granted_after_a_long_wait_is_not_ended_at_once():
         assert s.holding and node.said(s) == []
         wait_until(lambda: not s.holding, what="the idle release")
         assert node.said(s) == [p.Release(resident=0, swapped=0)]
+
+
+def test_a_holder_shows_its_lease_and_token_to_a_restarted_node_and_yields_if_refused():
+    with fake_session() as (s, node):
+        b = Burst(s)
+        assert node.recv() == p.Acquire()
+        node.send(p.Grant(lease=5, swap_in=0, quantum_s=30.0, token="t5"))
+        b.granted()
+        node.drop()  # the node restarts: it opens a recovery window
+        hello = node.take()
+        assert (hello.holding, hello.lease, hello.token, hello.session) == (True, 5, "t5", 1)
+        time.sleep(0.2)  # no answer yet (the window): the burst goes on meanwhile
+        assert s.holding and node.said(s) == []
+        node.send(p.Revoke(lease=5, swap_out=0, grace_s=5.0))  # its claim is refused
+        node.sync(s)
+        t = threading.Thread(target=s.checkpoint)  # the next safe point yields
+        t.start()
+        assert node.recv() == p.Release(resident=0, swapped=0, again=True)
+        node.send(grant(6))  # its turn, later: a new lease, taken (not a "resumed" one)
+        t.join(10)
+        assert not t.is_alive() and s.holding and s._lease.lease == 6
+        b.exit()
+
+
+def test_a_resumed_lease_comes_with_a_new_token():
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=5, token="t5")
+        node.drop()
+        hello = node.take()
+        assert hello.token == "t5"
+        node.send(p.Grant(lease=9, swap_in=0, quantum_s=30.0, token="t9", resume=True))
+        node.sync(s)
+        assert s.holding and (s._lease.lease, s._lease.token) == (9, "t9")
+        node.drop()
+        assert node.take().token == "t9"  # shown to the next restart
+        b.exit()

@@ -13,8 +13,10 @@ import pytest
 import gpushare
 from gpushare import protocol as p
 from gpushare.client import transport
+from gpushare.client.transport import Link
 from gpushare.errors import AttachRefusedError, DaemonUnavailableError, GpushareError
 from tests.client.fakenode import FakeNode, G
+from tests.support import wait_until
 
 WELCOME = p.Welcome(
     session=1,
@@ -167,3 +169,21 @@ def test_a_node_that_hangs_up_at_hello_is_unavailable(short_tmp):
     with pytest.raises(DaemonUnavailableError, match="closed the connection"):
         gpushare.attach("1GiB", socket=path, timeout=5)
     srv.close()
+
+
+def test_a_busy_node_is_tried_again_at_attach_and_at_reconnect(retries):
+    busy = p.Error(code="busy", message="uid 0 has 64 connections open without a hello")
+    node = FakeNode()
+    node.answers.extend([busy, busy])
+    s, _ = node.attach()  # a flood of others' connections: this one gets in after it
+    assert node.connects == 3 and s.id == 3 and retries.is_set()
+    node.take(), node.take()  # the connection it holds is the third
+    s._link.backoff = (0.001, 0.01)
+    node.answers.append(busy)
+    node.drop()
+    node.take()  # refused: busy
+    hello = node.take()  # tried again, taken: the session goes on
+    assert hello.session == 3 and node.connects == 5
+    wait_until(lambda: s._link.state is Link.CONNECTED, what="the reconnect")
+    s.close()
+    node.close()

@@ -200,7 +200,16 @@ def test_container_runs_the_node_as_the_daemonset_does(
     run_dir = sources[
         next(m["name"] for m in spec["volumeMounts"] if m["mountPath"] == "/run/gpushare")
     ]
-    admin = run_dir / "admin.sock"
+    # The admin socket: in a directory of its own that workloads never mount.
+    admin_path = Path(tomllib.loads(objs["ConfigMap"]["data"]["node.toml"])["admin_socket"])
+    admin = (
+        sources[
+            next(
+                m["name"] for m in spec["volumeMounts"] if m["mountPath"] == str(admin_path.parent)
+            )
+        ]
+        / admin_path.name
+    )
 
     def up() -> bool:
         assert container.proc and container.proc.poll() is None, container.log.read_text()
@@ -214,8 +223,8 @@ def test_container_runs_the_node_as_the_daemonset_does(
     assert r.returncode == 0, r.stderr
     with AdminClient(str(admin)) as a:
         st = a.status()
-    (g,) = st["gpus"]
-    assert g["simulated"] is True  # no GPU here: the node says so, and simulates one
+    (g,) = st.gpus
+    assert g.simulated is True  # no GPU here: the node says so, and simulates one
     # Metrics: the readiness probe's path, on the metrics port.
     assert spec["readinessProbe"]["httpGet"]["path"] == "/metrics"
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
@@ -231,8 +240,8 @@ def test_container_runs_the_node_as_the_daemonset_does(
     )  # fmt: skip
     assert w.returncode == 0, w.stderr
     with AdminClient(str(admin)) as a:
-        events = a.status()
-    assert events["gpus"][0]["grants_total"] >= 1
+        after = a.status()
+    assert after.gpus[0].grants_total >= 1
     # The in-cluster config: the node listed its node's pods with the mounted token.
     try:
         wait_until(

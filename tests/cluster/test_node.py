@@ -246,16 +246,12 @@ def test_pod_deleted_mid_session(k8s_node, kube: Kube):
     assert got and got["metadata"].get("deletionTimestamp")
     assert k.names(sid) == (ns, pod, "trainer", "kubernetes")
     # Gone from the API (forced, or the kubelet confirmed) while the process still runs:
-    # the node forgets the pod; the session keeps what the kernel confirms of its own
-    # claim (the Downward API's POD_UID matches its cgroup), and goes on being served.
+    # the session keeps the names the API gave it (pinned), never the workload's own word
+    # in their place, and goes on being served.
     kube.delete(ns, pod, grace=0)
     assert kube.get(ns, pod) is None
-    wait_until(lambda: k.names(sid)[3] != "kubernetes", timeout=30, what="the node to drop the pod")
-    s = k.session(sid)
-    assert (s["namespace"], s["pod"], s["identity_source"]) == (ns, pod, "claim")
-    assert s["pod_uid"] == uid
-    # A new pod of the same name is another pod (another UID): the old session does not
-    # take its names; the new pod's session does.
+    # A new pod of the same name is another pod (another UID): its session gets the API's
+    # names for it; by then the node has seen the deletion (the watch is in order).
     kube.pod(ns, pod, k.name)  # same name, new UID
     new = kube.get(ns, pod)
     assert new and new["metadata"]["uid"] != uid
@@ -263,6 +259,8 @@ def test_pod_deleted_mid_session(k8s_node, kube: Kube):
     kube.running(ns, pod, "trainer", cid2)
     sid2 = k.session_in(ns, pod, new["metadata"]["uid"], cid2)
     wait_until(lambda: k.names(sid2)[3] == "kubernetes", timeout=30, what="the new pod")
-    assert k.names(sid)[3] == "claim"
+    s = k.session(sid)
+    assert k.names(sid) == (ns, pod, "trainer", "kubernetes") and s["identity_verified"]
+    assert s["pod_uid"] == uid and k.session(sid2)["pod_uid"] == new["metadata"]["uid"]
     # The node still serves both sessions.
     assert {sid, sid2} <= {s["id"] for g in k.node.status()["gpus"] for s in g["sessions"]}

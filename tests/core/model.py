@@ -72,6 +72,8 @@ class Client:
     grant_times: list[float] = field(default_factory=list)
     want_since: float = 0.0
     waits: list[float] = field(default_factory=list)
+    work_since: float | None = None  # holding with its memory back: GPU time
+    work: list[tuple[float, float]] = field(default_factory=list)
     # ddp ranks
     job: str = ""
     send_gang: bool = True
@@ -150,6 +152,7 @@ class Model:
                     self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
             elif isinstance(a, EscalateAction):
                 if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
+                    self._stop_work(self.clients[a.session])
                     self.clients[a.session].holding = False
                     self.clients[a.session].frozen = True
                 elif a.escalation == "kill":
@@ -244,6 +247,8 @@ class Model:
                     c.parked = finished  # waits until its whole limit has room
                     return
                 c.swapping_in = False
+                if c.holding and c.work_since is None:
+                    c.work_since = self.clock.monotonic()
                 done()
                 if c.sid not in self.clients:
                     return
@@ -305,6 +310,7 @@ class Model:
         if c.swapping_in:  # as the real client: the burst begins once the memory is back
             self.at(0.001, lambda: self._burst_end(c, lease))
             return
+        self._stop_work(c)
         c.holding = False
         c.wants = False
         self.apply(self.arb.release(c.sid, resident=c.on_gpu, swapped=c.in_host))
@@ -317,6 +323,7 @@ class Model:
             self.at(0.001, lambda: self._yield(c, a))
             return
         moved = min(a.swap_out, c.on_gpu)
+        self._stop_work(c)
         c.holding = False
         c.want_since = self.clock.monotonic()
         again = c.kind == "batch"
@@ -498,6 +505,18 @@ class Model:
         self.apply(self.arb.detach(sid, reason="killed"))
         if c.job:  # its peers' collective no longer waits for it
             self._ddp_barrier(c.job)
+
+    def _stop_work(self, c: Client) -> None:
+        if c.work_since is not None:
+            c.work.append((c.work_since, self.clock.monotonic()))
+            c.work_since = None
+
+    def work(self, sid: int, t0: float, t1: float) -> float:
+        """Seconds of GPU time session ``sid`` had between ``t0`` and ``t1`` (holding,
+        its memory back)."""
+        c = self.clients[sid]
+        spans = [*c.work, *([(c.work_since, t1)] if c.work_since is not None else [])]
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
 
     def lease_seconds(self) -> dict[int, float]:
         return {sid: self.arb.lease_seconds(s) for sid, s in self.arb.sessions.items()}

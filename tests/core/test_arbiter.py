@@ -166,22 +166,46 @@ def test_grace_expiry_escalates_once(clock):
     assert a.next_deadline() is None
 
 
-def test_tq_change_applies_at_next_quantum(clock):
+def test_a_longer_tq_applies_at_the_next_quantum(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
     a.attach(1, name="a", limit=GiB)
     a.attach(2, name="b", limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
-    out = a.configure(tq_s=2)
-    assert events_of(out, "config")[0]["tq_s"] == 2
+    out = a.configure(tq_s=20)
+    assert events_of(out, "config")[0]["tq_s"] == 20
     assert a.sessions[1].quantum_end == pytest.approx(clock.monotonic() + 9)  # unchanged
     clock.advance(8.99)
     assert actions_of(a.tick(), RevokeAction) == []
     clock.advance(0.01)
     assert actions_of(a.tick(), RevokeAction)
     (g,) = actions_of(a.release(1, resident=0, swapped=0, again=True), GrantAction)
-    assert g.session == 2 and g.quantum_s == 2
+    assert g.session == 2 and g.quantum_s == 20
+
+
+def test_a_shorter_tq_cuts_the_running_quantum(clock):
+    # `ctl tq 1d` then `ctl tq 1`: the day-long quantum ends at its start plus 1 s, not
+    # a day later (issue 16).
+    a = arb(clock, tq_s=10, mode="exclusive")
+    a.configure(tq_s=86400)
+    a.attach(1, name="a", limit=GiB)
+    a.attach(2, name="b", limit=GiB)
+    a.acquire(1)
+    a.acquire(2)
+    start = clock.monotonic()
+    clock.advance(0.5)
+    assert actions_of(a.configure(tq_s=2), RevokeAction) == []
+    assert a.sessions[1].quantum_end == pytest.approx(start + 2)
+    assert a.next_deadline() == pytest.approx(start + 2)
+    clock.advance(1.5)
+    assert actions_of(a.tick(), RevokeAction)
+    # Past its new end already: revoked at once.
+    (g,) = actions_of(a.release(1, resident=0, swapped=0, again=True), GrantAction)
+    assert g.session == 2
+    a.configure(tq_s=86400)
+    clock.advance(5)
+    assert actions_of(a.configure(tq_s=1), RevokeAction)
 
 
 def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
@@ -403,7 +427,14 @@ def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
 def test_resumed_session_keeps_memory_and_lease(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
     out = a.attach(
-        1, name="survivor", limit=10 * GiB, resident=6 * GiB, swapped=4 * GiB, holding=True
+        1,
+        name="survivor",
+        limit=10 * GiB,
+        resident=6 * GiB,
+        swapped=4 * GiB,
+        holding=True,
+        lease=7,
+        verified=True,
     )
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and a.holders == [1]

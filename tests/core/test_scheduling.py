@@ -5,6 +5,8 @@ the quantum, and quanta that pay back GPU time held past earlier ones."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpushare.core.actions import GrantAction, PrefetchAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import (
@@ -15,7 +17,7 @@ from gpushare.core.arbiter import (
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
-from tests.core.model import GiB
+from tests.core.model import Client, GiB, Model
 
 
 def actions_of(actions, kind):
@@ -186,6 +188,8 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
     [
         (4.0, 0.1, 1.0, True),
         (0.1, 0.1, 1.0, False),  # asked again soon: not rarely
+        (0.25, 0.05, 1.0, False),  # within half of idle_release: its quantum would wait
+        (0.3, 0.05, 1.0, True),  # past it: a notebook that thinks half a second
         (4.0, 2.0, 1.0, False),  # its bursts are longer than its credit: not briefly
         (0.6, 0.1, 1.0, True),  # 0.15 s of credit covers its 0.1 s bursts
         (4.0, 0.1, 0.0, False),  # turns off
@@ -395,6 +399,50 @@ def test_gpu_time_held_past_a_quantum_comes_off_the_next(clock):
     a.tick()
     (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
     assert g.quantum_s == pytest.approx(0.5) and a.sessions[2].debt == pytest.approx(0.4)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sessions=st.lists(
+        st.tuples(
+            st.sampled_from([1.0, 3.0, 9.0]),  # weight
+            st.floats(0.0, 0.1),  # time to its safe point, in its shortest quantum
+            st.booleans(),  # fills: a current client, or an older one (swaps, then releases)
+            st.booleans(),  # prefetch
+        ),
+        min_size=2,
+        max_size=4,
+    ),
+    limit_gib=st.sampled_from([20, 50]),  # all fit; or every switch swaps
+    tq=st.floats(0.5, 2.0),
+)
+def test_shares_match_the_weights_over_windows_swapping_included(sessions, limit_gib, tq):
+    """Policy weighted, batch jobs: over windows of many quanta, each session's GPU time
+    (held, its memory back) is its weight's share of the GPU time given, within about one
+    quantum of each session per window (the window's ends cut one). Holders reach their
+    safe points within a tenth of the shortest quantum (docs/scheduling.md, 4)."""
+    m = Model(80 * GiB, GpuSettings(tq_s=tq, mode="exclusive", policy="weighted"))
+    top = max(w for w, *_ in sessions)
+    for i, (w, late, fills, pf) in enumerate(sessions, start=1):
+        delay = late * tq * min(w for w, *_ in sessions) / top
+        m.add(Client(i, limit_gib * GiB, w, yield_delay=delay, fills=fills, prefetch=pf), 0.01 * i)
+    # 5 windows of at least 60 rounds each (a round: every session's quantum and switch)
+    switch = 2 * limit_gib * GiB / 55e9 + 0.01
+    n, weights = len(sessions), [w for w, *_ in sessions]
+    round_s = tq * sum(weights) / top + n * switch
+    m.run(round_s)  # the first round is not measured
+    t0 = m.clock.monotonic()
+    m.run(5 * 60 * round_s)
+    span = (m.clock.monotonic() - t0) / 5
+    for k in range(6):
+        a, b = (t0, t0 + 5 * span) if k == 5 else (t0 + k * span, t0 + (k + 1) * span)
+        work = [m.work(i, a, b) for i in range(1, n + 1)]
+        quanta = min(sum(1 for x, y in m.clients[i].work if a <= x < b) for i in range(1, n + 1))
+        assert quanta >= 60
+        for i in range(n):
+            want = weights[i] / sum(weights)
+            err = abs(work[i] / sum(work) / want - 1)
+            assert err <= 2.5 / quanta, (k, i, err, quanta, work)
 
 
 # --- mode auto: a holder joining may not take a filling holder's room -------------------------

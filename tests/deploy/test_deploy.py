@@ -64,7 +64,7 @@ def test_daemonset_has_what_a_node_agent_needs():
     assert ds["runtimeClassName"] == "nvidia"
     assert ds["priorityClassName"] == "system-node-critical"
     paths = {v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
-    assert paths == {"/run/gpushare", "/var/lib/gpushare"}
+    assert paths == {"/run/gpushare", "/run/gpushare-admin", "/var/lib/gpushare"}
     (c,) = ds["containers"]
     assert c["readinessProbe"] and c["livenessProbe"] and c["resources"]["requests"]
     assert "--kubernetes" in c["args"] and any(a.startswith("--state=/var/lib") for a in c["args"])
@@ -91,6 +91,27 @@ def test_kai_overlay_servicemonitor_selects_the_metrics_service():
     assert all(svc["metadata"]["labels"].get(k) == v for k, v in sel.items())
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     assert "ServiceMonitor" not in by_kind(render("plain"))
+
+
+@pytest.mark.parametrize("overlay", ["plain", "kai"])
+def test_the_admin_socket_is_where_no_workload_reaches_it(overlay):
+    kinds = by_kind(render(overlay))
+    cfg = msgspec.convert(tomllib.loads(kinds["ConfigMap"]["data"]["node.toml"]), NodeConfig)
+    admin_dir = str(Path(cfg.admin_socket).parent)
+    assert admin_dir != str(Path(cfg.socket).parent)
+    ds = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    mounted = {m["mountPath"] for m in ds["containers"][0]["volumeMounts"]}
+    assert admin_dir in mounted  # the node's own pod has it (kubectl exec, the probe)
+    probe = ds["containers"][0]["livenessProbe"]["exec"]["command"]
+    assert cfg.admin_socket in probe
+    for example in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
+        for o in yaml.safe_load_all(example.read_text()):
+            spec = o["spec"]["template"]["spec"] if o["kind"] == "Deployment" else o["spec"]
+            for v in spec["volumes"]:
+                host = v.get("hostPath", {}).get("path")
+                assert host is None or not (admin_dir + "/").startswith(host.rstrip("/") + "/"), (
+                    f"{example.name} mounts {host}, where the admin socket is"
+                )
 
 
 @pytest.mark.parametrize(

@@ -78,12 +78,12 @@ def test_the_command_line_says_the_same():
 
 
 def test_the_exporter_says_the_same():
-    from gpushare.node.metrics import NodeCollector
+    from gpushare.node.metrics import registry_for
     from gpushare.status import NodeInfo, NodeStatus
 
     empty = NodeStatus(node=NodeInfo(pid=0, started=0.0, config=""), gpus=[])
-    (info, *_) = NodeCollector(lambda: empty).collect()
-    assert info.name == "gpushare_build"
+    (info, *_) = registry_for(lambda: empty).collect()
+    assert info.name == "gpushare_build_info"
     assert info.samples[0].labels["version"] == __version__
 
 

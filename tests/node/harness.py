@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from gpushare.node import virtual_time
 from gpushare.node.config import load
 from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
+from gpushare.node.procs import ProcRef
 from gpushare.units import parse_size
 
 G = 2**30
@@ -93,9 +95,20 @@ class Workload(Peer):
 
 
 class InProcessNode:
-    def __init__(self, node: Node, clock: ManualClock, folder: Path) -> None:
+    def __init__(
+        self, node: Node, clock: ManualClock, folder: Path, make: Callable[[], Node]
+    ) -> None:
         self.node, self.clock, self.dir = node, clock, folder
         self.signals: list[tuple[int, int]] = []
+        self._make = make
+
+    async def restart(self) -> Node:
+        """Stop the node (its connections end, as when it dies) and start another on the
+        same sockets and files: what a node restart looks like to its workloads."""
+        await self.node.stop()
+        self.node = self._make()
+        await self.node.start()
+        return self.node
 
     @property
     def socket(self) -> str:
@@ -150,7 +163,10 @@ def in_process(
     def wrap(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
         @functools.wraps(test)
         def run(*args: Any, **kwargs: Any) -> None:
-            with tempfile.TemporaryDirectory(prefix="gs-ip-") as d:
+            # On a tmpfs where there is one: the node's files are flushed to disk as they
+            # are written (session records), and a disk makes each write milliseconds.
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            with tempfile.TemporaryDirectory(prefix="gs-ip-", dir=shm) as d:
                 folder = Path(d)
                 paths = {}
                 for name, text in (files or {}).items():
@@ -170,26 +186,28 @@ def in_process(
                 clock = ManualClock()
                 box: list[InProcessNode] = []
 
-                def record(pid: int, sig: int) -> None:
-                    box[0].signals.append((pid, sig))
+                def record(ref: ProcRef, sig: int) -> None:
+                    box[0].signals.append((ref.pid, sig))
 
-                node = Node(
-                    cfg,
-                    simulated_gpus(gpus, parse_size(memory)),
-                    config_path=config_path,
-                    state_path=state_path,
-                    clock=clock,
-                    signaller=record,
-                    flags=flags,
-                )
-                box.append(InProcessNode(node, clock, folder))
+                def make() -> Node:
+                    return Node(
+                        cfg,
+                        simulated_gpus(gpus, parse_size(memory)),
+                        config_path=config_path,
+                        state_path=state_path,
+                        clock=clock,
+                        signaller=record,
+                        flags=flags,
+                    )
+
+                box.append(InProcessNode(make(), clock, folder, make))
 
                 async def main() -> None:
-                    await node.start()
+                    await box[0].node.start()
                     try:
                         await test(box[0], *args, **kwargs)
                     finally:
-                        await node.stop()
+                        await box[0].node.stop()
 
                 virtual_time.run(main(), clock)
 

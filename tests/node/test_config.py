@@ -1,6 +1,6 @@
 import pytest
 
-from gpushare.node.config import ConfigError, NodeConfig, load, persist
+from gpushare.node.config import ConfigError, NodeConfig, check_gpus, load, persist
 
 
 def test_missing_file_gives_defaults(tmp_path):
@@ -21,10 +21,22 @@ def test_reads_values_and_gpu_tables(tmp_path):
         ('mode = "fast"', "mode"),
         ("tqq = 3", "tqq"),
         ('tq = "x"', "tq"),
-        ("tq = -1.0", "TQ must be a positive number"),
-        ("tq = 0", "TQ must be a positive number"),
-        ("grace = 0.0", "grace must be a positive number"),
-        ("[gpu.1]\ntq = -2.0", r"\[gpu\.1\]: TQ must be a positive number"),
+        ("tq = -1.0", "TQ must be positive"),
+        ("tq = 0", "TQ must be positive"),
+        ("tq = 1e12", "TQ must be a number of seconds from 0.05 s to 86400 s"),
+        ("grace = 0.0", "grace must be positive"),
+        ("[gpu.1]\ntq = -2.0", r"\[gpu\.1\]: TQ must be positive"),
+        ("[gpu.x]\ntq = 2.0", r"\[gpu\.x\]: a GPU table is named by its index"),
+        ("idle_release = -3", "idle_release must be positive"),
+        ("max_sessions_per_uid = -1", "max_sessions_per_uid must be a whole number from 1"),
+        ("sim_bandwidth = 0", "sim_bandwidth must be a number from"),
+        ("sim_swap_failure_rate = 7", "sim_swap_failure_rate must be a number from 0 to 1"),
+        ("metrics_port = 99999", "metrics_port must be a whole number from 0 to 65535"),
+        ("hello_timeout = 0", "hello_timeout must be positive"),
+        ("max_messages_per_s = 0", "max_messages_per_s must be a number from 1"),
+        ('reserve = "lots"', "reserve: cannot read size"),
+        ("reserve = -1", "reserve: size must not be negative"),
+        ('sim_memory = "0GiB"', "sim_memory must be a positive size"),
     ],
 )
 def test_bad_files_give_one_clear_line(tmp_path, text, match):
@@ -57,5 +69,14 @@ def test_persist_refuses_values_the_node_could_not_read(tmp_path):
 
 
 def test_flags_are_checked_as_the_files_are():
-    with pytest.raises(ConfigError, match="TQ must be a positive number"):
+    with pytest.raises(ConfigError, match="TQ must be positive"):
         load(None, None, {"tq": 0.0})
+
+
+def test_a_gpu_table_for_a_gpu_the_node_lacks_is_an_error(tmp_path):
+    f = tmp_path / "node.toml"
+    f.write_text("[gpu.5]\ntq = 3\n")
+    cfg = load(f)
+    check_gpus(cfg, 6)
+    with pytest.raises(ConfigError, match=r"\[gpu\.5\]: this node has 1 GPU \(0\.\.0\)"):
+        check_gpus(cfg, 1)

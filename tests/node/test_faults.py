@@ -149,7 +149,14 @@ def test_failing_swaps_are_survived(node_factory):
     # 30 bursts, each a swap cycle: 30% of the swap-outs fail (each costs the node a
     # second's wait before it asks again); P(none fails, or none succeeds) < 1e-4.
     node = node_factory(
-        *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", sim_swap_failure_rate="0.3")
+        *sim(
+            "10GiB",
+            mode="exclusive",
+            tq="5",
+            sim_bandwidth="1e13",
+            sim_swap_failure_rate="0.3",
+            idle_release="0.02",  # each burst's end a switch (workloads.cycles)
+        )
     )
     with all_start_together(node, waiting=2):
         procs = [

@@ -1,9 +1,12 @@
 """Fuzzing the running daemon over its real sockets: random bytes and random message
-sequences, on both sockets. After every case the node is alive and a bystander session
-is served as before."""
+sequences, on both sockets; and lies in well-formed messages (valid frames with hostile
+values: negative, huge, NaN, infinite, the wrong state, other sessions' ids and leases),
+in process on virtual time. After every case the node is alive, its invariants hold
+and a bystander session is served as before."""
 
 from __future__ import annotations
 
+import math
 import socket
 import tempfile
 from pathlib import Path
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 
 import gpushare
 from gpushare import protocol as p
+from tests.node.harness import Peer, in_process
 from tests.support import NodeProcess, sim
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -36,6 +40,9 @@ workload_msgs = st.one_of(
         resident=ints,
         swapped=ints,
         holding=st.booleans(),
+        session=st.one_of(st.just(0), ints),
+        lease=st.one_of(st.just(0), ints),
+        token=text,
     ),
     st.builds(p.Acquire),
     st.builds(
@@ -114,6 +121,8 @@ def _still_serving(node: NodeProcess, bystander: gpushare.Session) -> None:
     assert node.proc is not None and node.proc.poll() is None
     with bystander.gpu():
         assert bystander.holding
+    for g in node.status()["gpus"]:
+        assert len(g["holders"]) <= 1 and g["used_bytes"] <= g["usable_bytes"]
 
 
 fuzz = settings(
@@ -148,3 +157,56 @@ def test_random_message_sequences_on_the_admin_socket(fuzz_node, msgs):
     msgs = [m for m in msgs if not (isinstance(m, p.EndSession) and m.session == by.id)]
     _send(node.admin, b"".join(p.encode(m) for m in msgs))
     _still_serving(node, by)
+
+
+# --- lies in well-formed messages, in process ---------------------------------------------
+
+int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+sizes = st.one_of(int64, st.integers(0, 8 * 2**30), st.sampled_from([0, 2**30, 2**62]))
+hostile = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([-1.0, 1e308, 0.5])
+)
+lies = st.one_of(
+    st.builds(p.Acquire),
+    st.builds(
+        p.Release, resident=sizes, swapped=sizes, again=st.booleans(), swapped_out=sizes,
+        seconds=hostile, swapping_out=sizes,
+    ),
+    st.builds(
+        p.SwapDone, direction=st.sampled_from(["in", "out"]), bytes=sizes, seconds=hostile,
+        resident=sizes, swapped=sizes, error=st.sampled_from(["", "x" * 5000]),
+    ),
+    st.builds(p.Report, resident=sizes, swapped=sizes),
+)  # fmt: skip
+hellos = st.builds(
+    p.Hello, version=st.just(1), name=st.text(max_size=300),
+    memory_limit=st.one_of(st.none(), sizes),
+    weight=st.one_of(st.none(), hostile), portion=st.one_of(st.none(), hostile),
+    resident=sizes, swapped=sizes, holding=st.booleans(), session=st.sampled_from([0, 1, 2, 99]),
+    lease=st.sampled_from([0, 1, 2, 2**62]), token=st.sampled_from(["", "0" * 32]),
+    gang_size=st.sampled_from([0, 2, -1, 10**9]), rank=st.sampled_from([-1, 0, 5]),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(hello=hellos, msgs=st.lists(lies, max_size=12))
+@in_process(memory="16GiB", mode="exclusive", tq=1, grace=1, escalation="kill")
+async def test_lies_in_well_formed_messages_harm_no_one(node, hello, msgs):
+    by = await node.workload(memory_limit=2**30, name="bystander")
+    await by.send(p.Acquire())
+    await by.expect(p.Grant)
+    liar = await Peer.connect(node.socket)
+    await liar.send(hello, *msgs)
+    await node.settle()
+    await node.until(lambda: True)
+    for g in node.node.status().gpus:
+        assert len(g.holders) <= 1 and g.used_bytes <= g.usable_bytes
+        for x in g.sessions:
+            assert min(x.resident_bytes, x.swapped_bytes) >= 0
+            assert x.resident_bytes + x.swapped_bytes <= x.memory_limit_bytes
+            assert math.isfinite(x.swap_out_seconds_total + x.swap_in_seconds_total)
+    # the bystander is served: it holds, or gets the GPU back once the liar's turn ends
+    await by.send(p.Release(resident=0, swapped=0))
+    await by.send(p.Acquire())
+    await by.expect(p.Grant, timeout=120)
+    liar.close()

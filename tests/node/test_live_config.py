@@ -32,13 +32,30 @@ async def test_config_file_changes_apply_live(node, caplog):
     assert node.node.arbiters[0].settings.mode == "auto"
     assert "changed: GPU 0 {'tq_s': 12.0}" in caplog.text
     assert [e["gpu"] for e in node.events("config")] == [0, 1]
-    # bad edits: logged, and the configuration in force is kept
-    for bad in ("tq = [broken\n", "tq = -1.0\n", '[gpu.1]\nmode = "fastest"\n'):
+    # bad edits: refused (a log line, an event), and the configuration in force is kept
+    bad_edits = [
+        "tq = [broken\n",
+        "tq = -1.0\n",
+        "tq = 1e12\n",
+        '[gpu.1]\nmode = "fastest"\n',
+        "[gpu.5]\ntq = 3.0\n",  # this node has GPUs 0 and 1
+        "tq = 12.0\nmetrics_port = 99999\n",
+        "tq = 12.0\nidle_release = -3\n",
+        "tq = 12.0\nsim_swap_failure_rate = 7\n",
+    ]
+    for i, bad in enumerate(bad_edits, start=1):
         caplog.clear()
         cfg.write_text(bad)
-        await node.until(lambda: "keeping the configuration in force" in caplog.text)
+        await node.until(lambda i=i: len(node.events("config_refused")) == i)
+        assert "keeping the configuration in force" in caplog.text
         assert tqs(node) == [12, 12] and node.node.arbiters[1].settings.mode == "exclusive"
+    reasons = [e["reason"] for e in node.events("config_refused")]
+    assert "[gpu.5]: this node has 2 GPUs" in reasons[4] and "metrics_port" in reasons[5]
+    assert all(e["source"] == f"file {cfg}" for e in node.events("config_refused"))
     assert len(node.events("config")) == 2
+    # and the next good edit applies as usual
+    cfg.write_text("tq = 9.0\n")
+    await node.until(lambda: tqs(node) == [9, 9])
 
 
 @in_process(files={"config": "tq = 30.0\n"})

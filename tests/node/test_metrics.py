@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 import types
 import urllib.request
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushare import protocol as p
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
@@ -18,7 +21,8 @@ from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
 from gpushare.node.metrics import registry_for
 from gpushare.node.utilization import NvmlUtilization
-from gpushare.status import to_json_object
+from gpushare.status import SessionStatus, to_json_object
+from tests.node.harness import in_process
 from tests.support import sim
 
 G = 2**30
@@ -216,3 +220,86 @@ def test_status_json_carries_the_figures_metrics_need(scripted):
     assert g["utilization_ratio"] == 0.8
     s = {x["id"]: x for x in g["sessions"]}
     assert s[2]["wait_seconds_p95"] == pytest.approx(9.0)
+
+
+def test_each_session_has_an_info_series_with_its_name_and_user(scripted):
+    node, reg = scripted
+    import pwd
+
+    user = pwd.getpwuid(0).pw_name  # the scripted sessions have no connection: uid 0
+    base = {"gpu": "0", "gpu_uuid": node.gpus[0].uuid, "namespace": "", "pod": ""}
+    base["container"] = ""
+    v = reg.get_sample_value
+    assert v("gpushare_session_info", {**base, "session": "1", "name": "train", "user": user}) == 1
+    assert v("gpushare_session_info", {**base, "session": "2", "name": "infer", "user": user}) == 1
+    info = [s for f in reg.collect() for s in f.samples if s.name == "gpushare_session_info"]
+    assert len(info) == 2 and all("pid" not in s.labels for s in info)
+    # every per-session series joins to exactly one info series on (gpu, session)
+    keys = {(s.labels["gpu"], s.labels["session"]) for s in info}
+    for fam in reg.collect():
+        for smp in fam.samples:
+            if "session" in smp.labels:
+                assert (smp.labels["gpu"], smp.labels["session"]) in keys, smp.name
+
+
+@in_process(mode="exclusive", tq=5)
+async def test_a_workloads_totals_outlive_its_sessions(node):
+    # Two short jobs named "job" one after the other, and a "train" still attached: the
+    # jobs' series are gone with their sessions, their totals by name are not.
+    train = await node.workload(memory_limit=G, name="train")
+    for _ in range(2):
+        w = await node.workload(memory_limit=G, name="job")
+        await w.send(p.Acquire())
+        await w.expect(p.Grant)
+        await asyncio.sleep(2)  # virtual time: a lease of 2 s
+        w.close()
+        await node.until(lambda w=w: w.session not in node.node.conns)
+    st = node.node.status()
+    assert [s.name for s in st.gpus[0].sessions] == ["train"]
+    by_name = {w.name: w for w in st.gpus[0].workloads}
+    job = by_name["job"]
+    assert (job.sessions, job.sessions_total, job.grants_total) == (0, 2, 2)
+    assert job.lease_seconds_total == pytest.approx(4.0, abs=0.01)
+    assert (by_name["train"].sessions, by_name["train"].sessions_total) == (1, 1)
+    reg = registry_for(node.node.status)
+    wl = {"gpu": "0", "gpu_uuid": node.node.gpus[0].uuid, "namespace": "", "pod": ""}
+    wl |= {"container": "", "name": "job"}
+    v = reg.get_sample_value
+    assert v("gpushare_workload_lease_seconds_total", wl) == pytest.approx(4.0, abs=0.01)
+    assert v("gpushare_workload_sessions_total", wl) == 2
+    assert v("gpushare_workload_grants_total", wl) == 2
+    assert v("gpushare_workload_swap_bytes_total", {**wl, "direction": "out"}) == 0
+    assert v("gpushare_lease_seconds_total", {**wl, "session": "2"}) is None  # gone
+    # the status JSON carries the same totals
+    assert to_json_object(st)["gpus"][0]["workloads"][0]["name"] == "job"
+    train.close()
+
+
+def test_workload_totals_are_bounded():
+    from gpushare.node.totals import Totals
+
+    t = Totals(limit=3)
+    for i in range(5):
+        s = msgspec.convert(
+            {**_session_fields(), "name": f"job-{i}", "grants_total": 1}, SessionStatus
+        )
+        t.retire(s)
+    assert [w.name for w in t.workloads([])] == ["job-2", "job-3", "job-4"]
+
+
+def _session_fields() -> dict:
+    fields = {}
+    for f in msgspec.structs.fields(SessionStatus):
+        t = f.type
+        fields[f.name] = (
+            0
+            if t in (int, float)
+            else ""
+            if t is str
+            else False
+            if t is bool
+            else []
+            if getattr(t, "__origin__", None) is list
+            else {}
+        )
+    return fields

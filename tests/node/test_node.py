@@ -29,7 +29,10 @@ def test_oversubscribed_sessions_survive_1000_swap_cycles(node_factory):
     # Two sessions of 6 GiB on a 10 GiB GPU: a handoff swaps whenever the other waits
     # (nearly always: 1200 bursts leave room for a tenth that did not, as seen under
     # load). Fast modelled link.
-    node = node_factory(*sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13"))
+    # each burst's end a switch (workloads.cycles)
+    node = node_factory(
+        *sim("10GiB", mode="exclusive", tq="5", sim_bandwidth="1e13", idle_release="0.02")
+    )
     with all_start_together(node, waiting=2):  # both cycling from the first burst
         procs = [
             node.workload(
@@ -133,7 +136,7 @@ def test_ctl_errors_are_one_clear_line(node_factory, short_tmp):
     r = node.ctl("tq", "5", "--gpu", "3", check=False)
     assert r.returncode == 1 and "no GPU 3" in r.stderr
     r = node.ctl("tq", "-1", check=False)
-    assert r.returncode == 2 and "duration" in r.stderr
+    assert r.returncode == 2 and "TQ must be positive" in r.stderr
     r = node.ctl("--socket", str(short_tmp / "none.sock"), "status", check=False)
     assert r.returncode == 1 and "is 'gpushare node' running" in r.stderr
 
@@ -252,13 +255,16 @@ def test_second_node_on_same_socket_is_refused(node_factory):
 
 def _switching(folder: Path, *extra: str) -> tuple[NodeProcess, list[subprocess.Popen[str]]]:
     """Two 30 GiB batch sessions on a 40 GiB simulated GPU: every switch moves 20 GiB
-    each way."""
+    each way. They start contending together (behind a gate session), and run long
+    enough for several switches on a loaded machine: one process started late, or a
+    slow run, left only two."""
     folder.mkdir()
     node = NodeProcess(folder, *sim("40GiB", mode="exclusive", tq="0.5"), *extra).start()
-    procs = [
-        node.workload("batch", "--memory", "30GiB", "--seconds", "6", "--name", f"j{i}")
-        for i in (1, 2)
-    ]
+    with all_start_together(node, waiting=2):
+        procs = [
+            node.workload("batch", "--memory", "30GiB", "--seconds", "8", "--name", f"j{i}")
+            for i in (1, 2)
+        ]
     return node, procs
 
 

@@ -43,7 +43,10 @@ def dashboard_exprs() -> list[str]:
 
 def concrete(expr: str) -> str:
     """Grafana's variables as Grafana would fill them with 'All'."""
-    return expr.replace("$__rate_interval", "1m").replace("$namespace", ".*").replace("$pod", ".*")
+    out = expr.replace("$__rate_interval", "1m")
+    for var in ("$namespace", "$pod", "$name"):
+        out = out.replace(var, ".*")
+    return out
 
 
 def exported_names() -> set[str]:
@@ -101,16 +104,19 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
     mport, pport = free_port(), free_port()
     # This process, as the kernel would show it inside a pod (a /proc root of our own)
     proc = tmp_path / "proc"
-    (proc / str(os.getpid())).mkdir(parents=True)
+    proc.mkdir()
     uid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f"
     slice_ = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
-    (proc / str(os.getpid()) / "cgroup").write_text(
-        f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}.scope\n"
-    )
     monkeypatch.setenv("POD_UID", uid)
     node = node_factory(
         *sim("16GiB", metrics_port=mport, metrics_address="127.0.0.1", proc_root=proc)
     )
+    # and the node beside it in that pod: this process administers it too (status), which
+    # the node allows only from the host or its own pod
+    cgroup = f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{'ab' * 32}"
+    for pid in (os.getpid(), node.proc.pid):
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "cgroup").write_text(cgroup + ".scope\n")
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -153,7 +159,32 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
         # every dashboard expression runs on the real server
         for e in dashboard_exprs():
             assert _query(pport, concrete(e))["status"] == "success", e
+        # the session's series join to its name (issue 16: "session=4" said nothing)
+        joined = _query(
+            pport,
+            "gpushare_lease_seconds_total * on(instance, gpu, session) group_left(name, user)"
+            " gpushare_session_info",
+        )["data"]["result"]
+        assert [(r["metric"]["name"], r["metric"]["pod"]) for r in joined] == [
+            ("trainer", "trainer-7")
+        ]
         s.close()
+
+        # gone: its session's series go, its workload's totals stay, by name
+        def totals() -> list:
+            q = 'gpushare_workload_lease_seconds_total{name="trainer"} and on()'
+            q += " absent(gpushare_session_info)"
+            try:
+                return _query(pport, q)["data"]["result"]
+            except OSError:
+                return []
+
+        deadline = time.monotonic() + 60
+        while not (res := totals()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert res, (tmp_path / "prom.log").read_text()[-2000:]
+        assert float(res[0]["value"][1]) == pytest.approx(held["lease_seconds_total"], abs=0.05)
+        assert res[0]["metric"]["pod"] == "trainer-7"
     finally:
         prom.terminate()
         prom.wait(timeout=20)

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.support import NodeProcess, all_start_together, sim
+from tests.support import NodeProcess, all_start_together, sim, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -67,15 +67,18 @@ def test_a_notebook_cell_beside_batch_jobs_goes_first(node_factory):
     # Two batch jobs and a notebook, TQ 20 s: in the queue a cell would wait up to 40 s.
     node = node_factory(*sim("80GiB", mode="exclusive", tq="20", idle_release="0.3"))
     with all_start_together(node, waiting=3):
+        # the notebook first in the queue: its allocation (a first burst, never a turn)
+        # must not wait for both batch jobs' quanta, or its cells meet an idle GPU
         procs = [
+            node.workload("interactive", "--memory", "30GiB", "--seconds", "8", "--name", "nb")
+        ]
+        wait_until(lambda: node.status()["gpus"][0]["queue"], what="the notebook waiting")
+        procs += [
             node.workload("batch", "--memory", "30GiB", "--seconds", "8", "--name", f"b{i}")
             for i in range(2)
         ]
-        procs.append(
-            node.workload("interactive", "--memory", "30GiB", "--seconds", "8", "--name", "nb")
-        )
     outs = finish(procs)
-    nb = outs[2]
+    nb = outs[0]
     assert nb["bursts"] >= 4  # the allocation and cells
     assert nb["wait_max_s"] < 5.0, nb
     turns = [e for e in node.event_list() if e["event"] == "grant" and e.get("turn")]
@@ -83,11 +86,14 @@ def test_a_notebook_cell_beside_batch_jobs_goes_first(node_factory):
 
 
 def test_weighted_shares_follow_the_weights(node_factory):
-    node = node_factory(*sim("80GiB", mode="exclusive", tq="0.5", policy="weighted"))
+    # Two sessions that swap at every switch. Small (5 of 8 GiB): the workload checks its
+    # memory's pattern at each new grant, CPU time inside its quantum; at 50 GiB that was
+    # a tenth of the light session's 0.17 s quantum, and its steps fell short of 1:3.
+    node = node_factory(*sim("8GiB", mode="exclusive", tq="0.5", policy="weighted"))
     with all_start_together(node, waiting=2):
         procs = [
             node.workload(
-                "batch", "--memory", "50GiB", "--seconds", "10", "--name", f"w{w}",
+                "batch", "--memory", "5GiB", "--seconds", "10", "--name", f"w{w}",
                 "--weight", str(w), "--seed", str(w),
             )
             for w in (1, 3)

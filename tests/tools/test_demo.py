@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -23,3 +24,9 @@ def test_the_demo_runs_and_reports_intact_data_and_overlapped_switches(short_tmp
     assert len(rows) == 3 and all(" intact (" in r for r in rows), text
     assert "overlapped switches" in text, text
     assert (workdir / "events.jsonl").stat().st_size > 0
+    # what it says is what it shows: exclusive round-robin, for the time it says
+    assert "Mode exclusive: one workload holds the GPU at a time" in text
+    ran = re.search(r"workloads ran ([0-9.]+) s \(asked: 8 s\)", text)
+    assert ran and 8 <= float(ran.group(1)) < 8 * 1.5, text  # loose: a loaded machine
+    shares = [float(r.split()[2].rstrip("%")) for r in rows]
+    assert sum(shares) <= 100.5  # alone: the shares cannot add up past the whole

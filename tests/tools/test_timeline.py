@@ -1,11 +1,15 @@
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 from gpushare.tools.report import read_events
-from gpushare.tools.timeline import figure_size_px, lanes, plot
+from gpushare.tools.timeline import MIN_BAR, bars, figure, figure_size_px, lanes, plot
 from tests.support import FIXTURES
 
 FIXTURE = FIXTURES / "demo-events.jsonl"
+# Five programs named "mnist", 20 minutes of leases of a fraction of a second each.
+MNIST = FIXTURES / "mnist-events.jsonl"
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -37,3 +41,53 @@ def test_cli_draws_from_a_log(tmp_path):
     assert main(["timeline", "--events", str(FIXTURE), "-o", str(out)]) == 0
     assert png_size(out) == (1200, 280)
     assert main(["timeline", "--events", str(tmp_path / "missing.jsonl"), "-o", str(out)]) == 1
+
+
+def test_five_lanes_of_the_same_name_are_told_apart_by_their_session():
+    rows, _, _ = lanes(read_events(MNIST))
+    labels = [r.label for r in rows]
+    assert labels == [f"GPU 0  mnist #{i}" for i in range(1, 6)]
+    assert len(set(labels)) == 5
+
+
+def test_the_default_window_is_the_last_minutes_and_short_leases_stay_visible():
+    events = read_events(MNIST)
+    _, t0, t1 = lanes(events)
+    assert t1 - t0 > 19 * 60
+    rows, w0, w1 = lanes(events, window_s=300)
+    assert w1 == t1 and w1 - w0 == 300
+    assert all(w0 <= a for r in rows for a, _ in r.leases)
+    leases = [lease for r in rows for lease in r.leases]
+    assert leases and max(b - a for a, b in leases) < 1  # all sub-second
+    # each drawn at least MIN_BAR of the axis: a few pixels, not a hairline
+    assert all(width >= (w1 - w0) * MIN_BAR for r in rows for _, width in bars(r.leases, w0, w1))
+
+
+def test_the_axis_is_wall_clock_time_and_the_lanes_are_labelled():
+    from datetime import datetime
+
+    import matplotlib.pyplot as plt
+
+    rows, t0, t1 = lanes(read_events(MNIST), window_s=300)
+    fig = figure(rows, t0, t1)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels()] == [r.label for r in rows]
+    ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    start = datetime.fromtimestamp(t0).strftime("%H:%M")
+    assert ticks and all(len(t) == 8 and t.count(":") == 2 for t in ticks)  # HH:MM:SS
+    assert any(t.startswith(start) for t in ticks)
+    plt.close(fig)
+
+
+def test_without_matplotlib_the_cli_says_what_to_install():
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from gpushare.tools.cli import main\n"
+        f"sys.exit(main(['timeline', '--events', {str(FIXTURE)!r}, '-o', 'x.png']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (
+        "gpushare timeline: error: the timeline needs matplotlib: pip install 'gpushare[plot]'\n"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+import gpushare
 from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
 from gpushare.node.daemon import Node
@@ -61,47 +63,189 @@ def test_once_prints_a_frame(node_factory):
     assert r.returncode == 0 and "GPU 0" in r.stdout and "no sessions" in r.stdout
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_a_name_too_long_for_its_column_ends_in_a_mark():
+    node, _ = scenario()
+    st = node.status()
+    text = "\n".join(render(st, ShareTracker().update(0.0, st), 80))
+    row = next(line for line in text.splitlines() if "holding" in line)
+    assert row.split()[0] == "a-very-long-sessi…"  # the holder line above has it whole
+    wide = "\n".join(render(st, ShareTracker().update(0.0, st), 120))
+    row = next(line for line in wide.splitlines() if "holding" in line)
+    assert row.split()[0] == "a-very-long-session-name-indeed"  # room for it: whole
+
+
+def test_once_json_and_a_pipe_get_one_frame_and_no_drawing_loop(node_factory):
+    node = node_factory(*sim("16GiB"))
+    with gpushare.attach("1GiB", socket=node.socket, name="trainer") as s:
+        top = [sys.executable, "-m", "gpushare", "top", "--socket", node.admin]
+        r = subprocess.run([*top, "--once", "--json"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        frame = json.loads(r.stdout)
+        (row,) = frame["gpus"][0]["sessions"]
+        assert (row["id"], row["name"], row["state"]) == (s.id, "trainer", "idle")
+        assert 0 <= row["share"] <= 1 and frame["gpus"][0]["simulated"] is True
+        # stdin and stdout not a terminal: one frame, a line saying so, exit 0 (issue 16:
+        # it kept drawing into the pipe)
+        r = subprocess.run(
+            top, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30
+        )
+        assert r.returncode == 0 and r.stdout.count("gpushare top") == 1
+        assert "\x1b" not in r.stdout and "trainer" in r.stdout
+        assert r.stderr.strip().splitlines() == [
+            "gpushare top: not a terminal: one frame printed (--once); run it in a terminal"
+            " for the live view"
+        ]
+        r = subprocess.run([*top, "--json"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "use it with --once" in r.stderr
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+class Tmux:
+    """A real terminal: tmux runs the command; keys in, the screen out."""
+
+    def __init__(self, cmd: str, width: int = 80, height: int = 24) -> None:
+        self.name = f"gstop{time.monotonic_ns()}"
+        subprocess.run(
+            [
+                "tmux",
+                "new-session",
+                "-d",
+                "-s",
+                self.name,
+                "-x",
+                str(width),
+                "-y",
+                str(height),
+                cmd,
+            ],
+            check=True,
+        )
+
+    def screen(self, colours: bool = False) -> str:
+        args = ["tmux", "capture-pane", "-p", "-t", self.name] + (["-e"] if colours else [])
+        return subprocess.run(args, capture_output=True, text=True).stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def until(self, pred, what: str, timeout: float = 20) -> str:
+        def shown() -> str | None:
+            t = self.screen()
+            return t if pred(t) else None
+
+        try:
+            return wait_until(shown, timeout, what)
+        except AssertionError:
+            raise AssertionError(
+                f"timed out waiting for {what}; the screen:\n{self.screen()}"
+            ) from None
+
+    def alive(self) -> bool:
+        r = subprocess.run(["tmux", "has-session", "-t", self.name], capture_output=True)
+        return r.returncode == 0
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+@needs_tmux
 def test_live_view_in_tmux(node_factory):
     node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
     procs = [
         node.workload("batch", "--memory", "30GiB", "--seconds", "20", "--name", f"job{i}")
         for i in range(3)
     ]
-    sess = f"gstop{time.monotonic_ns()}"
-    cmd = f"{sys.executable} -m gpushare top --socket {node.admin}"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", sess, "-x", "80", "-y", "24", cmd], check=True
-    )
+    term = Tmux(f"{sys.executable} -m gpushare top --socket {node.admin}")
     try:
 
-        def screen() -> str:
-            return subprocess.run(
-                ["tmux", "capture-pane", "-p", "-t", sess], capture_output=True, text=True
-            ).stdout
+        def shows_all(t: str) -> bool:
+            return all(f"job{i}" in t for i in range(3)) and "holding" in t and "waiting" in t
 
-        def shows_all() -> str | None:
-            t = screen()
-            ok = all(f"job{i}" in t for i in range(3)) and "holding" in t and "waiting" in t
-            return t if ok else None
-
-        text = wait_until(shows_all, timeout=20, what="top to show the sessions")
+        text = term.until(shows_all, "top to show the sessions")
         assert "[SIMULATED]" in text and "exclusive/equal" in text
         assert all(len(line) <= 80 for line in text.splitlines())
-        subprocess.run(["tmux", "send-keys", "-t", sess, "q"], check=True)
-        wait_until(
-            lambda: (
-                subprocess.run(["tmux", "has-session", "-t", sess], capture_output=True).returncode
-                != 0
-            ),
-            timeout=10,
-            what="q to quit",
-        )
+        # colour: a waiting state in yellow (SGR 93; one row at most is the highlighted
+        # focus, and two wait), the simulated mark in yellow too
+        coloured = term.screen(colours=True)
+        assert "\x1b[93mwaiting" in coloured and "93m [SIMULATED]" in coloured
+        term.keys("q")
+        wait_until(lambda: not term.alive(), timeout=10, what="q to quit")
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
+        term.close()
         for p in procs:
             p.kill()
             p.wait()
+
+
+@needs_tmux
+def test_sort_keys_details_resize_and_scrolling_in_tmux(node_factory):
+    node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
+    long_name = "a-very-long-name-for-a-training-job-indeed"
+    # 25 sessions: more than 24 rows hold
+    sessions = [gpushare.attach("1GiB", socket=node.socket, name=f"s{i:02d}") for i in range(24)]
+    sessions.append(gpushare.attach("1GiB", socket=node.socket, name=long_name))
+    term = Tmux(f"{sys.executable} -m gpushare top --socket {node.admin} --interval 0.2")
+    try:
+        text = term.until(lambda t: "s00" in t, "the first sessions")
+        assert "a-very-long-na…" not in text  # sorted by share: all 0, by id: it is last
+        # scrolling: End brings the last session into view, Home the first back
+        term.keys("5")  # sort by memory: all equal, then in id order
+        term.keys("End")
+        text = term.until(lambda t: "a-very-long-na…" in t, "End to scroll to the last")
+        assert "s00" not in text
+        term.keys("Home")
+        term.until(lambda t: "s00" in t and "a-very-long" not in t, "Home to scroll back")
+        # sort by name, reversed: the long name (a...) last, s23 first
+        term.keys("2", "r")
+        term.until(lambda t: "sort: name ↑" in t, "the sort to change")
+        term.keys("Home")  # the focus followed s00 down: back to the top
+
+        def first_rows(t: str) -> list[str]:
+            return [line.split()[0] for line in t.splitlines() if line.startswith("s")][:3]
+
+        term.until(lambda t: first_rows(t) == ["s23", "s22", "s21"], "s23 first")
+        # the focused session's details
+        term.keys("Enter")
+        text = term.until(lambda t: "memory_limit_bytes" in t, "the details")
+        assert "session" in text and "s23" in text and "(1.0 GiB)" in text
+        term.keys("Escape")
+        term.until(lambda t: "SESSION" in t, "Escape to go back")
+        # resize: wider, the long name whole; narrower, cut with its mark again
+        subprocess.run(["tmux", "resize-window", "-t", term.name, "-x", "130"], check=True)
+        term.keys("6", "End")  # by id: the long name last
+        text = term.until(lambda t: long_name in t, "the long name whole at 130 columns")
+        assert max(len(line) for line in text.splitlines()) > 80
+        subprocess.run(["tmux", "resize-window", "-t", term.name, "-x", "80"], check=True)
+        term.keys("End")
+        term.until(lambda t: "a-very-long-na…" in t, "the mark again at 80 columns")
+        term.keys("h")
+        term.until(lambda t: "this help" in t, "the help")
+        term.keys("x")
+        term.until(lambda t: "SESSION" in t, "any key back from the help")
+        term.keys("q")
+        wait_until(lambda: not term.alive(), timeout=10, what="q to quit")
+    finally:
+        term.close()
+        for s in sessions:
+            s.close()
+
+
+@needs_tmux
+def test_the_live_view_without_its_library_says_what_to_install(node_factory):
+    node = node_factory(*sim("16GiB"))
+    code = (
+        "import sys; sys.modules['urwid'] = None; from gpushare.tools.cli import main;"
+        f" sys.exit(main(['top', '--socket', '{node.admin}']))"
+    )
+    term = Tmux(f'{sys.executable} -c "{code}"; echo exit=$?; sleep 30')
+    try:
+        text = term.until(lambda t: "exit=" in t, "top to exit")
+        assert "gpushare top: error: the live view needs urwid: pip install 'gpushare[cli]'" in text
+        assert "exit=1" in text and "Traceback" not in text
+    finally:
+        term.close()
 
 
 def test_share_over_the_history_for_sessions_older_than_the_window():
@@ -115,3 +259,21 @@ def test_share_over_the_history_for_sessions_older_than_the_window():
     shares = tr.update(clock.monotonic(), node.status())
     assert shares[(0, 1)] == pytest.approx(0.0)  # not since attach (10/14), the last 4 s
     assert shares[(0, 2)] == pytest.approx(1.0)
+
+
+def test_enter_on_a_heading_opens_the_first_session_below_it():
+    # Home scrolls to the GPU's heading; Enter before the next refresh opened nothing (CI saw it)
+    urwid = pytest.importorskip("urwid")
+    from gpushare.tools.top_ui import TopView
+
+    node, _clock = scenario()
+    view = TopView(client=None, interval=1)  # type: ignore[arg-type]
+    view.status = node.status()
+    view.sort = "name"
+    view.draw()
+    view.walker.set_focus(0)  # what Home does: the heading, not a row
+    assert view.focused() is None
+    view.key("enter")
+    assert view.detail == (0, 1)  # "a-very-long-..." sorts first by name
+    text = " ".join(w.text for w in view.walker if isinstance(w, urwid.Text))
+    assert "memory_limit_bytes" in text

@@ -97,6 +97,7 @@ class Lease:
         self.ready = False  # HOLDING, no revoke pending, link live: checkpoint() reads it
         self.last_work = 0.0  # written by every checkpoint(), unlocked
         self.lease = 0  # the node's number for the lease granted (0: none)
+        self.token = ""  # the node's signature of that lease: it claims it back after a restart
         self.grant: p.Grant | None = None  # the answer to our request, not taken yet
         self.revoke: p.Revoke | None = None  # pending, for self.lease
         self.rejoin = False  # yielding: the burst asks again once swapped out
@@ -475,7 +476,7 @@ class Lease:
             seconds=seconds,
             resident=resident,
             swapped=swapped,
-            error=error,
+            error=error[:1000],  # the node takes no more than 1024 characters
             prefetch=prefetch,
         )
 
@@ -509,25 +510,26 @@ class Lease:
             elif isinstance(msg, p.Revoke):
                 if msg.lease and msg.lease == self.lease:  # else: for a lease gone already
                     self.revoke = msg
+                    self.resume = False  # a lease claimed back and refused: yield it
             else:
                 log.debug("ignored %s from the node", type(msg).__name__)
             self._update()
             self.cond.notify_all()
 
     def _on_grant(self, g: p.Grant) -> None:
-        resume, self.resume = self.resume, False
-        if resume:
-            # The first grant after a hello that claimed the lease is that lease. If the
-            # burst ended since, the release sent then gives it back.
-            if self.phase is Phase.HOLDING:
-                self.lease, self.revoke = g.lease, None
+        if g.resume:
+            # The lease a hello claimed, given back. If the burst ended since, the release
+            # sent then gives it back.
+            if self.resume and self.phase is Phase.HOLDING:
+                self.lease, self.token, self.revoke = g.lease, g.token, None
+            self.resume = False
             return
         if self.phase is Phase.HOLDING:  # thawed after a freeze: a new lease, same burst
-            self.lease, self.revoke = g.lease, None
+            self.lease, self.token, self.revoke = g.lease, g.token, None
         elif self.grant is None and (
             self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin)
         ):
-            self.grant, self.lease = g, g.lease
+            self.grant, self.lease, self.token = g, g.lease, g.token
             self._set_room(g.room)
         else:
             log.debug("grant %d not asked for (crossed a release): not taken", g.lease)
@@ -569,16 +571,20 @@ class Lease:
             hello,
             memory_limit=self.memory_limit,
             weight=self.weight,
-            portion=None,
             gpu=self.gpu,
             resident=self.backend.resident_bytes,
             swapped=self.backend.swapped_bytes,
             holding=self.phase is Phase.HOLDING,
+            # who it was, and the lease it holds with its token: the node checks them
+            session=self.link.session,
+            lease=self.lease if self.phase is Phase.HOLDING else 0,
+            token=self.token if self.phase is Phase.HOLDING else "",
         )
 
     def on_reconnected(self, hello: p.Hello) -> None:
         """Tell a new node what changed since ``hello`` and what this session asks."""
-        self.resume, self.revoke, self.room, self.lease = hello.holding, None, 0, 0
+        self.resume, self.revoke, self.room = hello.holding, None, 0
+        self.lease = hello.lease if hello.holding else 0  # a revoke for it means: yield
         self.told = hello.resident, hello.swapped
         if hello.holding and self.phase is not Phase.HOLDING:
             # The burst ended after the hello: give back the lease the node grants for it.

@@ -23,18 +23,22 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpushare.client import launchers
-from gpushare.units import parse_size
+from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from gpushare.client.session import Session
 
 log = logging.getLogger("gpushare.run")
 ENV_FLAG = "GPUSHARE_AUTOATTACH"
+STOP_GRACE_S = 10.0  # after SIGTERM, a program whose session was ended is killed
 SESSION: Session | None = None  # this process's session, once attached
 
 
@@ -145,6 +149,26 @@ def run(
     return 0  # not reached
 
 
+def _stop_program(reason: str) -> None:
+    """The node ended this session (``ctl end``; refused on reconnecting): the program
+    must not go on ungated, its memory counted free. Stopped as a deleted pod is: SIGTERM
+    (a program may save its state), then SIGKILL after :data:`STOP_GRACE_S`. On the
+    reader thread: written straight to fd 2, no lock the program may hold."""
+    pid = os.getpid()
+    os.write(
+        2,
+        f"gpushare run: error: {reason}: stopping the program (SIGTERM, SIGKILL after"
+        f" {STOP_GRACE_S:g} s)\n".encode(),
+    )
+
+    def kill() -> None:
+        time.sleep(STOP_GRACE_S)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, name="gpushare-stop", daemon=True).start()
+    os.kill(pid, signal.SIGTERM)
+
+
 def child_start() -> None:
     """In the command's Python: attach, hook, limit. Called by the sitecustomize."""
     if launchers.launcher(getattr(sys, "orig_argv", sys.argv)):
@@ -153,7 +177,7 @@ def child_start() -> None:
     # tools) are not the session.
     os.environ.pop(ENV_FLAG, None)
     from gpushare.client.session import attach
-    from gpushare.errors import GpushareError
+    from gpushare.errors import AttachRefusedError, GpushareError
 
     weight = os.environ.get("GPUSHARE_WEIGHT")
     gpu = os.environ.get("GPUSHARE_GPU")
@@ -165,8 +189,20 @@ def child_start() -> None:
         )
     except (GpushareError, ValueError) as e:
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
-        print(f"gpushare run: error: {e}", file=sys.stderr, flush=True)
+        hint = ""
+        if isinstance(e, AttachRefusedError) and e.code == "attach":
+            hint = " (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
+        print(f"gpushare run: error: {e}{hint}", file=sys.stderr, flush=True)
         os._exit(3)
+    session._link.on_ended = _stop_program
+    tq = f", TQ {session.tq_s:g} s" if session.tq_s else ""
+    print(
+        f"gpushare run: attached as session {session.id} ({session.name}) on GPU"
+        f" {session.gpu_index} ({session.gpu_name}{', simulated' if session.simulated else ''}),"
+        f" memory limit {format_size(session.memory_limit)}{tq}",
+        file=sys.stderr,
+        flush=True,
+    )
     atexit.register(session.close)
     try:
         from gpushare.client import hooks

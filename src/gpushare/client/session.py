@@ -73,7 +73,7 @@ def attach(
         name=name or f"{os.path.basename(sys.argv[0]) or 'python'}-{os.getpid()}",
         memory_limit=limit,
         weight=weight if weight is not None else env.portion,
-        portion=env.portion if limit is None else None,
+        portion=env.portion,  # the limit's share when none is given; and the weight's source
         gpu=gpu if gpu is not None else env.gpu,
         gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",
@@ -167,6 +167,7 @@ class Session:
         self.memory_limit = welcome.memory_limit
         self.weight = welcome.weight
         self.idle_release_s = welcome.idle_release_s
+        self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)
         self.backend = backend
         # The distributed job this process is a rank of ("": none), as its hello said.
         self.gang = hello.gang if hello else ""

@@ -22,7 +22,7 @@ import select
 import socket as _socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gpushare import protocol as p
@@ -118,6 +118,28 @@ def open_connection(
     """Connect, say hello, read the welcome; returns what followed it too. A refusal is
     :class:`AttachRefusedError`; anything else that fails, :class:`DaemonUnavailableError`."""
     deadline = time.monotonic() + timeout
+    delay = BUSY_BACKOFF[0]
+    while True:
+        try:
+            return _handshake(connector, hello, deadline, timeout)
+        except _Busy as e:  # too many connections wait for their hello: try again soon
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailableError(
+                    f"the gpushare node at {connector.where} stayed busy for {timeout:g} s"
+                    f" ({e}): try again, or attach with a longer timeout="
+                ) from None
+            _sleep(min(delay * random.uniform(0.5, 1.5), left))
+            delay = min(delay * 2, BUSY_BACKOFF[1])
+
+
+class _Busy(Exception):
+    """The node has as many connections waiting for a hello as it allows."""
+
+
+def _handshake(
+    connector: Connector, hello: p.Hello, deadline: float, timeout: float
+) -> tuple[_socket.socket, p.Welcome, list[p.Message]]:
     try:
         sock = connector(timeout)
     except OSError as e:
@@ -135,6 +157,9 @@ def open_connection(
                 raise p.ProtocolError("the node closed the connection")
             msgs = buf.feed(data)
         first = msgs[0]
+        if isinstance(first, p.Error) and first.code == "busy":
+            sock.close()
+            raise _Busy(first.message)
         if isinstance(first, p.Error):
             raise AttachRefusedError(first.message, first.code)
         if not isinstance(first, p.Welcome):
@@ -198,6 +223,9 @@ class Transport:
         self._catching_up = 0  # threads in catch_up(): the reader wakes them
         self._reader = threading.Thread(target=self._run, name="gpushare-reader", daemon=True)
         self._first: list[p.Message] = []
+        # Called on the reader thread, unlocked, once the node ended the session for good
+        # (`ctl end`, a refusal on reconnecting): `gpushare run` stops its program there.
+        self.on_ended: Callable[[str], None] | None = None
 
     def start(self, first: Iterable[p.Message] = ()) -> None:
         """Start the reader thread; it handles ``first`` (what came with the welcome)
@@ -321,8 +349,13 @@ class Transport:
             self.received += 1
 
     def _on_error(self, msg: p.Error) -> None:
-        log.error("gpushare node: %s", msg.message)
+        if not (msg.code in FATAL and self.on_ended is not None):  # else on_ended says it
+            log.error("gpushare node: %s", msg.message)
         if msg.code in FATAL:  # the node is ending this session: do not come back
+            if self.on_ended is not None and self.state is Link.CONNECTED:
+                # First, before a thread waiting on the lease wakes to an error: the
+                # program is stopped, not left to fail in the middle of a step.
+                self.on_ended(msg.message)
             with self.cond:
                 if self.state is Link.CONNECTED:
                     self.end(Link.ENDED, msg.message)
@@ -341,6 +374,8 @@ class Transport:
                     self._connector, hello, self.reconnect_timeout
                 )
             except AttachRefusedError as e:
+                if self.on_ended is not None:  # first, as above
+                    self.on_ended(f"refused on reconnecting: {e}")
                 with self.cond:
                     self.end(Link.ENDED, f"refused on reconnecting: {e}")
                 log.error("gpushare node refused this session on reconnecting: %s", e)

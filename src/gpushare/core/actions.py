@@ -21,6 +21,7 @@ class GrantAction:
     shared: bool
     thaw: bool = False  # the process was frozen: continue it before telling it
     room: int = 0  # swap in only up to this many resident bytes until a RoomAction
+    resume: bool = False  # the lease the session claimed after a node restart, given back
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class EscalateAction:
 
 
 @dataclass(frozen=True)
+class ThawAction:
+    """A session frozen outside the queue (it ignored a swap-out) is continued."""
+
+    session: int
+
+
+@dataclass(frozen=True)
 class EventAction:
     record: dict[str, Any] = field(hash=False)
 
@@ -75,5 +83,6 @@ Action = (
     | PrefetchAction
     | SwapOutAction
     | EscalateAction
+    | ThawAction
     | EventAction
 )

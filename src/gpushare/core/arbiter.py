@@ -9,8 +9,10 @@ this same code. The rules are those of DESIGN.md "Arbitration rules".
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Literal
 
 from gpushare.core.actions import (
@@ -22,17 +24,24 @@ from gpushare.core.actions import (
     RevokeAction,
     RoomAction,
     SwapOutAction,
+    ThawAction,
 )
 from gpushare.core.clock import Clock
 from gpushare.core.gangs import REGROUP_S, Gang, Peers
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.units import format_size
 
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
 SWAP_FLOOR_BPS = 1e9
+# A session's weight (its share under policy weighted) lies in these bounds: finite, and
+# no quantum more than a million times another's.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+MAX_SECONDS = 1e6  # a swap reported longer than this (11 days) is not a measurement
+MAX_ERROR = 1024  # characters of a failed swap's error text
 # docs/scheduling.md has the rules these figures belong to.
 ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to ask again
 EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
@@ -42,14 +51,64 @@ PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is 
 
 
 class ArbiterError(ValueError):
-    """An input that is not valid in the session's current state."""
+    """An input that is not valid in the session's current state. Raised before anything
+    changes: a refused input leaves the arbiter as it was."""
+
+    code = "state"
+
+
+class FieldError(ArbiterError):
+    """A figure the node knows to be wrong (negative, beyond the session's limit or the
+    GPU, not finite); the message names the field."""
+
+    code = "value"
+
+
+def _count(what: str, value: object, most: int) -> int:
+    """A whole number of bytes in [0, most], or :class:`FieldError` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise FieldError(f"{what} must be a whole number of bytes in [0, {most}], not {value!r}")
+    return value
+
+
+def _seconds(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FieldError(f"{what} must be a number of seconds, not {value!r}")
+    if not 0 <= value <= MAX_SECONDS:  # NaN fails too
+        raise FieldError(f"{what} must be a number of seconds in [0, {MAX_SECONDS:g}], not {value}")
+    return float(value)
+
+
+def check_weight(weight: object) -> float:
+    """A weight within [MIN_WEIGHT, MAX_WEIGHT], or :class:`FieldError`."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise FieldError(f"weight must be a number, not {weight!r}")
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too
+        raise FieldError(
+            f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], not {weight}"
+        )
+    return float(weight)
 
 
 class Arbiter:
-    """Decisions for one GPU of ``capacity`` usable bytes."""
+    """Decisions for one GPU of ``capacity`` usable bytes.
+
+    Its cost per input does not grow with the sessions attached: what the rules need of
+    all of them is kept as running totals (counted memory: :meth:`_recount`; the largest
+    weight; the swap-retry times as a heap), and the planner runs only when the fast
+    path fails. :meth:`verify` checks each against a scan of every session; with
+    ``check_every_input`` set (the tests set it) it runs after every input.
+    """
+
+    check_every_input = False
 
     def __init__(
-        self, gpu: int, capacity: int, clock: Clock, settings: GpuSettings | None = None
+        self,
+        gpu: int,
+        capacity: int,
+        clock: Clock,
+        settings: GpuSettings | None = None,
+        lease_base: int = 0,
     ) -> None:
         if capacity <= 0:
             raise ValueError("GPU capacity must be positive")
@@ -60,7 +119,7 @@ class Arbiter:
         self.sessions: dict[int, SessionState] = {}
         self.queue: deque[int] = deque()
         self.holders: list[int] = []
-        self._lease_seq = 0
+        self._lease_seq = lease_base  # leases are numbered on from the last node's
         self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
         self.gangs: dict[str, Gang] = {}  # by the node's key (core/gangs.py)
@@ -68,6 +127,19 @@ class Arbiter:
         # The node's other GPUs, for gangs with ranks on several (core/coordinator.py).
         self.peers: Peers | None = None
         self._out: list[Action] = []
+        # After a node restart, until the sessions it knew are back: nothing is granted.
+        self.recovering = False
+        self._asked: set[int] = set()  # non-holders with a swap-out deadline
+        self._told: set[int] = set()  # told to yield a lease they claimed (yield_due)
+        self._blocking: set[int] = set()  # of those, the verified: nothing granted meanwhile
+        self._frozen_idle: set[int] = set()  # frozen outside the queue (thawed at a grant)
+        self._used = 0  # the sum of every session's counted memory (SessionState.counted)
+        self._weights: Counter[float] = Counter()  # the attached sessions' weights
+        self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
+        # (swap_failed_until, session) of failed swaps, stale entries skipped as read
+        self._retries: list[tuple[float, int]] = []
+        # When the rules last ran (_advance): a retry due since is still to be acted on.
+        self._advanced = -math.inf
 
     # --- inputs ---------------------------------------------------------------------
 
@@ -81,6 +153,8 @@ class Arbiter:
         resident: int = 0,
         swapped: int = 0,
         holding: bool = False,
+        lease: int = 0,
+        verified: bool = False,
         fills: bool = False,
         prefetch: bool = False,
         gang: str = "",
@@ -88,24 +162,39 @@ class Arbiter:
         spans_nodes: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
-        outlived a node restart (it keeps its memory and, mid-burst, its lease). ``fills``:
-        its client can swap in within a room, so its swap-in may overlap another's
-        swap-out; ``prefetch``: it swaps in ahead of its grant when told. ``gang``: the
-        node's key of the distributed job it is a rank of (``gang_size`` ranks on the
-        node, as its client says; ``spans_nodes``: it has ranks elsewhere too)."""
+        outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
+        ``lease``). The lease is given back only when ``verified`` (the node matched the
+        session to its record and checked the lease's token) and the rules allow it (after
+        the recovery window, if one is open); any other claim is told to yield (a revoke
+        for ``lease``), and escalated like a holder's if it does not within the grace
+        period. ``fills``: its client can swap in within a room, so its swap-in may
+        overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
+        told. ``gang``: the node's key of the distributed job it is a rank of
+        (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
+        ranks elsewhere too)."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
-        if limit <= 0:
-            raise ArbiterError("memory limit must be positive")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
         if limit > self.capacity:
-            raise ArbiterError(
-                f"memory limit {limit} bytes exceeds GPU {self.gpu}'s usable {self.capacity}"
-                " bytes: ask for less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+            raise FieldError(
+                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
+                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
             )
-        if not (weight > 0 and math.isfinite(weight)):
-            raise ArbiterError("weight must be a positive number")
-        if resident < 0 or swapped < 0 or resident + swapped > limit:
-            raise ArbiterError("re-registered memory must be within the memory limit")
+        weight = check_weight(weight)
+        _count("resident", resident, limit)
+        _count("swapped", swapped, limit)
+        if resident + swapped > limit:
+            raise FieldError(
+                f"resident + swapped ({resident} + {swapped} bytes) exceed the memory limit"
+                f" of {limit} bytes"
+            )
+        _count("lease", lease, 2**63 - 1)
+        if self.used_bytes() + resident > self.capacity:
+            raise FieldError(
+                f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
+                f" in use on GPU {self.gpu} ({self.capacity} usable)"
+            )
         g = self.gangs.get(gang) if gang else None
         if gang:
             self._check_gang(gang, g, limit, spans_nodes)
@@ -122,6 +211,7 @@ class Arbiter:
         )
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
+        self._weigh(weight, 1)
         if gang:
             if g is None:
                 g = self.gangs[gang] = Gang(gang)
@@ -140,26 +230,85 @@ class Arbiter:
             swapped_bytes=swapped,
             **({"gang": gang, "gang_size": gang_size, "spans_nodes": spans_nodes} if gang else {}),
         )
-        if holding:  # it was working when the node went away: it holds a lease again
+        if holding:  # it was working when the node went away
             s.bursts += 1
             self._enqueue(s)
-            self.queue.remove(sid)
-            self.queue.appendleft(sid)
-            self._grant(s)
+            if not (verified and lease):
+                self._tell_to_yield(s, lease, verified=False)
+            elif self.recovering:
+                s.claim = lease  # granted back at the window's end, if the rules allow
+            else:
+                self._resume_or_yield(s, lease)
         return self._advance()
+
+    def begin_recovery(self) -> None:
+        """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
+        knew are back, or the window ended). Leases claimed meanwhile wait for the end."""
+        self.recovering = True
+
+    def end_recovery(self) -> list[Action]:
+        """The recovery window ends: the verified claims get their leases back, the most
+        recent lease first, as far as the rules allow; the others are told to yield."""
+        if not self.recovering:
+            return []
+        self.recovering = False
+        for s in sorted(
+            (s for s in self.sessions.values() if s.claim), key=lambda s: s.claim, reverse=True
+        ):
+            lease, s.claim = s.claim, 0
+            self._resume_or_yield(s, lease)
+        return self._advance()
+
+    def _resume_or_yield(self, s: SessionState, lease: int) -> None:
+        """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
+        else a revoke."""
+        others = self.used_bytes() - s.used
+        if self._may_join_holders() and others + s.limit <= self.capacity:
+            self.queue.remove(s.id)
+            self.queue.appendleft(s.id)
+            self._grant(s, resume=True)
+        else:
+            self._tell_to_yield(s, lease, verified=True)
+
+    def _tell_to_yield(self, s: SessionState, lease: int, verified: bool) -> None:
+        """It says it works on the GPU without a lease this node gives it: it is told to
+        yield (its release answers), and past the grace period escalated. A verified
+        claim (a lease a node did grant it) may be true: nothing more is granted on this
+        GPU until it has yielded. An unverified one is not believed: it blocks no one."""
+        s.yield_due, s.claim, s.escalated = True, 0, False
+        s.revoke_deadline = self.clock.monotonic() + self.settings.grace_s
+        s.revokes += 1
+        self._told.add(s.id)
+        if verified:
+            self._blocking.add(s.id)
+        self._event("revoke", s.id, lease=lease, reason="claim_not_honoured", swap_out_bytes=0)
+        self._out.append(RevokeAction(s.id, lease, 0, self.settings.grace_s))
+
+    def _clear_yield(self, s: SessionState) -> None:
+        s.yield_due = False
+        self._told.discard(s.id)
+        self._blocking.discard(s.id)
 
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
         s = self._get(sid)
         now = self.clock.monotonic()
-        if s.holding:
-            s.lease_s += now - s.lease_start
+        if s.holding:  # its lease ends with it: a release, for whoever counts leases
+            held = now - s.lease_start
+            s.lease_s += held
             self.holders.remove(sid)
+            self._event("release", sid, lease=s.lease, seconds=held, reason=reason)
         elif s.state is State.WAITING:
             self._end_wait(s, now)
             self.queue.remove(sid)
         if s.reserved:
             self._unreserve(s)
         del self.sessions[sid]
+        self._asked.discard(sid)
+        self._told.discard(sid)
+        self._blocking.discard(sid)
+        self._frozen_idle.discard(sid)
+        self._recount(s, gone=True)
+        self._weigh(s.weight, -1)
         if s.gang:
             g = self.gangs[s.gang]
             g.members.discard(sid)
@@ -179,6 +328,7 @@ class Arbiter:
         if s.bursts > 1:  # a gap between two bursts (not attach to the first)
             s.gap_last = min(idle, 2 * self.settings.anticipate_s)
             s.gap_ewma = s.gap_last if s.gap_ewma is None else _ewma(s.gap_ewma, s.gap_last)
+        self._expire_reservation(now)  # a window that passed while nobody waited
         if s.reserved:  # back within its window: the rest of its quantum, at once
             self._unreserve(s)
             s.continued = True
@@ -213,24 +363,32 @@ class Arbiter:
         has stopped, so the next holder's swap-in may overlap that swap-out."""
         s = self._get(sid)
         now = self.clock.monotonic()
-        if swapping_out < 0:
-            raise ArbiterError("swapping_out must not be negative")
+        self._check_figures(s, "release", resident, swapped)
+        _count("release: swapping_out", swapping_out, s.limit)
+        _count("release: swapped_out", swapped_out, s.limit)
+        _seconds("release: seconds", seconds)
         if s.state is State.WAITING and not again:
-            # The burst ended before it was granted (the workload gave up waiting). Its
-            # client stopped any prefetch before saying so (the same thread does both).
+            # The burst ended before it was granted (the workload gave up waiting), or
+            # the burst whose lease it claimed ended (the answer to the yield it was told).
             self.queue.remove(sid)
             self._end_wait(s, now)
-            s.state = State.IDLE
+            s.state, s.claim = State.IDLE, 0
+            self._clear_yield(s)
             s.idle_since = now
             s.turn, s.resume_s, s.continued = False, 0.0, False
             s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
             self._set_memory(s, resident, swapped)
             return self._advance()
-        if s.state is State.WAITING and s.frozen:
-            # The answer to a revoke that crossed the freeze: it waits already; keep the
-            # figures of what it swapped out on the way.
+        if s.state is State.WAITING and (s.frozen or s.yield_due):
+            # The answer to a revoke that crossed the freeze, or to the yield it was told:
+            # it waits already; keep the figures of what it swapped out on the way.
             if swapped_out:
                 self._count_swap(s, "out", swapped_out, seconds)
+            if s.yield_due:  # it worked until now: its wait begins, behind the others
+                self._clear_yield(s)
+                self.queue.remove(sid)
+                self.queue.append(sid)
+                s.wait_start = now
             self._set_memory(s, resident, swapped)
             return self._advance()
         if not s.holding:
@@ -241,7 +399,8 @@ class Arbiter:
         s.burst_lease += max(0.0, now - s.gpu_since)  # GPU time: after the swap-in
         self.holders.remove(sid)
         turn = s.turn
-        self._settle_quantum(s, now, revoked)
+        # An older client swapped out before it released: that copy is no GPU time.
+        self._settle_quantum(s, now - (seconds if swapped_out else 0.0), revoked)
         if swapped_out:
             self._count_swap(s, "out", swapped_out, seconds)
         # The release answers the revoke's ask, whatever was done: what is still missing
@@ -251,6 +410,8 @@ class Arbiter:
         s.swapping_in = False  # what it has is what it says now
         self._set_memory(s, resident, swapped)
         s.pending_out = min(swapping_out, s.resident)
+        if s.pending_out:  # swapping out after the release, as a non-holder: a deadline
+            self._set_swap_deadline(s, now + self.settings.grace_s)
         reason = "revoked" if revoked else ("yield" if again else "burst_end")
         lease, s.lease = s.lease, 0
         s.escalated = False
@@ -269,6 +430,7 @@ class Arbiter:
                 s.burst_lease if s.burst_ewma is None else _ewma(s.burst_ewma, s.burst_lease)
             )
             s.burst_lease = 0.0
+            self._recount(s)
             if not revoked and not turn:
                 window = self._anticipation(s, now)
         fields: dict[str, Any] = {"anticipate_s": window} if window else {}
@@ -293,13 +455,25 @@ class Arbiter:
         prefetch asked by that :class:`PrefetchAction` (its ``seq``), and the client is
         done with every ask up to it."""
         s = self._get(sid)
+        if direction not in ("in", "out"):
+            raise FieldError(f"swap_done: direction must be in or out, not {direction!r}")
+        _count("swap_done: bytes", nbytes, s.limit)
+        _seconds("swap_done: seconds", seconds)
+        _count("swap_done: prefetch", prefetch, 2**63 - 1)
         if prefetch and (direction != "in" or prefetch > s.prefetch_seq):
             raise ArbiterError(f"no prefetch {prefetch} was asked of session {sid}")
+        self._check_figures(s, "swap_done", resident, swapped)
+        if len(error) > MAX_ERROR:
+            raise FieldError(
+                f"swap_done: error is {len(error)} characters, the most is {MAX_ERROR}"
+            )
         if error:
             if direction == "out" or prefetch:
                 if direction == "out":
                     s.pending_out = 0  # the planner will look for another way
+                    self._set_swap_deadline(s, math.inf)
                 s.swap_failed_until = self.clock.monotonic() + SWAP_RETRY_S
+                self._retry_at(s)
             self._event(f"swap_{direction}", sid, bytes=0, seconds=seconds, error=error)
         elif prefetch:
             self._count_swap(s, direction, nbytes, seconds, prefetch=True)
@@ -319,15 +493,44 @@ class Arbiter:
         return self._advance()
 
     def report(self, sid: int, *, resident: int, swapped: int) -> list[Action]:
+        """The session's memory now. Resident bytes over its limit are the workload's own
+        word that it broke the limit: escalated (once per stretch), the figures the node
+        keeps unchanged."""
         s = self._get(sid)
+        _count("report: resident", resident, 2**63 - 1)
+        _count("report: swapped", swapped, s.limit)
+        if resident > s.limit:
+            self._check_limit(s, resident, "resident_bytes")
+            return self._advance()
+        self._check_figures(s, "report", resident, swapped)
         self._set_memory(s, resident, swapped)
         self._check_limit(s, resident, "resident_bytes")
         return self._advance()
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""
-        self._check_limit(self._get(sid), used, "used_bytes")
+        s = self._get(sid)
+        _count("used", used, 2**63 - 1)
+        self._check_limit(s, used, "used_bytes")
         return self._advance()
+
+    def _check_figures(self, s: SessionState, what: str, resident: int, swapped: int) -> None:
+        """A session's memory as it says it: bytes, together within its limit, and for a
+        session without a lease (which cannot allocate) no more than the GPU has room for."""
+        _count(f"{what}: resident", resident, s.limit)
+        _count(f"{what}: swapped", swapped, s.limit)
+        if resident + swapped > s.limit:
+            raise FieldError(
+                f"{what}: resident + swapped ({resident} + {swapped} bytes) exceed the"
+                f" session's memory limit of {s.limit} bytes"
+            )
+        if not s.holding and resident > s.used:
+            others = self.used_bytes() - s.used
+            if others + resident > self.capacity:
+                raise FieldError(
+                    f"{what}: resident {resident} bytes do not fit beside the {others} bytes"
+                    f" in use on GPU {self.gpu} ({self.capacity} usable) without a lease"
+                )
 
     def _check_limit(self, s: SessionState, used: int, what: str) -> None:
         """Escalate once per stretch over the limit."""
@@ -358,14 +561,27 @@ class Arbiter:
         policy: Policy | None = None,
         escalation: Escalation | None = None,
     ) -> list[Action]:
-        """Change TQ, mode, policy or escalation; quanta already running keep their
-        length. Every value is checked first: one bad value changes nothing."""
+        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
+        now that the change makes shorter ends no later than its start plus its new
+        length (a longer one keeps its end). Every value is checked first: one bad value
+        changes nothing."""
         try:
             changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
+        # The quanta running now (and one waiting for its holder to ask again); a turn's
+        # length is the turn's, not TQ's.
+        ids = [*self.holders, *(() if self.reserved is None else (self.reserved,))]
+        running = {sid: self.quantum(self.sessions[sid]) for sid in ids}
         for key, value in changes.items():
             setattr(self.settings, key, value)
+        for sid, before in running.items():
+            s = self.sessions[sid]
+            cut = before - self.quantum(s)
+            if cut > 0 and s.state is not State.YIELDING and not s.turn:
+                if not math.isinf(s.quantum_end):
+                    s.quantum_end -= cut
+                s.quantum_len = max(0.0, s.quantum_len - cut)
         if changes:
             self._event("config", None, **changes)
         return self._advance()
@@ -378,6 +594,16 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            # a plan (or a filling holder) waiting on a failed swap: look again at retry
+            retry = self._next_retry()
+            if retry is not None:
+                times.append(retry)
+        return min(times, default=None)
+
+    def _holder_deadlines(self) -> list[float]:
+        """Every deadline but the swap retries' (those are kept in a heap)."""
         times = []
         for sid in self.holders:
             s = self.sessions[sid]
@@ -386,25 +612,33 @@ class Arbiter:
                     times.append(s.quantum_end)
             elif not s.escalated:
                 times.append(s.revoke_deadline)
-        if self.reserved is not None:
+        # non-holders: a swap-out asked of them, a claimed lease they were told to yield
+        times += [self.sessions[i].swap_out_deadline for i in self._asked]
+        times += [
+            self.sessions[i].revoke_deadline for i in self._told if not self.sessions[i].escalated
+        ]
+        if self.reserved is not None and self.queue:  # nobody waits: nothing to do then
             times.append(self.sessions[self.reserved].reserve_until)
         for key in self._revoked_gangs:  # parked members go on to their next safe point
             if not math.isinf(self.gangs[key].regroup_at):
                 times.append(self.gangs[key].regroup_at)
-        if self.queue or any(self.sessions[h].room for h in self.holders):
-            # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            now = self.clock.monotonic()
-            times += [
-                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
-            ]
-        return min(times, default=None)
+        return times
 
     def quantum(self, s: SessionState) -> float:
         tq = self.settings.tq_s
         if self.settings.policy == "weighted":
-            top = max(x.weight for x in self.sessions.values())
-            return tq * s.weight / top
+            return tq * s.weight / self._largest_weight()
         return tq
+
+    @property
+    def last_lease(self) -> int:
+        """The number of the last lease granted (leases are numbered on across restarts)."""
+        return self._lease_seq
+
+    def _largest_weight(self) -> float:
+        if not self._top_weight:
+            self._top_weight = max(self._weights)
+        return self._top_weight
 
     def lease_seconds(self, s: SessionState) -> float:
         live = self.clock.monotonic() - s.lease_start if s.holding else 0.0
@@ -417,18 +651,52 @@ class Arbiter:
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
         rooms while filling)."""
-        return sum(v.used for v in self.sessions.values())
+        return self._used
+
+    def verify(self) -> None:
+        """Check the running totals against scans of every session (O(sessions): for
+        tests, and for ``check_every_input``); AssertionError names the first that
+        differs (raised, not asserted: it holds under ``python -O`` too)."""
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"GPU {self.gpu}: {what}")
+
+        for s in self.sessions.values():
+            check(s.counted == s.used, f"session {s.id} counted {s.counted}, uses {s.used}")
+        scan = sum(s.used for s in self.sessions.values())
+        check(self._used == scan, f"used bytes: running total {self._used}, scan {scan}")
+        weights = Counter(s.weight for s in self.sessions.values())
+        check(self._weights == weights, f"weights {dict(self._weights)}, scan {dict(weights)}")
+        top = max(weights, default=0.0)
+        check(self._top_weight in (0.0, top), f"largest weight {self._top_weight}, scan {top}")
+        asked = {s.id for s in self.sessions.values() if not math.isinf(s.swap_out_deadline)}
+        check(self._asked == asked, f"asked to swap out {self._asked}, scan {asked}")
+        told = {s.id for s in self.sessions.values() if s.yield_due}
+        check(self._told == told, f"told to yield {self._told}, scan {told}")
+        check(self._blocking <= told, f"blocking {self._blocking}, told {told}")
+        reserved = [s.id for s in self.sessions.values() if s.reserved]
+        kept_r = [] if self.reserved is None else [self.reserved]
+        check(reserved == kept_r, f"quantum waiting for {kept_r}, scan {reserved}")
+        times = self._holder_deadlines()
+        if self.queue or any(self.sessions[h].room for h in self.holders):
+            now = self._advanced  # retries due since the rules last ran are due still
+            times += [
+                s.swap_failed_until for s in self.sessions.values() if s.swap_failed_until > now
+            ]
+        scanned, kept = min(times, default=None), self.next_deadline()
+        check(kept == scanned, f"next deadline {kept}, scan {scanned}")
 
     # --- the rules ------------------------------------------------------------------
 
     def _advance(self) -> list[Action]:
         now = self.clock.monotonic()
-        if self.reserved is not None:
-            r = self.sessions[self.reserved]
-            if r.reserve_until <= now:  # it did not ask again in time: the GPU moves on
-                self._unreserve(r)
-            elif self.queue and self.sessions[self.queue[0]].turn:
-                self._pause_reserved(r, now)
+        self._advanced = now  # the plans below see every retry due by now
+        if self._asked or self._told:
+            self._overdue(now)
+        self._expire_reservation(now)
+        if self.reserved is not None and self.queue and self.sessions[self.queue[0]].turn:
+            self._pause_reserved(self.sessions[self.reserved], now)
         self._grant_what_fits()
         self._preempt_for_turn(now)
         self._fill_rooms()
@@ -454,21 +722,76 @@ class Arbiter:
                     self._grant_what_fits()
         self._plan_prefetch(now)
         out, self._out = self._out, []
+        if self.check_every_input:
+            self.verify()
         return out
 
+    def _overdue(self, now: float) -> None:
+        """Non-holders past their deadlines: a swap-out asked with no byte gone for a grace
+        period, a claimed lease not yielded. Escalated as a holder that does not yield."""
+        for sid in [i for i in self._asked if self.sessions[i].swap_out_deadline <= now]:
+            s = self.sessions[sid]
+            pending, s.pending_out = s.pending_out, 0
+            self._set_swap_deadline(s, math.inf)
+            s.swap_failed_until = now + SWAP_RETRY_S  # the planner looks for another way
+            self._retry_at(s)
+            if s.swap_escalated:
+                continue
+            s.swap_escalated = True
+            fields = {"grace_s": self.settings.grace_s, "pending_bytes": pending}
+            if self._escalate(s, "no_swap_out_within_grace", fields) == "freeze":
+                self._freeze_waiting(s)
+        for sid in [i for i in self._told if self.sessions[i].revoke_deadline <= now]:
+            s = self.sessions[sid]
+            if s.escalated:
+                continue
+            s.escalated = True
+            fields = {"grace_s": self.settings.grace_s}
+            if self._escalate(s, "no_yield_within_grace", fields) == "freeze":
+                self._clear_yield(s)  # stopped: off the GPU until its grant thaws it
+                self._freeze_waiting(s)
+                self.queue.remove(sid)  # its turn comes after those who waited
+                self.queue.append(sid)
+
+    def _freeze_waiting(self, s: SessionState) -> None:
+        """A non-holder stopped by the freeze escalation: its memory stays (pinned); in
+        the queue it is thawed at its grant, outside at the next grant of anyone."""
+        s.frozen = True
+        if s.state is State.IDLE:
+            self._frozen_idle.add(s.id)
+
+    def _set_swap_deadline(self, s: SessionState, when: float) -> None:
+        s.swap_out_deadline = when
+        if math.isinf(when):
+            self._asked.discard(s.id)
+        else:
+            self._asked.add(s.id)
+
     def _may_join_holders(self) -> bool:
+        if self.recovering or self._blocking:
+            return False  # nothing granted until the sessions it knew are back / yielded
         if self.peers is not None and self.peers.claimed(self.gpu):
             return False  # kept for a gang on several GPUs: its ranks only (_grant_gangs)
         if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
             return False
-        wanting = {*self.holders, *self.queue}
-        if self.reserved is not None:
-            wanting.add(self.reserved)
-        for key in {self.sessions[i].gang for i in wanting} - {""}:
-            wanting |= self.gangs[key].members  # its ranks may all ask at any time
-        return sum(self.sessions[i].limit for i in wanting) <= self.capacity
+        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
+        # included; a gang's ranks all, as they may all ask at any time)? Stop at the
+        # first that does not: the queue is long only when they do not.
+        total = 0
+        reserved = () if self.reserved is None else (self.reserved,)
+        gangs: set[str] = set()
+        for i in itertools.chain(self.holders, reserved, self.queue):
+            s = self.sessions[i]
+            if not s.gang:
+                total += s.limit
+            elif s.gang not in gangs:
+                gangs.add(s.gang)
+                total += sum(self.sessions[m].limit for m in self.gangs[s.gang].members)
+            if total > self.capacity:
+                return False
+        return True
 
     def _grant_what_fits(self) -> None:
         now = self.clock.monotonic()
@@ -476,9 +799,7 @@ class Arbiter:
             self._settle_gangs()
         if self.gangs:
             for g in self.gangs.values():
-                held = self._gang_active(g)
-                for m in g.members:
-                    self.sessions[m].gang_held = held
+                self._hold_gang(g, self._gang_active(g))
             self._grant_gangs(now)
         while self.queue and self._may_join_holders():
             head = self._head()
@@ -520,7 +841,7 @@ class Arbiter:
                     # A frozen session's memory (a stopped process cannot swap) blocks the
                     # head, and thawing it would not help (it ignores revokes): the
                     # escalation goes one step further, or the queue waits forever.
-                    for sid in self.queue:
+                    for sid in [*self.queue, *self._frozen_idle]:
                         v = self.sessions[sid]
                         if v.frozen and not v.escalated:
                             v.escalated = True
@@ -543,11 +864,12 @@ class Arbiter:
         s.frozen = True
         s.escalated = False
         s.pending_out = 0
+        self._set_swap_deadline(s, math.inf)
         s.room = 0
         s.turn, s.resume_s = False, 0.0
         self._enqueue(s)
 
-    def _grant(self, s: SessionState, room: int = 0) -> None:
+    def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
         now = self.clock.monotonic()
         if self.queue[0] == s.id:
             self.queue.popleft()
@@ -582,8 +904,7 @@ class Arbiter:
             s.debt -= take
         g = self.gangs.get(s.gang) if s.gang else None
         if g is not None:  # the gang's quantum is its first holder's: no more than what is left
-            for m in g.members:
-                self.sessions[m].gang_held = True
+            self._hold_gang(g, True)
             ends = [
                 m.quantum_end
                 for m in map(self.sessions.__getitem__, g.members)
@@ -607,6 +928,15 @@ class Arbiter:
         self.holders.append(s.id)
         thaw, s.frozen = s.frozen, False
         s.escalated = False
+        self._set_swap_deadline(s, math.inf)  # a holder's memory is not asked for
+        s.swap_escalated = False
+        self._clear_yield(s)
+        for fid in list(self._frozen_idle):  # what froze them is past: continue them
+            f = self.sessions[fid]
+            f.frozen, f.escalated = False, False
+            self._frozen_idle.discard(fid)
+            self._out.append(ThawAction(fid))
+        self._recount(s)
         self._event(
             "grant",
             s.id,
@@ -618,7 +948,7 @@ class Arbiter:
             **({"room_bytes": room} if room else {}),
             **kind,
         )
-        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room))
+        self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room, resume))
         # Its gang is on its way out: it goes on to its next safe point only.
         if g is not None and self._yielding(g):
             self._revoke(s, now, g.reason or "quantum")
@@ -637,12 +967,14 @@ class Arbiter:
             free = self.capacity - (self.used_bytes() - s.room)
             if free >= s.limit:
                 s.room = 0
+                self._recount(s)
                 self._out.append(RoomAction(s.id, s.limit))
                 if math.isinf(s.quantum_end):  # bounded again, even if it never reports
                     s.quantum_end = self._quantum_end(s)
                 continue
             if free > s.room:
                 s.room = free
+                self._recount(s)
                 self._out.append(RoomAction(s.id, free))
             for vid, n in plan_grant(self.capacity, self._views_released(s.id), s.id).swap_outs:
                 self._ask_swap_out(vid, n)
@@ -658,9 +990,12 @@ class Arbiter:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        plan = plan_grant(self.capacity, self._views_released(s.id), self.queue[0])
+        if self._fits_after_release(s, self.sessions[self.queue[0]]):
+            asks: list[tuple[int, int]] = []  # what the planner would say, without it
+        else:
+            asks = plan_grant(self.capacity, self._views_released(s.id), self.queue[0]).swap_outs
         if self.settings.mode == "exclusive" or len(self.holders) == 1:
-            for sid, n in plan.swap_outs:
+            for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke
                     s.pending_out += n
                     swap_out = n
@@ -693,6 +1028,14 @@ class Arbiter:
         return g is not None and any(
             self.sessions[m].holding or self.sessions[m].reserved for m in g.members
         )
+
+    def _hold_gang(self, g: Gang, held: bool) -> None:
+        """While the gang holds the GPU its ranks count at their limits (they may ask at
+        any time) and are never asked to swap out."""
+        for m in map(self.sessions.__getitem__, g.members):
+            if m.gang_held != held:
+                m.gang_held = held
+                self._recount(m)
 
     def _spread(self, g: Gang) -> bool:
         """The gang has ranks on other GPUs of the node too, granted with these."""
@@ -848,11 +1191,22 @@ class Arbiter:
             self._unreserve(self.sessions[self.reserved])
         self.reserved = s.id
         s.reserved, s.reserve_until = True, until
+        self._recount(s)
+
+    def _expire_reservation(self, now: float) -> None:
+        """A quantum's holder did not ask again within its window: the GPU moves on. (The
+        window's end is a deadline only while someone waits; otherwise it is seen here,
+        at the next input.)"""
+        if self.reserved is not None:
+            r = self.sessions[self.reserved]
+            if r.reserve_until <= now:
+                self._unreserve(r)
 
     def _unreserve(self, s: SessionState) -> None:
         s.reserved, s.reserve_until = False, 0.0
         if self.reserved == s.id:
             self.reserved = None
+        self._recount(s)
 
     def _pause_reserved(self, r: SessionState, now: float) -> None:
         """A turn comes while a quantum waits for its holder: the turn goes first; if the
@@ -864,16 +1218,17 @@ class Arbiter:
 
     def _weight_share(self, s: SessionState) -> float:
         if self.settings.policy == "weighted":
-            return s.weight / max(x.weight for x in self.sessions.values())
+            return s.weight / self._largest_weight()
         return 1.0
 
     def _may_take_turn(self, s: SessionState, idle: float, now: float) -> bool:
-        """An interactive turn: the session asked (not for the first time) after idling at
-        least ``anticipate_s``,
-        its credit covers its usual burst, the GPU is taken, and no one waiting has waited
-        a whole round yet (the queue's length in quanta): turns never starve a queue."""
+        """An interactive turn: the session asked (not for the first time) after idling
+        longer than half of ``anticipate_s`` (away long enough that its quantum would not
+        wait for it: no session falls between the two rules and waits two quanta), its
+        credit covers its usual burst, the GPU is taken, and no one waiting has waited a
+        whole round yet (the queue's length in quanta): turns never starve a queue."""
         st = self.settings
-        if st.turn_s <= 0 or idle < st.anticipate_s or s.frozen or s.burst_ewma is None:
+        if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.frozen or s.burst_ewma is None:
             return False  # (no burst of its own yet: nothing says it asks briefly)
         if s.gang:  # a rank's turn alone would wait in its collectives for the others
             return False
@@ -925,6 +1280,7 @@ class Arbiter:
             have += more
             h.prefetch_room = have
             h.prefetch_seq += 1
+            self._recount(h)
             self._event("prefetch", h.id, room_bytes=have, bytes=have - h.resident)
             self._out.append(PrefetchAction(h.id, have, h.prefetch_seq))
         need = want - have - sum(v.pending_out for v in self.sessions.values() if v is not h)
@@ -941,11 +1297,23 @@ class Arbiter:
 
     # --- helpers --------------------------------------------------------------------
 
+    def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
+        """Would the planner find that ``head`` fits with holder ``s`` counted as if
+        released (:meth:`_views_released`)? Its sum without scanning: holders count at
+        their limits there (rooms here), ``s`` at what it has."""
+        planned = self._used - head.used - s.used + s.resident + head.limit
+        for h in self.holders:
+            if h != s.id:
+                v = self.sessions[h]
+                planned += v.limit - v.used
+        return planned <= self.capacity
+
     def _enqueue(self, s: SessionState, front: bool = False) -> None:
         """Join the queue: at its back, or (``front``) at its front, behind the sessions
         there already that go first: turns before paused quanta (docs/scheduling.md)."""
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
+        self._recount(s)
         if not front:
             self.queue.append(s.id)
             return
@@ -957,6 +1325,43 @@ class Arbiter:
         else:
             i = len(self.queue)
         self.queue.insert(i, s.id)
+
+    def _recount(self, s: SessionState, gone: bool = False) -> None:
+        """The one place the running total of counted memory changes: after anything
+        ``SessionState.used`` reads changed (state, room, swapping_in, memory), and when
+        a session goes."""
+        now = 0 if gone else s.used
+        self._used += now - s.counted
+        s.counted = now
+
+    def _weigh(self, weight: float, k: int) -> None:
+        """A session of ``weight`` came (k=1) or went (k=-1)."""
+        self._weights[weight] += k
+        if not self._weights[weight]:
+            del self._weights[weight]
+            if weight == self._top_weight:
+                self._top_weight = 0.0  # found again when next needed
+        elif k > 0 and self._top_weight:
+            self._top_weight = max(self._top_weight, weight)
+
+    def _retry_at(self, s: SessionState) -> None:
+        self._next_retry()  # drop what has passed: the heap holds the last second's
+        heapq.heappush(self._retries, (s.swap_failed_until, s.id))
+
+    def _next_retry(self) -> float | None:
+        """The earliest swap_failed_until the rules have not yet run at or after, if any:
+        one that has passed since is due now (a tick plans with it). Each session's
+        latest is in the heap; older entries, those of sessions gone and those the rules
+        ran after are skipped."""
+        now = self._advanced
+        heap = self._retries
+        while heap:
+            t, sid = heap[0]
+            s = self.sessions.get(sid)
+            if t > now and s is not None and s.swap_failed_until == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _end_wait(self, s: SessionState, now: float) -> float:
         waited = now - s.wait_start
@@ -980,15 +1385,19 @@ class Arbiter:
         fields = {"prefetch": True} if prefetch else {}
         self._event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
 
-    @staticmethod
-    def _set_memory(s: SessionState, resident: int, swapped: int) -> None:
-        if resident < 0 or swapped < 0:
-            raise ArbiterError("memory figures must not be negative")
+    def _set_memory(self, s: SessionState, resident: int, swapped: int) -> None:
+        """The figures, checked by the caller (before anything changed)."""
         # Bytes that left the GPU (swapped out as reported chunk by chunk, or freed) are
         # bytes no longer pending: a swap-out counts down as it goes.
         s.pending_out = max(0, min(s.pending_out - max(0, s.resident - resident), resident))
+        if not s.pending_out:
+            self._set_swap_deadline(s, math.inf)
+        elif resident < s.resident and not s.holding:  # progress: a grace period more
+            self._set_swap_deadline(s, self.clock.monotonic() + self.settings.grace_s)
+            s.swap_escalated = False
         s.resident = resident
         s.swapped = swapped
+        self._recount(s)
 
     def _view(self, s: SessionState) -> MemoryView:
         now = self.clock.monotonic()
@@ -1014,7 +1423,10 @@ class Arbiter:
         ]
 
     def _ask_swap_out(self, sid: int, n: int) -> None:
-        self.sessions[sid].pending_out += n
+        s = self.sessions[sid]
+        if not s.pending_out or math.isinf(s.swap_out_deadline):
+            self._set_swap_deadline(s, self.clock.monotonic() + self.settings.grace_s)
+        s.pending_out += n
         self._out.append(SwapOutAction(sid, n))
 
     def _get(self, sid: int) -> SessionState:

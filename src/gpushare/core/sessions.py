@@ -63,6 +63,15 @@ class SessionState:
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
     debt: float = 0.0  # GPU seconds held past earlier quanta, taken off later ones
+    # Asked to swap out (pending_out > 0) as a non-holder: escalated if no byte has left
+    # by this time (each one that leaves moves it on by a grace period).
+    swap_out_deadline: float = math.inf
+    swap_escalated: bool = False
+    # It claimed a lease after a node restart that the node could not give back (not
+    # verified, or another holds the GPU now): it was told to yield by revoke_deadline.
+    yield_due: bool = False
+    claim: int = 0  # during recovery: the verified lease it claims, granted at the end
+    counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
     # gangs (core/gangs.py)
     gang: str = ""  # the node's key of the job it is a rank of ("": none)
     parked: bool = False  # yielded to its gang's revoke; waits for its peers to yield too

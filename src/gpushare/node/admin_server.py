@@ -16,6 +16,7 @@ from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.live_config import LiveConfig, NotPersisted
+from gpushare.node.snapshot import fit
 from gpushare.node.sockets import read_frame
 from gpushare.settings import SettingsError, validate
 from gpushare.status import NodeStatus
@@ -47,8 +48,8 @@ class AdminServer:
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
                 self.guard.spend(conn, "admin")
-                if isinstance(msg, p.StatusRequest):
-                    conn.send(p.StatusReply(status=self.status()))
+                if isinstance(msg, p.StatusRequest):  # always fits a frame (marked if cut)
+                    conn.send(p.StatusReply(status=fit(self.status(), p.MAX_FRAME - 1024)))
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self.set_config(msg))
                 elif isinstance(msg, p.EndSession):
@@ -56,6 +57,12 @@ class AdminServer:
                 elif isinstance(msg, p.EventsRequest):
                     await self.serve_events(conn, msg)
                     return
+                elif isinstance(msg, p.Hello):
+                    raise p.ProtocolError(
+                        f"{self.live.config.admin_socket} is this node's admin socket:"
+                        " workloads (gpushare run, gpushare.attach) attach at its workload"
+                        f" socket, {self.live.config.socket} (--socket, or GPUSHARE_SOCKET)"
+                    )
                 else:
                     raise p.ProtocolError(f"{type(msg).__name__} is not an admin request")
                 await writer.drain()
@@ -76,10 +83,14 @@ class AdminServer:
 
     def set_config(self, m: p.SetConfig) -> p.Message:
         if m.gpu is not None and not 0 <= m.gpu < len(self.arbiters):
-            return p.Error(code="gpu", message=f"no GPU {m.gpu} on this node")
+            n = len(self.arbiters)
+            message = f"no GPU {m.gpu} on this node (it has {n}: --gpu 0..{n - 1})"
+            self.live.refused("ctl", message)
+            return p.Error(code="gpu", message=message)
         try:  # all of it checked before any GPU changes
             change = validate(tq_s=m.tq_s, mode=m.mode, policy=m.policy, escalation=m.escalation)
         except SettingsError as e:
+            self.live.refused("ctl", str(e))
             return p.Error(code="value", message=str(e))
         targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
         try:

@@ -10,7 +10,6 @@ the config file itself), then command-line flags. Within the merged result a
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
 import tomllib
@@ -19,7 +18,18 @@ from typing import Any
 
 import msgspec
 
-from gpushare.settings import Escalation, Mode, Policy, SettingsError, seconds, validate
+from gpushare.settings import (
+    RANGES,
+    Escalation,
+    Mode,
+    Policy,
+    SettingsError,
+    validate,
+)
+from gpushare.settings import (
+    check as check_value,
+)
+from gpushare.units import parse_size
 
 
 class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -54,6 +64,12 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_sessions_per_uid: int = 64
     max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
     hello_timeout: float = 10.0
+    max_pending_per_uid: int = 64  # connections of one uid that have not said hello yet
+    max_pending: int = 512  # the same, all uids together
+    # After a restart, grant nothing until the sessions on record are back, at most this
+    # long (seconds); the records are kept in recovery_dir (default: the admin socket's).
+    recovery_window: float = 10.0
+    recovery_dir: str = ""
     metrics_port: int = 9423  # 0: no exporter
     metrics_address: str = "0.0.0.0"
     sim_gpus: int = 0
@@ -103,22 +119,43 @@ def merge(*layers: dict[str, Any]) -> NodeConfig:
         raise ConfigError(f"configuration: {e}") from None
 
 
+SIZE_KEYS = ("reserve", "nvml_allowance", "sim_memory")
+
+
 def check(cfg: NodeConfig) -> NodeConfig:
-    """The GPU settings checked as every live change is (gpushare.settings); the
-    literals were checked by their types already."""
+    """Every setting checked as it is on the command line and over the wire
+    (gpushare.settings: the GPU settings as every live change is, each numeric key
+    against its range); the literals were checked by their types already."""
     validate(tq_s=cfg.tq, mode=cfg.mode, policy=cfg.policy, escalation=cfg.escalation)
-    seconds("grace", cfg.grace)
-    seconds("idle_release", cfg.idle_release)
-    if not (cfg.turn >= 0 and math.isfinite(cfg.turn)):
-        raise SettingsError("turn must be 0 (no interactive turns) or a positive number of seconds")
-    if not 0 < cfg.turn_share <= 1:
-        raise SettingsError("turn_share must be more than 0 and at most 1")
+    for key in RANGES:
+        check_value(key, getattr(cfg, key))
+    for key in SIZE_KEYS:
+        try:
+            size = parse_size(getattr(cfg, key))
+        except ValueError as e:
+            raise SettingsError(f"{key}: {e}") from None
+        if key == "sim_memory" and size <= 0:
+            raise SettingsError("sim_memory must be a positive size, like 80GiB")
     for index, o in cfg.gpu.items():
+        if not index.isdigit():
+            raise SettingsError(f"[gpu.{index}]: a GPU table is named by its index, like [gpu.0]")
         try:
             validate(tq_s=o.tq, mode=o.mode, policy=o.policy, escalation=o.escalation)
         except SettingsError as e:
             raise SettingsError(f"[gpu.{index}]: {e}") from None
     return cfg
+
+
+def check_gpus(cfg: NodeConfig, count: int) -> None:
+    """Each ``[gpu.N]`` table names a GPU of this node (``count`` of them), or
+    :class:`ConfigError`: a table for a GPU the node does not have is a mistake, not a
+    setting to ignore."""
+    extra = sorted((k for k in cfg.gpu if int(k) >= count), key=int)
+    if extra:
+        raise ConfigError(
+            f"[gpu.{extra[0]}]: this node has {count} GPU{'s' if count != 1 else ''}"
+            f" (0..{count - 1}): remove the table or fix its index"
+        )
 
 
 def load(

@@ -9,7 +9,10 @@ here move messages and state in and out of them, one job each:
 * ``dispatch``: the one place actions leave (messages, signals, the per-GPU timers);
 * ``live_config``: the config file watched and applied, ``--persist`` written down;
 * ``utilization``: sampling, credited through the lease; NVML's memory view checked;
-* ``snapshot``: the typed status; ``metrics``: the exporter over it.
+* ``snapshot``: the typed status; ``metrics``: the exporter over it;
+* ``recovery``: the records a restarted node recovers its sessions from, and the window
+  in which it grants nothing until they are back;
+* ``safefs``: the node's files, in directories it checked, never through a symlink.
 
 Time comes from one injected clock; on :mod:`gpushare.node.virtual_time`'s loop a test
 drives the whole running node with fake time.
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from typing import Any
@@ -32,14 +36,18 @@ from gpushare.core.coordinator import Coordinator
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, gpu_settings, scheduling
-from gpushare.node.dispatch import Dispatch, Signaller, send_signal
+from gpushare.node.config import NodeConfig, check_gpus, gpu_settings, scheduling
+from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, admin_gid
 from gpushare.node.k8s import PodCache, PodWatcher
 from gpushare.node.live_config import LiveConfig
+from gpushare.node.procs import ProcRef, pidfd_signal
+from gpushare.node.recovery import Recovery, SessionRecord
+from gpushare.node.safefs import SafeDir
 from gpushare.node.sockets import Handlers, serve_unix
+from gpushare.node.totals import Totals
 from gpushare.node.utilization import NvmlUtilization, Sampler
 from gpushare.node.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
@@ -60,13 +68,23 @@ class Node:
         nvml: Any = None,
         state_path: str = "",
         flags: dict[str, Any] | None = None,
-        signaller: Signaller = send_signal,
+        signaller: Signaller | None = None,
     ) -> None:
         if not gpus:
             raise ValueError("a node needs at least one GPU")
+        check_gpus(config, len(gpus))  # a [gpu.N] table for a GPU it lacks: a mistake
         self.gpus = gpus
         self.clock = clock or SystemClock()
+        # Its directories, checked once and held open: sockets and link files beside the
+        # workload socket, the session records beside the admin socket (or recovery_dir).
+        self.rundir = SafeDir(os.path.dirname(os.path.abspath(config.socket)))
+        self.admindir = SafeDir(os.path.dirname(os.path.abspath(config.admin_socket)))
+        recdir = SafeDir(config.recovery_dir) if config.recovery_dir else self.admindir
         self.events = EventBus(config.event_log)
+        self.conns: dict[int, Conn] = {}  # attached sessions' connections, by session id
+        self._initial = config
+        self.recovery = Recovery(recdir, len(gpus), self._records, self._proc_root)
+        self.recovery.load()
         reserve = parse_size(config.reserve)
         self.arbiters: list[Arbiter] = []
         for g in gpus:
@@ -78,9 +96,17 @@ class Node:
             )
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
-            self.arbiters.append(Arbiter(g.index, g.memory_bytes - reserve, self.clock, settings))
-        self.conns: dict[int, Conn] = {}  # attached sessions' connections, by session id
+            self.arbiters.append(
+                Arbiter(
+                    g.index,
+                    g.memory_bytes - reserve,
+                    self.clock,
+                    settings,
+                    lease_base=self.recovery.lease_floor[g.index],
+                )
+            )
         self.utilization = [Attribution() for _ in gpus]
+        self.totals = [Totals() for _ in gpus]  # by workload, sessions gone included
         self.pods: PodCache | None = None  # pod names from the Kubernetes API
         self.started = self.clock.wall()
         # The sockets served, from the config at start (a reload that changes them
@@ -88,12 +114,21 @@ class Node:
         self.socket, self.admin_socket = config.socket, config.admin_socket
         self.metrics_port = 0
 
+        self.signaller: Signaller = signaller or self._send_signal
         # Gangs with ranks on several GPUs are granted on all of them at once.
         self.coordinator = Coordinator(self.arbiters) if len(self.arbiters) > 1 else None
-        linked = self.coordinator.linked if self.coordinator else None
-        self.dispatch = Dispatch(self.clock, self.events, self.conns, signaller, linked)
-        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
+        self.dispatch = Dispatch(
+            self.clock,
+            self.events,
+            self.conns,
+            self.signaller,
+            self._proc_root,
+            refuse=self.guard.refuse,
+            linked=self.coordinator.linked if self.coordinator else None,
+        )
+        self.dispatch.recovery = self.recovery
+        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
@@ -103,6 +138,10 @@ class Node:
             dispatch=self.dispatch,
             utilization=self.utilization,
             sim_link=self._sim_link,
+            recovery=self.recovery,
+            returned=lambda: self._end_recovery("every session on record is back"),
+            pods=lambda: self.pods,
+            retire=self._retire,
         )
         self.admin = AdminServer(
             live=self.live,
@@ -125,10 +164,13 @@ class Node:
             lambda: parse_size(self.live.config.nvml_allowance),
         )
         self._servers: list[asyncio.Server] = []
+        self._made: list[str] = []  # socket and link files this node created
         self._handlers = Handlers()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_metrics: Any = None
         self._pod_watcher: PodWatcher | None = None
+        self._recovery_timer: asyncio.TimerHandle | None = None
+        self._loop_errors: dict[str, tuple[float, int]] = {}
 
     @property
     def config(self) -> NodeConfig:
@@ -138,24 +180,145 @@ class Node:
     def status(self) -> NodeStatus:
         info = NodeInfo(pid=os.getpid(), started=self.started, config=self.live.path)
         return snapshot.take(
-            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods
+            info, self.gpus, self.arbiters, self.utilization, self.conns, self.pods, self.totals
         )
+
+    def _retire(self, gpu: int, sid: int) -> None:
+        """A session leaves: its final figures go to its workload's totals."""
+        a = self.arbiters[gpu]
+        s = a.sessions.get(sid)
+        if s is not None:
+            st = snapshot.session(a, s, self.utilization[gpu], self.conns.get(sid), self.pods)
+            self.totals[gpu].retire(st)
 
     def reload(self) -> None:
         self.live.reload()
 
     # --- life -----------------------------------------------------------------------
 
-    def _sim_link(self, gpu: int) -> str:
-        return f"{self.socket}.link{gpu}"
+    def _sim_link(self, gpu: int, uid: int) -> str:
+        """The simulated link of ``gpu`` for the workloads of ``uid``: a file of that
+        uid's alone (mode 0600), so no user can stall another's swaps through it. Made
+        once, kept as long as it is sound (workloads map it: it is never truncated)."""
+        owner = uid if os.geteuid() == 0 else os.geteuid()
+        name = f"{os.path.basename(self.socket)}.u{owner}.link{gpu}"
+        self.rundir.keep_or_write(name, bytes(SimLink.SIZE), mode=0o600, uid=owner)
+        return self.rundir.join(name)
+
+    def _proc_root(self) -> str:
+        live = vars(self).get("live")  # the config in force, once there is one
+        return live.config.proc_root if live is not None else self._initial.proc_root
+
+    def _send_signal(self, ref: ProcRef, sig: int) -> None:
+        pidfd_signal(ref, sig, self._proc_root())
+
+    def _records(self) -> list[SessionRecord]:
+        """What the node would need to recover its sessions now (each connection's
+        record is made once, at its attach)."""
+        return [c.record for c in self.conns.values() if c.record is not None]
+
+    def _begin_recovery(self) -> None:
+        """The sessions on record whose processes run are expected back: what a freeze
+        stopped is continued (it could not come back stopped), and nothing is granted
+        until they are back or the window ends."""
+        for r in self.recovery.expected.values():
+            for pid, start in r.stopped:
+                self.signaller(ProcRef(pid, start, r.uid), signal.SIGCONT)
+        n = len(self.recovery.expected)
+        if not n:
+            return
+        window = self.config.recovery_window
+        self.recovery.figures.expected = n
+        self.recovery.figures.started = self.clock.monotonic()
+        for a in self.arbiters:
+            a.begin_recovery()
+        self.events.publish(
+            {
+                "ts": self.clock.wall(),
+                "gpu": None,
+                "event": "recovery",
+                "phase": "begin",
+                "expected": n,
+                "window_s": window,
+            }
+        )
+        log.info("recovery: waiting up to %g s for %d sessions on record", window, n)
+        self._recovery_timer = asyncio.get_running_loop().call_later(
+            window, self._end_recovery, "the window ended"
+        )
+        self._spawn(self._watch_expected())
+
+    async def _watch_expected(self, period: float = 0.5) -> None:
+        """During the window: a session on record whose process has ended since will not
+        come back; once every one left is back, the window ends early."""
+        while self._recovery_timer is not None:
+            await asyncio.sleep(period)
+            self.recovery.forget_dead()
+            if self._recovery_timer is not None and not self.recovery.expected:
+                self._end_recovery("every session on record that still runs is back")
+
+    def _end_recovery(self, reason: str) -> None:
+        if self._recovery_timer is None:
+            return
+        self._recovery_timer.cancel()
+        self._recovery_timer = None
+        f = self.recovery.figures
+        seconds = self.clock.monotonic() - f.started
+        self.events.publish(
+            {
+                "ts": self.clock.wall(),
+                "gpu": None,
+                "event": "recovery",
+                "phase": "end",
+                "expected": f.expected,
+                "returned": f.returned,
+                "missing": f.missing,
+                "seconds": seconds,
+                "reason": reason,
+            }
+        )
+        log.info(
+            "recovery: %d of %d sessions back in %.2f s (%s)",
+            f.returned,
+            f.expected,
+            seconds,
+            reason,
+        )
+        self.recovery.expected.clear()
+        for a in self.arbiters:
+            self.dispatch.apply(a, a.end_recovery())
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's errors (an accept failing for want of descriptors, say) logged at
+        most once per 10 s each, with a count of those held back."""
+        key = str(context.get("message", ""))
+        now = self.clock.monotonic()
+        last, held = self._loop_errors.get(key, (-1e9, 0))
+        if now - last < 10.0 and len(self._loop_errors) < 1000:
+            self._loop_errors[key] = (last, held + 1)
+            return
+        self._loop_errors[key] = (now, 0)
+        exc = context.get("exception")
+        more = f" ({held} more in the last 10 s)" if held else ""
+        log.error("%s: %s%s", key, exc or "", more)
 
     async def start(self) -> None:
         cfg = self.config
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._on_loop_error)
+        if cfg.metrics_port:  # first: a busy port stops the start before anything is up
+            self._start_exporter(cfg)
+        try:
+            await self._serve(cfg)
+        except BaseException:
+            await self.stop()  # no socket left behind
+            raise
+
+    async def _serve(self, cfg: NodeConfig) -> None:
+        self._begin_recovery()
         workloads = self._handlers.track(self.workloads.handle)
         self._servers.append(await serve_unix(workloads, self.socket, mode=0o666))
-        for g in self.gpus:  # the simulated links' shared state, beside the socket
-            if g.simulated:
-                SimLink.create(self._sim_link(g.index))
+        self._made.append(self.socket)
         gid = admin_gid(cfg)
         self._servers.append(
             await serve_unix(
@@ -164,6 +327,7 @@ class Node:
                 mode=0o600 if gid is None else 0o660,
             )
         )
+        self._made.append(self.admin_socket)
         if gid is not None:
             os.chown(self.admin_socket, -1, gid)
         for g, a in zip(self.gpus, self.arbiters, strict=True):
@@ -187,8 +351,6 @@ class Node:
             log.info("pod names from the Kubernetes API, pods of node %s", node)
         if self.live.path:
             self._spawn(self.live.watch())
-        if cfg.metrics_port:
-            self._start_exporter(cfg)
 
     def _start_exporter(self, cfg: NodeConfig) -> None:
         try:
@@ -208,9 +370,17 @@ class Node:
 
             return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
 
-        self._stop_metrics = metrics.serve(
-            metrics.registry_for(take), cfg.metrics_port, cfg.metrics_address
-        )
+        exposition = metrics.Exposition()  # written in the exporter's thread
+        try:
+            self._stop_metrics = metrics.serve(
+                lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
+            )
+        except OSError as e:
+            raise OSError(
+                f"metrics port {cfg.metrics_address}:{cfg.metrics_port}: {e.strerror or e}"
+                " (another gpushare node, or another exporter?): choose another with"
+                " --metrics-port PORT (or metrics_port in the config file), or 0 for none"
+            ) from None
         self.metrics_port = cfg.metrics_port
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, self.metrics_port)
 
@@ -220,6 +390,7 @@ class Node:
         t.add_done_callback(self._tasks.discard)
 
     async def run(self) -> None:
+        _raise_fd_limit()
         await self.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -232,6 +403,7 @@ class Node:
     async def stop(self) -> None:
         for srv in self._servers:
             srv.close()
+        self.recovery.hold()  # the workloads outlive this node: the next one expects them
         self.events.end_followers()
         await self._handlers.close()  # every connection ends; its session detaches
         self.dispatch.close()
@@ -239,10 +411,26 @@ class Node:
             task.cancel()
         if self._stop_metrics:
             self._stop_metrics()
+            self._stop_metrics = None
         if self._pod_watcher:
             self._pod_watcher.stop()
-        links = [self._sim_link(g.index) for g in self.gpus if g.simulated]
-        for path in (self.socket, self.admin_socket, *links):
+        if self._recovery_timer is not None:
+            self._recovery_timer.cancel()
+            self._recovery_timer = None
+        # The link files stay: workloads map them, and the next node keeps them.
+        for path in self._made:  # only what this node made: never another node's socket
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self._made.clear()
         self.events.close()
+        for d in {id(d): d for d in (self.rundir, self.admindir, self.recovery.dir)}.values():
+            d.close()
+
+
+def _raise_fd_limit() -> None:
+    """Descriptors up to the hard limit: every connection costs one, and a soft limit of
+    1,024 is what a flood of connections exhausts first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

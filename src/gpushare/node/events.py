@@ -1,4 +1,5 @@
-"""The event stream: a ring buffer for ``ctl events``, live followers, and a JSON-lines log."""
+"""The event stream: a ring buffer for ``ctl events`` (bounded by count and by bytes),
+live followers, and a JSON-lines log (a file of the node's own, never through a symlink)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import os
 from collections import deque
 from typing import Any, TextIO
+
+from gpushare.node.safefs import SafeDir, UnsafePath, parent_dir
 
 log = logging.getLogger("gpushare.node.events")
 
@@ -21,11 +24,20 @@ EVENT_KINDS = (
     "swap_in",
     "prefetch",
     "config",
+    "config_refused",
     "escalate",
+    "recovery",
 )
 
 
 FOLLOW_LIMIT = 10_000  # events a live follower may be behind before it is let go
+BACKLOG_BYTES = 16 * 2**20  # the ring's bound in bytes, beside its count
+
+
+def size_of(rec: dict[str, Any]) -> int:
+    """About what a record weighs (its text, and a little for each field): cheap enough
+    for every event, close enough to bound the ring."""
+    return 64 + sum(24 + (len(v) if isinstance(v, str) else 8) for v in rec.values())
 
 
 class Follower:
@@ -51,28 +63,52 @@ class Follower:
 
 class EventBus:
     def __init__(
-        self, log_path: str = "", backlog: int = 50_000, rotate_bytes: int = 64 * 2**20
+        self,
+        log_path: str = "",
+        backlog: int = 50_000,
+        rotate_bytes: int = 64 * 2**20,
+        backlog_bytes: int = BACKLOG_BYTES,
     ) -> None:
-        self.backlog: deque[dict[str, Any]] = deque(maxlen=backlog)
+        self.backlog: deque[dict[str, Any]] = deque()
+        self._sizes: deque[int] = deque()
+        self.backlog_count, self.backlog_bytes = backlog, backlog_bytes
+        self.bytes = 0  # the ring's weight now (size_of)
         self.followers: set[Follower] = set()
         self.follow_limit = FOLLOW_LIMIT
         self.log_path = log_path
         self.rotate_bytes = rotate_bytes
         self._file: TextIO | None = None
+        self._dir: SafeDir | None = None
         if log_path:
+            self._dir, self._name = parent_dir(log_path)
             self._open()
 
     def _open(self) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        self._file = open(self.log_path, "a", buffering=1)  # noqa: SIM115  line-buffered, kept open
+        assert self._dir is not None
+        try:
+            fd = self._dir.append(self._name, mode=0o600)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            raise UnsafePath(
+                f"cannot open the event log {self.log_path}: {e.strerror} (a symlink is"
+                " never followed): remove it or choose another path"
+            ) from None
+        self._file = os.fdopen(fd, "a", buffering=1)  # line-buffered, kept open
 
     def publish(self, rec: dict[str, Any]) -> None:
+        size = size_of(rec)
         self.backlog.append(rec)
-        if self._file is not None:
+        self._sizes.append(size)
+        self.bytes += size
+        while len(self.backlog) > self.backlog_count or self.bytes > self.backlog_bytes:
+            self.backlog.popleft()
+            self.bytes -= self._sizes.popleft()
+        if self._file is not None and self._dir is not None:
             self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
             if self._file.tell() > self.rotate_bytes:
                 self._file.close()
-                os.replace(self.log_path, self.log_path + ".1")
+                self._dir.rename(self._name, self._name + ".1")
                 self._open()
         for f in list(self.followers):
             if not f.put(rec):  # a follower that cannot keep up is let go
@@ -102,6 +138,8 @@ class EventBus:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._dir is not None:
+            self._dir.close()
 
 
 def matches(rec: dict[str, Any], since_ts: float | None, session: int | None) -> bool:

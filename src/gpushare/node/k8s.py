@@ -25,6 +25,16 @@ class PodInfo:
     namespace: str
     name: str
     containers: Mapping[str, str]  # container ID (hex) -> container name
+    fraction: float | None = None  # KAI's gpu-fraction annotation, when it is one
+
+
+def _fraction(meta: Mapping[str, Any]) -> float | None:
+    text = (meta.get("annotations") or {}).get("gpu-fraction")
+    try:
+        f = float(text) if text is not None else None
+    except (TypeError, ValueError):
+        return None
+    return f if f is not None and 0 < f <= 1 else None  # NaN fails too
 
 
 def pod_info(obj: Mapping[str, Any]) -> PodInfo:
@@ -37,7 +47,7 @@ def pod_info(obj: Mapping[str, Any]) -> PodInfo:
             cid = cs.get("containerID") or ""
             if "://" in cid:
                 containers[cid.split("://", 1)[1]] = cs["name"]
-    return PodInfo(meta["uid"], meta["namespace"], meta["name"], containers)
+    return PodInfo(meta["uid"], meta["namespace"], meta["name"], containers, _fraction(meta))
 
 
 class PodCache:
@@ -68,6 +78,12 @@ class PodCache:
         if p is None:
             return None
         return p.namespace, p.name, p.containers.get(container_id, "")
+
+    def fraction(self, pod_uid: str) -> float | None:
+        """The pod's gpu-fraction annotation, if it has one and is known."""
+        with self._lock:
+            p = self._pods.get(pod_uid)
+        return p.fraction if p is not None else None
 
     def __len__(self) -> int:
         return len(self._pods)

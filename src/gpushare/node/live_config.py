@@ -1,7 +1,8 @@
 """The configuration in force, and its changes while the node runs: the config file
 watched (a ConfigMap update lands this way) and applied from the next quantum, and
-``ctl ... --persist`` written down. A bad edit is logged and the configuration in force
-kept."""
+``ctl ... --persist`` written down. A bad edit (or a bad ``ctl`` value) is refused: a
+log line, a ``config_refused`` event, and the configuration in force kept; the next edit
+is read as usual."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gpushare.core.arbiter import Arbiter
 from gpushare.node.config import (
     ConfigError,
     NodeConfig,
+    check_gpus,
     gpu_settings,
     load,
     persist,
@@ -23,7 +25,7 @@ from gpushare.node.dispatch import Dispatch
 log = logging.getLogger("gpushare.node.live_config")
 
 # Keys read once at start: a change to them waits for the next start.
-RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve")
+RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve", "recovery_dir")
 
 
 class NotPersisted(Exception):
@@ -62,15 +64,19 @@ class LiveConfig:
             if text == self._text:
                 continue
             self._text = text
-            self.reload()
+            try:
+                self.reload()
+            except Exception:  # the watch goes on: the next edit is read as usual
+                log.exception("config %s: not applied", self.path)
 
     def reload(self) -> None:
         """Merge the files and flags again; apply what changed in them, from the next
         quantum. A live change made with ctl stays unless the same key changed."""
         try:
             new = load(self.path, self.state_path, self.flags)
+            check_gpus(new, len(self.arbiters))
         except ConfigError as e:
-            log.error("%s: keeping the configuration in force", e)
+            self.refused(f"file {self.path}", str(e))
             return
         for arb in self.arbiters:
             arb.settings.overlap = new.overlap  # the next switch is planned with it
@@ -94,6 +100,20 @@ class LiveConfig:
                 ", ".join(restart),
             )
         self.config = new
+
+    def refused(self, source: str, reason: str) -> None:
+        """A live change refused: said in the log and as a ``config_refused`` event; the
+        configuration in force is kept."""
+        log.error("%s: refused, keeping the configuration in force", reason)
+        self.dispatch.events.publish(
+            {
+                "ts": self.dispatch.clock.wall(),
+                "gpu": None,
+                "event": "config_refused",
+                "source": source,
+                "reason": reason,
+            }
+        )
 
     def persist(self, gpu: int | None, values: dict[str, Any]) -> str:
         """Write ``values`` (config file keys) to the state file, or the config file

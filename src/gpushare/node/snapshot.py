@@ -5,6 +5,9 @@ exporter and the demo read."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
+
+import msgspec
 
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
@@ -14,6 +17,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn
 from gpushare.node.identity import CgroupIdentity
 from gpushare.node.k8s import PodCache
+from gpushare.node.totals import Totals
 from gpushare.status import (
     Claimed,
     GangStatus,
@@ -21,6 +25,7 @@ from gpushare.status import (
     NodeInfo,
     NodeStatus,
     SessionStatus,
+    WorkloadStatus,
 )
 
 
@@ -31,30 +36,40 @@ def take(
     utilization: Sequence[Attribution],
     conns: Mapping[int, Conn],
     pods: PodCache | None,
+    totals: Sequence[Totals] = (),
 ) -> NodeStatus:
-    return NodeStatus(
+    out = NodeStatus(
         node=info,
         gpus=[
             gpu(g, a, att, [session(a, s, att, conns.get(s.id), pods) for s in a.sessions.values()])
             for g, a, att in zip(gpus, arbiters, utilization, strict=True)
         ],
     )
+    for g, t in zip(out.gpus, totals, strict=False):  # workloads: sessions gone included
+        g.workloads = t.workloads(g.sessions)
+    return out
 
 
 def session(
     a: Arbiter, s: SessionState, att: Attribution, c: Conn | None, pods: PodCache | None
 ) -> SessionStatus:
     """A session's figures, live ones (lease and wait running now) included, and who it
-    is. Claims are shown only when the kernel agrees; with the Kubernetes API, the names
-    are the API's for the kernel's pod UID."""
+    is. With the Kubernetes API, the names are the API's for the kernel's pod UID
+    (verified), kept once seen (a pod deleted from the API while its process runs keeps
+    them); without, a claim whose pod UID is the kernel's is shown as the claim it is
+    (not verified); any other only under ``claimed``."""
     claimed = c.claimed if c else Claimed()
     ident = c.identity if c else CgroupIdentity()
     names = pods.resolve(ident.pod_uid, ident.container_id) if pods and ident.pod_uid else None
-    ok = bool(names) or bool(c and c.verified)
+    if c is not None:
+        if names and (c.names is None or names[2] or not c.names[2]):
+            c.names = names  # pinned: what the API said stays when the pod is gone from it
+        names = c.names
+    consistent = bool(c and c.verified)  # the claim names the kernel's pod UID
     if names:  # the API's names for the kernel's pod
         shown = Claimed(namespace=names[0], pod=names[1], container=names[2])
     else:
-        shown = claimed if ok else Claimed()
+        shown = claimed if consistent else Claimed()
     return SessionStatus(
         id=s.id,
         name=s.name,
@@ -89,12 +104,13 @@ def session(
         pod=shown.pod,
         namespace=shown.namespace,
         container=shown.container,
-        identity_verified=ok,
-        identity_source="kubernetes" if names else "claim" if ok else "",
+        identity_verified=bool(names),
+        identity_source="kubernetes" if names else "claim" if consistent else "",
         claimed=claimed,
         pod_uid=ident.pod_uid,
         container_id=ident.container_id,
         runtime=ident.runtime,
+        weight_source=c.weight_source if c else "",
         gang=s.gang,
         gang_rank=c.rank if c and s.gang else -1,
         parked=s.parked,
@@ -140,8 +156,68 @@ def gpu(g: GpuInfo, a: Arbiter, att: Attribution, sessions: list[SessionStatus])
         holders=list(a.holders),
         queue=list(a.queue),
         sessions=sessions,
+        recovering=a.recovering,
         gangs=[gang(a, g) for g in a.gangs.values()],
     )
+
+
+def fit(status: NodeStatus, most: int) -> NodeStatus:
+    """The status, with as many sessions as fit in ``most`` encoded bytes: holders first,
+    then those waiting, then the rest, taken from each GPU in turn; then as many
+    workloads' totals as fit beside them, those with sessions attached first. What is
+    left out is counted (``sessions_omitted``, ``workloads_omitted``) and marked
+    (``truncated``): a status always fits."""
+    encode = msgspec.msgpack.encode
+    if len(encode(status)) <= most:
+        return status
+    sessions = []
+    for g in status.gpus:
+        rank = {sid: i for i, sid in enumerate([*g.holders, *g.queue])}
+        sessions.append(sorted(g.sessions, key=lambda s: rank.get(s.id, len(rank))))
+    workloads = [sorted(g.workloads, key=lambda w: not w.sessions) for g in status.gpus]
+    bare = msgspec.structs.replace(
+        status,
+        gpus=[msgspec.structs.replace(g, sessions=[], workloads=[]) for g in status.gpus],
+    )
+    budget = most - len(encode(bare)) - 64 * len(status.gpus)  # the omitted counts' room
+    kept, budget = _take(sessions, budget)
+    kept_workloads, _ = _take(workloads, budget)
+    gpus = [
+        msgspec.structs.replace(
+            g,
+            sessions=k,
+            sessions_omitted=len(g.sessions) - len(k),
+            workloads=w,
+            workloads_omitted=len(g.workloads) - len(w),
+        )
+        for g, k, w in zip(status.gpus, kept, kept_workloads, strict=True)
+    ]
+    return msgspec.structs.replace(status, gpus=gpus, truncated=True)
+
+
+T = TypeVar("T", SessionStatus, WorkloadStatus)
+
+
+def _take(lists: list[list[T]], budget: int) -> tuple[list[list[T]], int]:
+    """From each list in turn, the next item while its encoding fits the budget; what
+    was kept of each, and the budget left."""
+    encode = msgspec.msgpack.encode
+    kept: list[list[T]] = [[] for _ in lists]
+    full = [False] * len(lists)
+    depth = 0
+    while not all(full):
+        for i, items in enumerate(lists):
+            if full[i] or depth >= len(items):
+                full[i] = True
+                continue
+            size = len(encode(items[depth]))
+            if size > budget:
+                full[i] = True
+                continue
+            budget -= size
+            kept[i].append(items[depth])
+        depth += 1
+    return kept, budget
 
 
 def p95(xs: Iterable[float]) -> float:

@@ -13,6 +13,11 @@ from gpushare import protocol as p
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
+# Connections the kernel queues for accepting: sized for bursts of attaches (a job
+# starting 1,000 workers at once; asyncio's default is 100). Linux caps it at
+# net.core.somaxconn (4096 since 5.4); a client finding it full tries again.
+LISTEN_BACKLOG = 4096
+
 
 class Handlers:
     """The connection handlers running now, so that a stopping node ends them (their
@@ -46,7 +51,9 @@ async def read_frame(reader: asyncio.StreamReader) -> p.Message:
     return p.decode(body)
 
 
-async def serve_unix(cb: Handler, path: str, mode: int) -> asyncio.Server:
+async def serve_unix(
+    cb: Handler, path: str, mode: int, backlog: int = LISTEN_BACKLOG
+) -> asyncio.Server:
     d = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(d, exist_ok=True)
@@ -64,7 +71,7 @@ async def serve_unix(cb: Handler, path: str, mode: int) -> asyncio.Server:
             probe.close()
     old = os.umask(0o777 & ~mode)  # born with the right mode: no window where it is wider
     try:
-        srv = await asyncio.start_unix_server(cb, path=path)
+        srv = await asyncio.start_unix_server(cb, path=path, backlog=backlog)
     finally:
         os.umask(old)
     os.chmod(path, mode)

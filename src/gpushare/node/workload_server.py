@@ -1,10 +1,18 @@
 """The workload socket: a session's hello (who it is, which GPU, how much memory), then
 its messages, each decoded, checked and handed to its GPU's arbiter. A workload acts
-only on its own session; anything else is refused through the guard."""
+only on its own session; anything else is refused through the guard.
+
+Every field of a hello is bounded (names as Kubernetes bounds them, no control
+characters, weights and portions finite and in range) and refused with a message naming
+it; a session that outlived a node restart gets its old id back only if the node matches
+it to its record (``gpushare.node.recovery``), and its lease only with the lease's token.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 from collections.abc import Callable, Sequence
 
 from gpushare import protocol as p
@@ -17,11 +25,62 @@ from gpushare.node.dispatch import Dispatch
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
+from gpushare.node.k8s import PodCache
+from gpushare.node.recovery import Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
 
-MAX_GANG_ID = 256  # characters of a job id
-MAX_RANKS = 1 << 16  # ranks a job may say it has (on the node, or in all)
+# What an administrator's tool sends first: said to have come to the wrong socket.
+ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
+
+# The longest each text of a hello may be: Kubernetes' bounds for names (a DNS
+# subdomain, 253) and labels (63); a UUID; a job id as long as a name.
+TEXT_BOUNDS = {
+    "name": 253,
+    "pod": 253,
+    "namespace": 63,
+    "container": 63,
+    "pod_uid": 36,
+    "gpu_uuid": 64,
+    "backend": 32,
+    "gang": 253,
+    "token": 64,
+}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
+MAX_GANG = 4096
+MAX_WORLD = 1 << 20  # ranks of a job on all nodes
+
+
+def check_hello(h: p.Hello) -> None:
+    """Every bound a hello's fields must keep, or :class:`Refused` naming the field."""
+    for name, most in TEXT_BOUNDS.items():
+        text: str = getattr(h, name)
+        if len(text) > most:
+            raise Refused(
+                "attach", f"hello: {name} is {len(text)} characters long, the most is {most}"
+            )
+        if _CONTROL.search(text):
+            raise Refused("attach", f"hello: {name} holds control characters")
+    if h.portion is not None and not (
+        isinstance(h.portion, int | float) and math.isfinite(h.portion) and 0 < h.portion <= 1
+    ):
+        raise Refused(
+            "attach",
+            f"hello: portion must be a fraction in (0, 1] (KAI's GPU_PORTION), not {h.portion}",
+        )
+    if not 0 <= h.gang_size <= MAX_GANG or not -1 <= h.rank < max(h.gang_size, 1):
+        raise Refused(
+            "attach",
+            f"hello: gang_size must be in [0, {MAX_GANG}] and rank in [-1, gang_size),"
+            f" not {h.gang_size} and {h.rank}",
+        )
+    if not 0 <= h.world_size <= MAX_WORLD:
+        raise Refused(
+            "attach", f"hello: world_size must be in [0, {MAX_WORLD}], not {h.world_size}"
+        )
+    for name in ("session", "lease"):
+        if not 0 <= getattr(h, name) < 2**63:
+            raise Refused("attach", f"hello: {name} must be a number >= 0")
 
 
 class WorkloadServer:
@@ -35,23 +94,46 @@ class WorkloadServer:
         guard: Guard,
         dispatch: Dispatch,
         utilization: Sequence[Attribution],
-        sim_link: Callable[[int], str],
+        sim_link: Callable[[int, int], str],
+        recovery: Recovery,
+        returned: Callable[[], None],
+        pods: Callable[[], PodCache | None],
+        retire: Callable[[int, int], None] = lambda gpu, sid: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
         self.guard, self.dispatch, self.utilization = guard, dispatch, utilization
-        self.sim_link = sim_link
-        self._next_session = 1
+        self.sim_link = sim_link  # (gpu, uid) -> the link file that uid may book
+        self.recovery = recovery
+        self.returned = returned  # every session on record is back: the window ends
+        self.pods = pods
+        self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
+
+    def socket_path(self) -> str:
+        return self._config().socket
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = self.guard.accept(writer)
+        try:
+            conn = self.guard.accept(writer)
+        except OSError:  # gone before the kernel could say who it was
+            writer.close()
+            return
         arb: Arbiter | None = None
         cfg = self._config()
         try:
             try:
+                self.guard.admit(conn)  # a bounded number wait for their hello
                 hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
             except TimeoutError:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
+            finally:
+                self.guard.said_hello(conn)
+            if isinstance(hello, ADMIN_REQUESTS):
+                raise p.ProtocolError(
+                    f"{self.socket_path()} is this node's workload socket: ctl, top and"
+                    f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
+                    " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
+                )
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
             arb = self._attach(conn, hello)
@@ -60,17 +142,21 @@ class WorkloadServer:
                 self.guard.spend(conn, "workload")
                 try:
                     self.dispatch.apply(arb, self._message(arb, conn.session, msg))
-                except ArbiterError as e:  # not valid now: answered, the session goes on
-                    conn.send(p.Error(code="state", message=str(e)))
+                except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
+                    # answered (the field named), nothing changed, the session goes on
+                    conn.send(p.Error(code=e.code, message=str(e)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except (Refused, p.ProtocolError) as e:
             self.guard.refuse(conn, "workload", e)
         finally:
             if arb is not None and conn.session in self.conns:
+                self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
                 self.utilization[arb.gpu].forget(conn.session)
-                self.dispatch.apply(arb, arb.detach(conn.session, reason="disconnected"))
+                reason = "ended" if conn.ended else "disconnected"
+                self.dispatch.apply(arb, arb.detach(conn.session, reason=reason))
+                self.recovery.save_soon()
             writer.close()
 
     def _gpu_of(self, h: p.Hello) -> int:
@@ -93,6 +179,18 @@ class WorkloadServer:
             )
         return gpu
 
+    def _weight(self, conn: Conn, h: p.Hello) -> tuple[float, str]:
+        """The session's weight and where it comes from: the pod's gpu-fraction
+        annotation through the API (checked), else the workload's word."""
+        pods = self.pods()
+        if pods is not None and conn.identity.pod_uid:
+            fraction = pods.fraction(conn.identity.pod_uid)
+            if fraction is not None:
+                return fraction, "kubernetes"
+        if h.weight is None:
+            return 1.0, "default"
+        return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
+
     def _attach(self, conn: Conn, h: p.Hello) -> Arbiter:
         """A session for the hello, welcomed; or :class:`Refused`, with nothing changed."""
         self.guard.check_sessions_of_uid(conn)
@@ -102,18 +200,29 @@ class WorkloadServer:
                 f"client speaks protocol {h.version}, this node {p.PROTOCOL_VERSION}:"
                 " use the same gpushare version in workloads and node",
             )
+        check_hello(h)
         gpu = self._gpu_of(h)
         arb, g, cfg = self.arbiters[gpu], self.gpus[gpu], self._config()
         if h.memory_limit is not None:
             limit = h.memory_limit
-        elif h.portion is not None and 0 < h.portion <= 1:
-            limit = int(arb.capacity * h.portion)
+        elif h.portion is not None:
+            limit = max(1, int(arb.capacity * h.portion))
         else:
             limit = arb.capacity
-        weight = h.weight if h.weight is not None else 1.0
-        sid = self._next_session
-        name = h.name or f"pid-{conn.pid}"
         identity = read_identity(conn.pid, cfg.proc_root)
+        conn.identity = identity
+        weight, source = self._weight(conn, h)
+        # Back after a restart? Only the process the record names gets the id it had,
+        # and its lease only with the token that lease was granted with.
+        rec = None
+        if h.session:
+            rec = self.recovery.match(
+                h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
+                self.conns,
+            )  # fmt: skip
+        sid = rec.id if rec else self.recovery.next_session
+        verified = rec is not None and self.recovery.token_ok(gpu, sid, h.lease, h.token)
+        name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
         if gang:
             elsewhere = {
@@ -122,6 +231,7 @@ class WorkloadServer:
             why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
             if why:
                 raise Refused("attach", why)
+        link = self.sim_link(gpu, conn.uid) if g.simulated else ""  # before any change
         try:
             actions = arb.attach(
                 sid,
@@ -131,6 +241,8 @@ class WorkloadServer:
                 resident=h.resident,
                 swapped=h.swapped,
                 holding=h.holding,
+                lease=h.lease,
+                verified=verified,
                 fills=h.fills,
                 prefetch=h.prefetch,
                 gang=gang,
@@ -139,13 +251,26 @@ class WorkloadServer:
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
-        self._next_session += 1
-        conn.session, conn.gpu = sid, gpu
-        conn.identity = identity
+        if rec is None:
+            self.recovery.new_id()  # reserved on disk before the workload hears it
+        conn.session, conn.gpu, conn.weight_source = sid, gpu, source
         conn.rank = h.rank if gang else -1
-        conn.verified = bool(conn.identity.pod_uid) and h.pod_uid == conn.identity.pod_uid
+        # The pod UID is the kernel's; the names beside it are the workload's word.
+        conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
         conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
+        conn.record = SessionRecord(
+            id=sid,
+            gpu=gpu,
+            pid=conn.pid,
+            start_time=conn.proc.start_time if conn.proc else 0,
+            uid=conn.uid,
+            pod_uid=identity.pod_uid,
+            container_id=identity.container_id,
+            limit=limit,
+            name=name,
+        )
         self.conns[sid] = conn
+        self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
         conn.send(
             p.Welcome(
                 session=sid,
@@ -160,10 +285,13 @@ class WorkloadServer:
                 sim_scale=cfg.sim_scale,
                 sim_bandwidth=cfg.sim_bandwidth,
                 sim_swap_failure_rate=cfg.sim_swap_failure_rate,
-                sim_link=self.sim_link(gpu) if g.simulated else "",
+                sim_link=link,
+                tq_s=arb.settings.tq_s,
             )
         )
         self.dispatch.apply(arb, actions)
+        if rec is not None and self.recovery.returned(sid):
+            self.returned()  # the last one expected: the recovery window ends
         return arb
 
     @staticmethod
@@ -202,25 +330,10 @@ class WorkloadServer:
 
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     """The node's key of the job a hello says it is a rank of ("" for none), and whether
-    the job spans nodes; or :class:`Refused` for figures out of bounds. The key joins
-    the job's id to what the kernel says (the pod, else the uid): a rank can join only
-    a job of its own pod or user, whatever id it claims."""
+    the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
+    job's id to what the kernel says (the pod, else the uid): a rank can join only a job
+    of its own pod or user, whatever id it claims."""
     if not h.gang:
         return "", False
-    if len(h.gang) > MAX_GANG_ID:
-        raise Refused(
-            "attach", f"gang id longer than {MAX_GANG_ID} characters: set a shorter GPUSHARE_GANG"
-        )
-    for what, value, low in (
-        ("gang_size", h.gang_size, 0),
-        ("world_size", h.world_size, 0),
-        ("rank", h.rank, -1),
-    ):
-        if not low <= value <= MAX_RANKS:
-            raise Refused(
-                "attach",
-                f"{what} {value} is not in {low}..{MAX_RANKS}: check GPUSHARE_GANG_SIZE,"
-                " GPUSHARE_RANK or what the launcher set (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK)",
-            )
     who = f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
     return f"{h.gang}@{who}", 0 < h.gang_size < h.world_size

@@ -90,7 +90,10 @@ class AdminClient:
             try:
                 msg = self._recv()
             except DaemonUnavailableError:
-                return
+                raise DaemonUnavailableError(
+                    f"the node at {self.path} closed the event stream: it stopped or"
+                    " restarted (the events are in its --event-log, if it keeps one)"
+                ) from None
             if isinstance(msg, p.EventsEnd):
                 yield None
                 if not follow:

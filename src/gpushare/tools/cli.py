@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from gpushare._version import __version__
 from gpushare.errors import GpushareError
-from gpushare.settings import ESCALATIONS, MODES, POLICIES
+from gpushare.settings import ESCALATIONS, MODES, POLICIES, RANGES, SettingsError, check
 from gpushare.units import parse_duration, parse_size
 
 log = logging.getLogger("gpushare")
@@ -29,17 +32,90 @@ def _seconds(text: str) -> float:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if v <= 0:
-        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+        raise argparse.ArgumentTypeError(f"must be positive (a duration like 30s, 5m), not {text}")
     return v
 
 
+def _setting(key: str) -> Callable[[str], float]:
+    """The argparse type of a node setting: read as a duration (``5m``), a whole number or
+    a number, then checked by the one validation (gpushare.settings), so a flag, the config
+    file and ``ctl`` refuse a value with the same words."""
+    r = RANGES[key]
+
+    def parse(text: str) -> float:
+        try:
+            if r.unit == "s":
+                value: float = parse_duration(text)
+            elif r.integer and re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+                value = int(text)
+            else:
+                value = float(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                str(e) if r.unit == "s" else f"cannot read {text!r}: {r.describe()}"
+            ) from None
+        try:
+            return check(key, value)
+        except SettingsError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = key
+    return parse
+
+
+ADMIN_SOCKET_HELP = (
+    "the node's admin socket (default $GPUSHARE_ADMIN_SOCKET, else /run/gpushare/admin.sock);"
+    " --admin-socket is the same"
+)
+DURATIONS = "30, 30s, 5m, 1.5h, 1d, 250ms, 1e3"
+
+
+def _admin_socket(parser: argparse.ArgumentParser) -> None:
+    """``--socket`` (or ``--admin-socket``) for the commands that administer: the admin
+    socket, before or after the subcommand. SUPPRESS: a level that was not given it does
+    not override the level that was."""
+    parser.add_argument(
+        "--socket",
+        "--admin-socket",
+        dest="admin_socket",
+        metavar="ADMIN_SOCKET",
+        default=argparse.SUPPRESS,
+        help=ADMIN_SOCKET_HELP,
+    )
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake said in one line (the usage is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="gpushare",
         description="Share one GPU safely and fairly: exclusive time quanta, swap to host "
         "memory, fraction-weighted shares, per-session figures.",
     )
     ap.add_argument("--version", action="version", version=f"gpushare {__version__}")
+    ap.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="the socket of the command that follows, as if given after it: the workload"
+        " socket for node and run, the admin socket for ctl, top and timeline",
+    )
+    ap.add_argument(
+        "--admin-socket", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     n = sub.add_parser(
@@ -59,19 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="where ctl --persist writes (default: the config file); read after it",
     )
     n.add_argument(
-        "--socket", metavar="PATH", help="workload socket (default /run/gpushare/gpushare.sock)"
+        "--socket",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="workload socket (default /run/gpushare/gpushare.sock)",
     )
     n.add_argument(
         "--admin-socket",
         metavar="PATH",
+        default=argparse.SUPPRESS,
         help="admin socket, mode 0600 (default /run/gpushare/admin.sock)",
     )
-    n.add_argument("--tq", type=_seconds, metavar="SECONDS", help="time quantum (default 30)")
+    n.add_argument(
+        "--tq",
+        type=_setting("tq"),
+        metavar="SECONDS",
+        help=f"time quantum (default 30; {DURATIONS}; from 0.05 s to 1 d)",
+    )
     n.add_argument("--mode", choices=MODES, help="default auto")
     n.add_argument("--policy", choices=POLICIES, help="default equal")
     n.add_argument(
         "--grace",
-        type=_seconds,
+        type=_setting("grace"),
         metavar="SECONDS",
         help="how long a revoked holder has to yield (default 5)",
     )
@@ -82,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--idle-release",
-        type=_seconds,
+        type=_setting("idle_release"),
         metavar="SECONDS",
         help="an implicit burst ends after this long without GPU work (default 0.5)",
     )
@@ -92,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="GPU memory kept free of sessions, per GPU (default 0)",
     )
-    n.add_argument("--sim-gpus", type=int, metavar="N", help="run N simulated GPUs")
+    n.add_argument(
+        "--sim-gpus", type=_setting("sim_gpus"), metavar="N", help="run N simulated GPUs"
+    )
     n.add_argument(
         "--sim-memory",
         type=_size,
@@ -101,13 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--sim-bandwidth",
-        type=float,
+        type=_setting("sim_bandwidth"),
         metavar="BYTES_PER_S",
         help="modelled swap bandwidth each way of simulated GPUs (default 55e9)",
     )
     n.add_argument(
         "--sim-swap-failure-rate",
-        type=float,
+        type=_setting("sim_swap_failure_rate"),
         metavar="P",
         help="simulated GPUs: each swap-out fails with probability P (fault drills)",
     )
@@ -128,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--turn",
-        type=float,
+        type=_setting("turn"),
         metavar="SECONDS",
         help="the longest interactive turn, 0 for none (default 1; docs/scheduling.md)",
     )
@@ -150,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--metrics-port",
-        type=int,
+        type=_setting("metrics_port"),
         metavar="PORT",
         help="Prometheus exporter port (default 9423; 0: off)",
     )
@@ -164,24 +251,38 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "ctl",
         help="administer a running node",
-        description="Administer a running node over its admin socket.",
+        description="Administer a running node over its admin socket. --socket goes before"
+        " or after the action.",
     )
-    c.add_argument(
-        "--socket",
-        metavar="PATH",
-        help="the node's admin socket (default $GPUSHARE_ADMIN_SOCKET or /run/gpushare/admin.sock)",
-    )
+    _admin_socket(c)
     cs = c.add_subparsers(dest="ctl_cmd", required=True, metavar="ACTION")
     st = cs.add_parser("status", help="GPUs, holders, queues and sessions")
-    st.add_argument("--json", action="store_true", help="one JSON object (see DESIGN.md)")
-    tq = cs.add_parser("tq", help="set the time quantum, live")
-    tq.add_argument("seconds", type=_seconds, metavar="SECONDS")
+    st.add_argument(
+        "--json", action="store_true", help="one JSON object (docs/contract.md: Status JSON)"
+    )
+    _admin_socket(st)
+    tq = cs.add_parser(
+        "tq",
+        help="show the time quantum, or set it live",
+        description="Without SECONDS: the TQ in force on each GPU. With it: the new TQ, live"
+        " (a shorter one also cuts the quantum running now). SECONDS is a number of seconds"
+        f" or a duration ({DURATIONS}), from 0.05 s to 1 d.",
+    )
+    tq.add_argument(
+        "seconds",
+        type=_setting("tq"),
+        nargs="?",
+        metavar="SECONDS",
+        help=f"the new TQ: {DURATIONS} (none: show the TQ in force)",
+    )
     tq.add_argument("--gpu", type=int, metavar="INDEX", help="only this GPU (default all)")
     tq.add_argument(
         "--persist",
         action="store_true",
         help="also write it to the node's state file (--state) or config file: a restart keeps it",
     )
+    tq.add_argument("--json", action="store_true", help="each GPU's settings as JSON")
+    _admin_socket(tq)
     for name, choices, what in [
         ("mode", MODES, "how sessions share a GPU"),
         ("policy", POLICIES, "how quanta are sized"),
@@ -193,13 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--persist", action="store_true", help="also write it down (state or config file)"
         )
+        _admin_socket(sp)
     end = cs.add_parser("end", help="end a session (its lease and memory are freed)")
     end.add_argument("session", type=int, metavar="ID")
     end.add_argument("--reason", default="ended by an administrator")
+    _admin_socket(end)
     ev = cs.add_parser("events", help="the event stream as JSON lines")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
     ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
+    _admin_socket(ev)
 
     r = sub.add_parser(
         "run",
@@ -216,19 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--weight", type=float, metavar="W", help="weight under policy weighted")
     r.add_argument("--name", help="the session's name (default the program's)")
-    r.add_argument("--socket", metavar="PATH", help="the node's workload socket")
+    r.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="the node's workload socket (default $GPUSHARE_SOCKET, else"
+        " /run/gpushare/gpushare.sock)",
+    )
     r.add_argument("--gpu", type=int, metavar="INDEX")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     t = sub.add_parser(
         "top",
         help="live view of GPUs and sessions (q quits)",
-        description="A live view over the admin socket, refreshed twice a "
-        "second. SHARE is each session's share of GPU time over the last "
-        "minute (since it attached, when younger); q quits.",
+        description="A live view over the admin socket, refreshed twice a second."
+        " SHARE is each session's share of GPU time over the last minute (since it"
+        " attached, when younger). Keys: arrows/PgUp/PgDn scroll, Enter a session's"
+        " details, s (or 1-6) sort, r reverse, h help, q quits. Needs a terminal: with"
+        " stdin or stdout not one it prints one frame, as --once.",
     )
-    t.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    _admin_socket(t)
     t.add_argument("--once", action="store_true", help="print one frame and exit (scripts)")
-    t.add_argument("--interval", type=_seconds, default=0.5, help="seconds between frames")
+    t.add_argument("--json", action="store_true", help="with --once: the frame as JSON")
+    t.add_argument(
+        "--interval", type=_seconds, default=0.5, metavar="SECONDS", help="seconds between frames"
+    )
 
     tl = sub.add_parser(
         "timeline",
@@ -242,8 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a JSON-lines event log (default: ask the node over its admin socket)",
     )
-    tl.add_argument("--socket", metavar="PATH", help="the node's admin socket")
+    _admin_socket(tl)
     tl.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h")
+    tl.add_argument(
+        "--window",
+        type=_window,
+        default=300.0,
+        metavar="DURATION",
+        help="draw the last DURATION of the events (default 5m; 0: all of them)",
+    )
 
     sim = sub.add_parser(
         "simulate",
@@ -272,7 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--gpu-memory", type=_size, default=80 * 2**30, metavar="SIZE")
     sim.add_argument(
-        "--bandwidth", type=float, default=55e9, metavar="BYTES_PER_S", help="each way"
+        "--bandwidth",
+        type=_setting("sim_bandwidth"),
+        default=55e9,
+        metavar="BYTES_PER_S",
+        help="each way",
     )
     sim.add_argument("--tq", type=_seconds, nargs="+", default=[1.0, 5.0, 30.0], metavar="SECONDS")
     sim.add_argument("--seconds", type=_seconds, default=120.0, help="per run (default 120)")
@@ -281,10 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--no-prefetch", dest="prefetch", action="store_false", help="as the node's flag"
     )
-    sim.add_argument("--turn", type=float, default=1.0, metavar="SECONDS", help="0: no turns")
+    sim.add_argument(
+        "--turn", type=_setting("turn"), default=1.0, metavar="SECONDS", help="0: no turns"
+    )
     sim.add_argument(
         "--idle-release",
-        type=_seconds,
+        type=_setting("idle_release"),
         default=0.5,
         metavar="SECONDS",
         help="the longest a quantum waits for its holder to ask again (default 0.5)",
@@ -303,44 +431,101 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seconds", type=_seconds, default=20.0, help="how long (default 20)")
     d.add_argument("--tq", type=_seconds, default=2.0, help="time quantum (default 2)")
     d.add_argument("--workdir", metavar="DIR", help="keep sockets, logs and events here")
+    d.add_argument(
+        "--mode",
+        choices=MODES,
+        default="exclusive",
+        help="exclusive (default: one workload at a time, round-robin) or auto (those that"
+        " fit together share)",
+    )
+
+    comp = sub.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Print the completion script for SHELL (needs argcomplete: pip install"
+        " 'gpushare[cli]'). bash: eval \"$(gpushare completion bash)\" in ~/.bashrc; zsh the"
+        " same in ~/.zshrc; fish: gpushare completion fish | source.",
+    )
+    comp.add_argument("shell", choices=["bash", "zsh", "fish"], nargs="?", default="bash")
+
+    for p in _parsers(ap):
+        # "-1GiB", "-5m", "-5": a value (refused with its reason), never an unknown option
+        p._negative_number_matcher = re.compile(r"^-\.?[0-9]")
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _window(text: str) -> float:
     try:
-        if args.cmd == "node":
-            return _node(args)
-        if args.cmd == "ctl":
-            return _ctl(args)
-        if args.cmd == "run":
-            from gpushare.client.runner import run
+        v = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or positive, not {text}")
+    return v
 
-            cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-            if args.memory is not None:
-                try:
-                    parse_size(args.memory)  # a clear error before anything starts
-                except ValueError as e:
-                    print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
-                    return 2
-            return run(cmd, args.memory, args.weight, args.name, args.socket, args.gpu)
-        if args.cmd == "top":
-            from gpushare.tools.top import run_top
 
-            return run_top(args.socket, args.once, args.interval)
-        if args.cmd == "timeline":
-            return _timeline(args)
-        if args.cmd == "simulate":
-            return _simulate(args)
-        if args.cmd == "demo":
-            from gpushare.tools.demo import run_demo
-
-            return run_demo(args.seconds, args.tq, args.workdir)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (gpushare completion)
+        try:
+            import argcomplete
+        except ImportError:
+            return 1
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    try:
+        rc = _command(args)
+        sys.stdout.flush()  # here, so that a reader gone away is seen here
+        return rc
     except GpushareError as e:
         print(f"gpushare {args.cmd}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpushare ctl events | head`): stop quietly, as `yes | head`
+        # does, with the status of a SIGPIPE; nothing more may reach the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _admin(args: argparse.Namespace) -> str | None:
+    """The admin socket of ctl, top, timeline: --socket or --admin-socket, before or after."""
+    return getattr(args, "admin_socket", None) or getattr(args, "socket", None)
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.cmd == "node":
+        return _node(args)
+    if args.cmd == "ctl":
+        return _ctl(args)
+    if args.cmd == "run":
+        from gpushare.client.runner import run
+
+        cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if args.memory is not None:
+            try:
+                parse_size(args.memory)  # a clear error before anything starts
+            except ValueError as e:
+                print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
+                return 2
+        socket = getattr(args, "socket", None)
+        return run(cmd, args.memory, args.weight, args.name, socket, args.gpu)
+    if args.cmd == "top":
+        from gpushare.tools.top import run_top
+
+        return run_top(_admin(args), args.once, args.interval, as_json=args.json)
+    if args.cmd == "timeline":
+        return _timeline(args)
+    if args.cmd == "simulate":
+        return _simulate(args)
+    if args.cmd == "demo":
+        from gpushare.tools.demo import run_demo
+
+        return run_demo(args.seconds, args.tq, args.workdir, args.mode)
+    if args.cmd == "completion":
+        return _completion(args.shell)
     return 2
 
 
@@ -355,9 +540,6 @@ def _simulate(args: argparse.Namespace) -> int:
             workloads = sim.preset(args.mix, not args.fitting, args.gpu_memory)
     except ValueError as e:
         print(f"gpushare simulate: error: {e}", file=sys.stderr)
-        return 2
-    if args.turn < 0 or args.bandwidth <= 0:
-        print("gpushare simulate: error: --turn >= 0 and --bandwidth > 0", file=sys.stderr)
         return 2
     settings = GpuSettings(
         mode=args.mode,
@@ -383,12 +565,28 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _completion(shell: str) -> int:
+    try:
+        from argcomplete.shell_integration import shellcode
+    except ImportError:
+        raise GpushareError(
+            "shell completion needs argcomplete: pip install 'gpushare[cli]'"
+        ) from None
+    sys.stdout.write(shellcode(["gpushare"], shell=shell))
+    return 0
+
+
 def _timeline(args: argparse.Namespace) -> int:
     import time
 
     from gpushare.tools.admin import AdminClient
     from gpushare.tools.report import read_events
     from gpushare.tools.timeline import plot
+
+    try:
+        import matplotlib  # noqa: F401  (checked first: no node asked for nothing)
+    except ImportError:
+        raise GpushareError("the timeline needs matplotlib: pip install 'gpushare[plot]'") from None
 
     if args.events:
         try:
@@ -398,11 +596,11 @@ def _timeline(args: argparse.Namespace) -> int:
         if args.since:
             events = [e for e in events if e["ts"] >= time.time() - args.since]
     else:
-        with AdminClient(args.socket) as c:
+        with AdminClient(_admin(args)) as c:
             events = [e for e in c.events(since_s=args.since) if e is not None]
     if not events:
         raise GpushareError("no events to draw (is the node busy? try a longer --since)")
-    w, h = plot(events, args.output)
+    w, h = plot(events, args.output, window_s=args.window)
     print(f"wrote {args.output} ({w}x{h} px, {len(events)} events)")
     return 0
 
@@ -410,15 +608,20 @@ def _timeline(args: argparse.Namespace) -> int:
 def _ctl(args: argparse.Namespace) -> int:
     from gpushare.tools import ctl
 
+    path = _admin(args)
     if args.ctl_cmd == "status":
-        return ctl.status(args.socket, args.json)
+        return ctl.status(path, args.json)
     if args.ctl_cmd == "tq":
-        return ctl.configure(args.socket, args.gpu, args.persist, tq_s=args.seconds)
+        if args.seconds is None:
+            if args.persist:
+                raise GpushareError("--persist needs a value to write: ctl tq SECONDS --persist")
+            return ctl.show_settings(path, args.gpu, args.json)
+        return ctl.configure(path, args.gpu, args.persist, as_json=args.json, tq_s=args.seconds)
     if args.ctl_cmd in ("mode", "policy", "escalation"):
-        return ctl.configure(args.socket, args.gpu, args.persist, **{args.ctl_cmd: args.value})
+        return ctl.configure(path, args.gpu, args.persist, **{args.ctl_cmd: args.value})
     if args.ctl_cmd == "end":
-        return ctl.end_session(args.socket, args.session, args.reason)
-    return ctl.events(args.socket, args.follow, args.since, args.session)
+        return ctl.end_session(path, args.session, args.reason)
+    return ctl.events(path, args.follow, args.since, args.session)
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -434,8 +637,8 @@ def _node(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     flags = {
-        "socket": args.socket,
-        "admin_socket": args.admin_socket,
+        "socket": getattr(args, "socket", None),
+        "admin_socket": getattr(args, "admin_socket", None),
         "tq": args.tq,
         "mode": args.mode,
         "policy": args.policy,
@@ -463,13 +666,7 @@ def _node(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"gpushare node: error: {e}", file=sys.stderr)
         return 2
-    sim_memory = parse_size(cfg.sim_memory)
-    if cfg.sim_gpus < 0 or (cfg.sim_gpus and sim_memory <= 0):
-        print(
-            "gpushare node: error: --sim-gpus needs N >= 1 and a positive --sim-memory",
-            file=sys.stderr,
-        )
-        return 2
+    sim_memory = parse_size(cfg.sim_memory)  # checked with the rest of the configuration
     nvml = None
     if cfg.sim_gpus:
         gpus = simulated_gpus(cfg.sim_gpus, sim_memory)

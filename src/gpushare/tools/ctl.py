@@ -6,7 +6,10 @@ import json
 import sys
 from typing import Any, TextIO
 
+import msgspec
+
 from gpushare import protocol as p
+from gpushare.errors import GpushareError
 from gpushare.status import NodeStatus, to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.units import format_size
@@ -24,19 +27,28 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
         queue = ", ".join(names.get(i, str(i)) for i in g.queue) or "-"
         out.write(f"  holder: {holders}   queue: {queue}\n")
+        if g.recovering:
+            out.write("  recovering: nothing granted until the sessions on record are back\n")
         if not g.sessions:
             out.write("  no sessions\n")
             continue
+        # Names whole, the column as wide as the longest: never cut without a mark.
+        w = max(16, *(len(s.name) for s in g.sessions))
         out.write(
-            f"  {'ID':>4} {'NAME':<16} {'STATE':<9} {'RESIDENT':>10} {'SWAPPED':>10}"
+            f"  {'ID':>4} {'NAME':<{w}} {'STATE':<9} {'RESIDENT':>10} {'SWAPPED':>10}"
             f" {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}\n"
         )
         for s in g.sessions:
             out.write(
-                f"  {s.id:>4} {s.name[:16]:<16} {s.state:<9}"
+                f"  {s.id:>4} {s.name:<{w}} {s.state:<9}"
                 f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"
+            )
+        if g.sessions_omitted:
+            out.write(
+                f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
+                " frame: holders and the queue are shown first)\n"
             )
         for gang in g.gangs:  # the ranks of one job: one holder
             spans = "  spans nodes" if gang.spans_nodes else ""
@@ -56,17 +68,55 @@ def status(path: str | None, as_json: bool) -> int:
     return 0
 
 
-def configure(path: str | None, gpu: int | None, persist: bool, **change: Any) -> int:
+def _settings_json(gpus: list[p.GpuConfig], persisted_to: str = "") -> str:
+    out: dict[str, Any] = {"gpus": msgspec.to_builtins(gpus)}
+    if persisted_to:
+        out["persisted_to"] = persisted_to
+    return json.dumps(out, indent=2)
+
+
+def configure(
+    path: str | None, gpu: int | None, persist: bool, as_json: bool = False, **change: Any
+) -> int:
     """Set one of tq_s, mode, policy, escalation; prints the new values per GPU."""
     with AdminClient(path) as c:
         r = c.configure(gpu=gpu, persist=persist, **change)
+    if as_json:
+        print(_settings_json(r.gpus, r.persisted_to))
+        return 0
     for g in r.gpus:
         print(
             f"GPU {g.index}: TQ {g.tq_s:g} s, mode {g.mode}, policy {g.policy},"
-            f" escalation {g.escalation} (from the next quantum)"
+            f" escalation {g.escalation} (from the next quantum; a shorter TQ also ends"
+            " the running one sooner)"
         )
     if r.persisted_to:
         print(f"persisted to {r.persisted_to}")
+    return 0
+
+
+def show_settings(path: str | None, gpu: int | None, as_json: bool) -> int:
+    """The TQ (and mode, policy, escalation) in force on each GPU, or on ``gpu``."""
+    with AdminClient(path) as c:
+        st = c.status()
+    gpus = [
+        p.GpuConfig(
+            index=g.index, tq_s=g.tq_s, mode=g.mode, policy=g.policy, escalation=g.escalation
+        )
+        for g in st.gpus
+        if gpu is None or g.index == gpu
+    ]
+    if not gpus:
+        n = len(st.gpus)
+        raise GpushareError(f"no GPU {gpu} on this node (it has {n}: --gpu 0..{n - 1})")
+    if as_json:
+        print(_settings_json(gpus))
+        return 0
+    for g in gpus:
+        print(
+            f"GPU {g.index}: TQ {g.tq_s:g} s (mode {g.mode}, policy {g.policy},"
+            f" escalation {g.escalation})"
+        )
     return 0
 
 

@@ -43,7 +43,8 @@ def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout: float = 1
     raise GpushareError(f"the node did not open {path} within {timeout:.0f} s")
 
 
-def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
+def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclusive") -> int:
+    started = time.monotonic()
     wd = Path(workdir or tempfile.mkdtemp(prefix="gpushare-demo-"))
     wd.mkdir(parents=True, exist_ok=True)
     wsock, asock, evlog = str(wd / "workloads.sock"), str(wd / "admin.sock"), wd / "events.jsonl"
@@ -55,8 +56,20 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
     )
     print(
         f"three workloads of 30 GiB each (90 GiB > {GPU_MEMORY}), TQ {tq:g} s, for {seconds:g} s."
-        f"  Files: {wd}\n"
+        f"  Files: {wd}"
     )
+    if mode == "exclusive":
+        print(
+            f"Mode exclusive: one workload holds the GPU at a time, for a quantum of {tq:g} s,"
+            " round-robin; before each turn the planner swaps out of the GPU what the next"
+            " one needs (the one served longest ago first).\n"
+        )
+    else:
+        print(
+            "Mode auto: workloads whose memory fits on the GPU together hold it together"
+            " (two of 30 GiB fit in 80 GiB); once those that want it do not fit, one at a"
+            f" time, round-robin, {tq:g} s each, swapping as needed.\n"
+        )
     with open(wd / "node.log", "wb") as node_log:
         node = subprocess.Popen(
             [
@@ -74,6 +87,8 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
                 GPU_MEMORY,
                 "--tq",
                 str(tq),
+                "--mode",
+                mode,
                 "--event-log",
                 str(evlog),
                 "--metrics-port",
@@ -84,6 +99,8 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         wait_for_socket(asock, node)
+        t0 = time.time()
+        until = t0 + seconds  # one deadline: the run takes the time it says
         for i, (name, kind, mem) in enumerate(WORKLOADS):
             procs.append(
                 (
@@ -98,8 +115,8 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
                             wsock,
                             "--memory",
                             mem,
-                            "--seconds",
-                            str(seconds),
+                            "--until",
+                            repr(until),
                             "--name",
                             name,
                             "--seed",
@@ -110,6 +127,7 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
                 )
             )
         peak = _progress(asock, procs, seconds)
+        ran = time.time() - t0
         results = {}
         for name, pr in procs:
             out, _ = pr.communicate(timeout=60)
@@ -128,16 +146,23 @@ def run_demo(seconds: float, tq: float, workdir: str | None) -> int:
         except subprocess.TimeoutExpired:
             node.kill()
     events = read_events(evlog)
-    _table(results, events, peak)
+    _table(results, events, peak, mode)
     print(f"\nevents: {evlog}   node log: {wd / 'node.log'}")
     try:
-        from gpushare.tools.timeline import plot
+        import matplotlib  # noqa: F401
     except ImportError:
         print("timeline: not drawn (pip install 'gpushare[plot]' for matplotlib)")
     else:
+        from gpushare.tools.timeline import plot
+
         png = wd / "timeline.png"
-        plot(events, png, title="gpushare demo on a SIMULATED GPU: who held it when")
+        title = f"gpushare demo on a SIMULATED GPU, mode {mode}: who held it when"
+        plot(events, png, title=title, window_s=0)
         print(f"timeline: {png}")
+    print(
+        f"workloads ran {ran:.1f} s (asked: {seconds:g} s); the demo took"
+        f" {time.monotonic() - started:.1f} s in all (node start, report and timeline included)"
+    )
     return 0 if all(r["failures"] == 0 for r in results.values()) else 1
 
 
@@ -173,7 +198,9 @@ def _progress_line(g: GpuStatus, t: float, seconds: float) -> None:
     )
 
 
-def _table(results: dict[str, dict[str, Any]], events: list[dict[str, Any]], peak: int) -> None:
+def _table(
+    results: dict[str, dict[str, Any]], events: list[dict[str, Any]], peak: int, mode: str
+) -> None:
     fig = figures(events)
     by_name = {f.name: f for f in fig.sessions.values()}
     print(f"\nSummary over {fig.span_s:.1f} s on one SIMULATED GPU ({GPU_MEMORY}):")
@@ -203,10 +230,17 @@ def _table(results: dict[str, dict[str, Any]], events: list[dict[str, Any]], pea
             f" swapped in: median {statistics.median(sw.seconds):.2f} s; {sw.overlapped} grants"
             " swapped in while the last holder still swapped out (overlapped switches)"
         )
-    print(
-        "GPU share: the part of the run each held a lease. In mode auto, sessions whose memory"
-        " fits together hold leases together, so the shares can add up to more than 100%."
-    )
+    if mode == "auto":
+        print(
+            "GPU share: the part of the run each held a lease. In mode auto, sessions whose"
+            " memory fits together hold leases together, so the shares can add up to more"
+            " than 100%."
+        )
+    else:
+        print(
+            "GPU share: the part of the run each held the GPU, alone (mode exclusive: the"
+            " shares add up to at most 100%; the rest is switches and idle time)."
+        )
 
 
 if __name__ == "__main__":

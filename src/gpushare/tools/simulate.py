@@ -173,7 +173,10 @@ class _Client:
             done()
             self.phase = "holding"
             if self.waiting_since is not None:
-                self.fig.waits.append(self.sim.now - self.waiting_since)
+                # not its first burst: a session's start (a real one allocates in it), never
+                # a turn, waits its turn in the queue (docs/scheduling.md)
+                if self.fig.bursts > 1:
+                    self.fig.waits.append(self.sim.now - self.waiting_since)
                 self.waiting_since = None
             self.sim.work(self)
 
@@ -359,13 +362,18 @@ class Simulation:
         for sid, w in enumerate(workloads, start=1):
             c = _Client(self, sid, w, random.Random(rng.random()))
             self.clients[sid] = c
+            # its memory made: on the GPU as far as it fits, the rest in host memory (the
+            # node refuses a session whose memory could not be there)
+            c.resident = min(w.memory, max(0, capacity - self.arb.used_bytes()))
+            c.swapped = w.memory - c.resident
             self.apply(
                 self.arb.attach(
                     sid,
                     name=c.fig.name,
                     limit=w.memory,
                     weight=w.weight,
-                    resident=w.memory,
+                    resident=c.resident,
+                    swapped=c.swapped,
                     fills=True,
                     prefetch=True,
                 )

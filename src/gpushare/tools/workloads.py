@@ -47,8 +47,17 @@ class _Checker:
                 self.failures += 1
 
 
-def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
-    """One long burst of steps until time is up, yielding at checkpoints when revoked."""
+def _turn_s(s: Session) -> float:
+    """How long a yield may wait for the next turn, about: near the end, a workload ends
+    its burst instead of waiting past its deadline."""
+    return 2 * (s.tq_s or 1.0)
+
+
+def batch(
+    s: Session, seconds: float, memory: int, seed: int, deadline: bool = False
+) -> dict[str, Any]:
+    """One long burst of steps until time is up, yielding at checkpoints when revoked;
+    with ``deadline`` (``--until``), ending the burst rather than waiting past the end."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     steps = 0
@@ -58,25 +67,35 @@ def batch(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
             check()
             time.sleep(STEP_S)
             steps += 1
+            if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
+                break  # the burst ends here, the lease goes back: no wait past the end
             s.checkpoint()
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
-def interactive(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
-    """Short bursts (a notebook cell) with think time between them."""
+def interactive(
+    s: Session, seconds: float, memory: int, seed: int, deadline: bool = False
+) -> dict[str, Any]:
+    """Short bursts (a notebook cell) with think time between them; with ``deadline``, no
+    burst that could wait past the end."""
     rng = random.Random(seed)
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if deadline and end - time.monotonic() < _turn_s(s):  # it could wait past the end
+            time.sleep(max(0.0, end - time.monotonic()))
+            break
         with s.gpu():
             check()
             for _ in range(rng.randint(10, 30)):
                 time.sleep(STEP_S)
                 steps += 1
+                if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
+                    break
                 s.checkpoint()
-        time.sleep(rng.uniform(0.5, 1.5))
+        time.sleep(max(0.0, min(rng.uniform(0.5, 1.5), end - time.monotonic())))
     return {"steps": steps, "checks": check.checks, "failures": check.failures}
 
 
@@ -97,13 +116,18 @@ def short(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
 
 
 def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100) -> dict[str, Any]:
-    """Many short bursts back to back: every grant after another session's is a swap cycle."""
+    """Many short bursts, each a swap cycle when another session waits: between bursts it
+    stays away for the node's ``idle_release`` (over half of it), so its quantum does not
+    wait for it (docs/scheduling.md) and the GPU goes to the other (nodes that test swap
+    cycles run with a short ``--idle-release``)."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     end = time.monotonic() + seconds
-    for _ in range(bursts):
+    for i in range(bursts):
         if time.monotonic() > end:
             break
+        if i:
+            time.sleep(s.idle_release_s)
         with s.gpu():
             check()
     return {"steps": 0, "checks": check.checks, "failures": check.failures}
@@ -118,18 +142,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--memory", default="30GiB")
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--until", type=float, help="stop at this Unix time instead (the demo's one deadline)"
+    )
     ap.add_argument("--name", default="")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
     ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
     a = ap.parse_args(argv)
+    if a.until is not None:  # however late this process started, all end together
+        a.seconds = max(0.0, a.until - time.time())
     memory = parse_size(a.memory)
     s = attach(memory=memory, socket=a.socket, name=a.name or a.kind, weight=a.weight)
     try:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, memory, a.seed, a.bursts)
+        elif a.kind == "batch":
+            out = batch(s, a.seconds, memory, a.seed, deadline=a.until is not None)
+        elif a.kind == "short":
+            out = short(s, a.seconds, memory, a.seed)
         else:
-            out = KINDS[a.kind](s, a.seconds, memory, a.seed)
+            out = interactive(s, a.seconds, memory, a.seed, deadline=a.until is not None)
     finally:
         s.close()
     waits = s.waits[1:] or [0.0]  # the first grant is the allocation's

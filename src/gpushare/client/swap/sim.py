@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from gpushare.client.swap.base import SwapBackend, SwapResult
 from gpushare.errors import OutOfMemoryError, SwapError, SwapIntegrityError
 from gpushare.simlink import IN, OUT, SimLink
+from gpushare.units import format_size
 
 log = logging.getLogger("gpushare.client.swap")
 DEFAULT_SCALE = 1024
@@ -171,8 +172,10 @@ class SimBackend(SwapBackend):
             raise ValueError("allocation size must be positive")
         if used + nbytes > self.limit:
             raise OutOfMemoryError(
-                f"allocating {nbytes} bytes would take this session past its memory limit of "
-                f"{self.limit} bytes ({used} in use): free memory or attach with a larger memory="
+                f"allocating {format_size(nbytes)} would take this session past its memory"
+                f" limit of {format_size(self.limit)} ({format_size(used)} in use): free"
+                " memory, or attach with a larger limit (memory=, GPUSHARE_MEMORY,"
+                " gpushare run --memory)"
             )
         chunks = []
         left = nbytes

@@ -1,0 +1,254 @@
+"""What the node keeps to recover its sessions after it restarts, and the recovery window.
+
+Workloads outlive the node: killed and started again, it must learn who held what before
+it grants anything, or two sessions hold one GPU and memory is booked twice. So it keeps,
+in a file of its own (``gpushare.node.safefs``: a new file, flushed, renamed over the
+old), each session's identity as the kernel gave it (pid and the process's start time,
+uid, pod and container from the cgroup), its GPU, limit and name, whether a freeze
+stopped it; the next session id (ids are never used twice); and, per GPU, a floor for
+lease numbers (leases are numbered on across restarts). Beside it, a key the node signs
+each lease with: a workload that comes back claiming a lease shows the token it was
+granted with, so only leases this node (or the one before it) granted are given back.
+
+On start, the sessions on record whose processes still run are *expected*: nothing is
+granted until each has re-registered (matched by pid, start time, uid, cgroup and the
+session id it names among its process's records, never by its word alone) or the
+window (``recovery_window`` seconds) ends. A re-registered session gets its old id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from gpushare.node.procs import ProcRef, same_process
+from gpushare.node.safefs import SafeDir, UnsafePath
+
+log = logging.getLogger("gpushare.node.recovery")
+
+STATE_FILE = "sessions.state"
+KEY_FILE = "lease.key"
+LEASE_BLOCK = 100_000  # lease numbers reserved on disk at a time
+ID_BLOCK = 1_000  # session ids reserved on disk at a time
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    id: int
+    gpu: int
+    pid: int
+    start_time: int  # 0: unknown (never matched)
+    uid: int
+    pod_uid: str = ""
+    container_id: str = ""
+    limit: int
+    name: str
+    stopped: list[tuple[int, int]] = []  # (pid, start time) a freeze stopped
+
+    def ref(self) -> ProcRef:
+        return ProcRef(self.pid, self.start_time, self.uid)
+
+
+class Saved(msgspec.Struct, kw_only=True):
+    version: int = 1
+    boot_id: str = ""  # records of another boot are void: no process outlives a reboot
+    next_session: int = 1  # ids below this may have been used
+    lease_floor: list[int] = []  # per GPU
+    sessions: list[SessionRecord] = []
+
+
+@dataclass
+class Figures:
+    """What the recovery window saw (the ``recovery`` events' figures)."""
+
+    expected: int = 0
+    returned: int = 0
+    started: float = 0.0  # monotonic
+
+    @property
+    def missing(self) -> int:
+        return self.expected - self.returned
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class Recovery:
+    """The records and the window. ``live`` gives the records of the sessions attached
+    now (the node's connections and arbiters); :meth:`save` writes them."""
+
+    def __init__(
+        self,
+        folder: SafeDir,
+        gpus: int,
+        live: Callable[[], Iterable[SessionRecord]],
+        proc_root: Callable[[], str],
+    ) -> None:
+        self.dir, self.gpus, self.live, self.proc_root = folder, gpus, live, proc_root
+        self.boot = boot_id()
+        self.next_session = 1
+        self.id_floor = 1  # on disk: no id below it is handed out again
+        self.lease_floor = [0] * gpus
+        self.expected: dict[int, SessionRecord] = {}  # still to come back
+        self.previous: dict[int, SessionRecord] = {}  # the last node's, processes alive
+        self.figures = Figures()
+        self.key = self._key()
+        self._soon: asyncio.TimerHandle | None = None
+        self._soon_delay = 0.0
+        self._held = False  # the node is stopping: the records stay as they are
+
+    # --- at start ---------------------------------------------------------------------
+
+    def _key(self) -> bytes:
+        key = self.dir.read(KEY_FILE, most=64)
+        if key is None or len(key) < 32:
+            key = secrets.token_bytes(32)
+            self.dir.write(KEY_FILE, key, mode=0o600)
+        return key
+
+    def load(self) -> list[SessionRecord]:
+        """The last node's records; the sessions whose processes still run are expected
+        (returned). A file of another boot, or one that cannot be read, is void."""
+        try:
+            raw = self.dir.read(STATE_FILE)
+            saved = msgspec.json.decode(raw, type=Saved) if raw else Saved(boot_id=self.boot)
+        except (UnsafePath, msgspec.DecodeError) as e:
+            log.warning("session records not usable (%s): starting without them", e)
+            saved = Saved(boot_id=self.boot)
+        self.next_session = self.id_floor = max(1, saved.next_session)
+        floors = list(saved.lease_floor)[: self.gpus]
+        self.lease_floor = floors + [0] * (self.gpus - len(floors))
+        if saved.boot_id != self.boot:
+            return []  # another boot: no process of then runs now
+        root = self.proc_root()
+        alive = [
+            r
+            for r in saved.sessions
+            if 0 <= r.gpu < self.gpus and r.start_time and same_process(r.ref(), root)
+        ]
+        self.previous = {r.id: r for r in alive}
+        self.expected = dict(self.previous)
+        return alive
+
+    # --- ids, leases, tokens -------------------------------------------------------------
+
+    def new_id(self) -> int:
+        """A session id never used before, on this node or the ones before it: ids are
+        reserved on disk a block at a time, before any is handed out."""
+        sid = self.next_session
+        self.next_session += 1
+        if self.next_session > self.id_floor:
+            self.id_floor = self.next_session + ID_BLOCK
+            self.save()
+        return sid
+
+    def token(self, gpu: int, sid: int, lease: int) -> str:
+        msg = f"{gpu}:{sid}:{lease}".encode()
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:32]
+
+    def token_ok(self, gpu: int, sid: int, lease: int, token: str) -> bool:
+        return bool(lease and token) and hmac.compare_digest(self.token(gpu, sid, lease), token)
+
+    def lease_granted(self, gpu: int, lease: int) -> bool:
+        """A lease is about to go out: True if the floor on disk had to move (saved)."""
+        if lease < self.lease_floor[gpu]:
+            return False
+        self.lease_floor[gpu] = lease + LEASE_BLOCK
+        self.save()
+        return True
+
+    # --- re-registering ----------------------------------------------------------------
+
+    def match(
+        self,
+        claimed: int,
+        proc: ProcRef | None,
+        pod_uid: str,
+        container_id: str,
+        gpu: int,
+        limit: int,
+        taken: Mapping[int, object],
+    ) -> SessionRecord | None:
+        """The record of the session ``claimed`` if this process is the one it names
+        (pid, start time, uid; pod and container), on the same GPU with the same limit,
+        and no live session has its id."""
+        r = self.previous.get(claimed)
+        if r is None or proc is None or claimed in taken:
+            return None
+        if (r.pid, r.start_time, r.uid) != (proc.pid, proc.start_time, proc.uid):
+            return None
+        if (r.pod_uid, r.container_id, r.gpu, r.limit) != (pod_uid, container_id, gpu, limit):
+            return None
+        return r
+
+    def returned(self, sid: int) -> bool:
+        """A record's session is back; True when no one else is expected."""
+        self.previous.pop(sid, None)
+        if self.expected.pop(sid, None) is not None:
+            self.figures.returned += 1
+        return not self.expected
+
+    # --- writing -----------------------------------------------------------------------
+
+    def save(self) -> None:
+        """The records of the sessions attached now, the ones still expected beside them,
+        the next id and the lease floors: a new file, flushed, renamed over the old."""
+        if self._held:
+            return
+        now = {r.id: r for r in self.live()}
+        for r in self.previous.values():  # a late returner still gets its id back
+            now.setdefault(r.id, r)
+        saved = Saved(
+            boot_id=self.boot,
+            next_session=self.id_floor,
+            lease_floor=self.lease_floor,
+            sessions=list(now.values()),
+        )
+        try:
+            self.dir.write(STATE_FILE, msgspec.json.encode(saved), mode=0o600)
+        except OSError as e:  # a full disk must not stop the node: it says so
+            log.error("cannot write session records to %s: %s", self.dir.path, e)
+
+    def save_soon(self, delay: float = 0.1) -> None:
+        """:meth:`save` within ``delay`` seconds, once for any number of calls meanwhile:
+        ``0`` after the handlers ready now have run (attaches arriving together cost one
+        write), longer for a detach (a record left a moment too long only makes a
+        restart wait for it)."""
+        if self._soon is not None:
+            if self._soon_delay <= delay:
+                return  # one is due as soon already
+            self._soon.cancel()
+        self._soon_delay = delay
+        self._soon = asyncio.get_running_loop().call_later(delay, self._save_now)
+
+    def _save_now(self) -> None:
+        self._soon = None
+        self.save()
+
+    def hold(self) -> None:
+        """The node stops: the sessions on record now are kept for the next node (their
+        connections end, their workloads go on), whatever happens while it stops."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        self.save()
+        self._held = True
+
+    def forget_dead(self) -> None:
+        """Records of the last node whose processes have ended are dropped."""
+        root = self.proc_root()
+        for sid in [i for i, r in self.previous.items() if not same_process(r.ref(), root)]:
+            self.previous.pop(sid)
+            self.expected.pop(sid, None)

@@ -1,0 +1,101 @@
+"""The architecture holds: import-linter's contracts (pyproject.toml) keep the four parts
+in their layers, and they fail when broken; a workload's import of gpushare pulls in
+msgspec and the standard library only, never the node, the core or the tools."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpushare
+from tests.support import REPO
+
+PACKAGE = Path(gpushare.__file__).parent
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(src_root: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """lint-imports with the repository's contracts over the package under ``src_root``."""
+    shutil.copy(REPO / "pyproject.toml", tmp / "pyproject.toml")
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"],
+        cwd=tmp,
+        env={"PYTHONPATH": str(src_root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def broken_copy(tmp: Path, module: str, line: str) -> Path:
+    """A copy of the package with ``line`` added to ``module`` (a path in the package)."""
+    src = tmp / "src"
+    shutil.copytree(PACKAGE, src / "gpushare", ignore=shutil.ignore_patterns("__pycache__"))
+    target = src / "gpushare" / module
+    target.write_text(target.read_text() + f"\n{line}\n")
+    return src
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    if not LINT_IMPORTS.exists():
+        pytest.skip("lint-imports is not installed (pip install -e '.[lint]')")
+    return tmp_path
+
+
+def test_the_contracts_hold_on_the_tree(work: Path) -> None:
+    r = lint_imports(PACKAGE.parent, work)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 kept, 0 broken" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        # the client inside a workload reaching for the daemon
+        ("client/lease.py", "import gpushare.node.daemon", "node and client apart"),
+        # the daemon reaching into the workload's runtime
+        ("node/dispatch.py", "import gpushare.client.session", "node and client apart"),
+        # the core reading the time behind its injected clock
+        ("core/planner.py", "import time", "the core is pure"),
+        # the core doing I/O
+        ("core/arbiter.py", "import socket", "the core is pure"),
+        # the shared vocabulary depending on the layers above it
+        ("protocol.py", "import gpushare.core.arbiter", "tools on top"),
+        # a workload made to carry the exporter's dependency
+        ("client/env.py", "import prometheus_client", "a workload needs only msgspec"),
+    ],
+)
+def test_a_broken_layer_fails_the_contracts(work: Path, module: str, line: str, broken: str):
+    r = lint_imports(broken_copy(work, module, line), work)
+    assert r.returncode != 0, f"{module}: {line!r} was not caught\n{r.stdout}"
+    broken_lines = [x for x in r.stdout.splitlines() if x.endswith("BROKEN")]
+    assert broken_lines, r.stdout
+    assert broken in r.stdout.split("Broken contracts")[-1], r.stdout
+
+
+def _loaded_by(code: str) -> set[str]:
+    """The top-level names of the modules a fresh interpreter has after ``code``."""
+    r = subprocess.run(
+        [sys.executable, "-c", f"{code}; import sys; print('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return set(r.stdout.split())
+
+
+def test_a_workload_imports_msgspec_and_the_standard_library_only() -> None:
+    # What `import gpushare` and an attach's code paths load, beside what msgspec itself
+    # loads (it takes typing_extensions where installed).
+    loaded = _loaded_by("import gpushare, gpushare.client.session, gpushare.client.swap.sim")
+    ours = {m for m in loaded if m.split(".")[0] == "gpushare"}
+    assert not {m for m in ours if m.split(".")[1:2] in (["node"], ["core"], ["tools"])}, ours
+    tops = {m.split(".")[0] for m in loaded - _loaded_by("import msgspec")}
+    third_party = tops - set(sys.stdlib_module_names) - {"gpushare", "__main__"}
+    assert not {m for m in third_party if not m.startswith("_")}, third_party
