@@ -60,10 +60,12 @@ class Hello(_Msg, tag="hello"):
     prefetch: bool = False  # it swaps in ahead of its grant when a Prefetch says so
     # The distributed job this process is a rank of (client/launchers.py): its ranks on
     # a node are granted together. gang: a job id ("" for none); gang_size: its ranks
-    # on this node; rank: this one's among them (-1: not known).
+    # on this node; rank: this one's among them (-1: not known); world_size: its ranks
+    # on all nodes (0: not known; more than gang_size: the job spans nodes).
     gang: str = ""
     gang_size: int = 0
     rank: int = -1
+    world_size: int = 0
 
 
 class Acquire(_Msg, tag="acquire"):

@@ -66,6 +66,23 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     # the API), "portion" (the GPU fraction the workload says KAI gave it), "claimed" (a
     # weight it set), "default" (1)
     weight_source: str = ""
+    # the distributed job it is a rank of (docs/scheduling.md "Gangs"): the node's key of
+    # its gang ("": none), its rank as its client says (-1: not known), parked: it
+    # yielded and waits for its gang's other ranks to yield too
+    gang: str = ""
+    gang_rank: int = -1
+    parked: bool = False
+
+
+class GangStatus(msgspec.Struct, kw_only=True):
+    """The ranks of one job on a GPU, granted and revoked as one holder."""
+
+    gang: str  # the node's key: the job's id @ its pod (pod:UID) or user (uid:N)
+    sessions: list[int]  # its members attached to this GPU
+    size: int  # ranks on the node, as its clients say (shown, never waited for)
+    spans_nodes: bool  # the job has ranks on other nodes (one node cannot co-schedule it)
+    state: str  # holding, yielding (revoked, members parking), waiting or idle
+    regroups_total: int  # parked members sent on to their next safe point
 
 
 class WorkloadStatus(msgspec.Struct, kw_only=True):
@@ -109,6 +126,7 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     recovering: bool = False  # after a restart: nothing granted until its sessions are back
     sessions_omitted: int = 0  # sessions left out so that the status fits one frame
     workloads_omitted: int = 0  # workloads' totals left out so that the status fits
+    gangs: list[GangStatus] = msgspec.field(default_factory=list)
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):

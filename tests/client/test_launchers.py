@@ -37,7 +37,12 @@ def test_a_torchrun_rank_names_its_job():
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500",
     }
-    assert gang_fields(env) == {"gang": "torchelastic:5f1c", "gang_size": 4, "rank": 2}
+    assert gang_fields(env) == {
+        "gang": "torchelastic:5f1c",
+        "gang_size": 4,
+        "rank": 2,
+        "world_size": 8,  # more than gang_size: the job spans nodes
+    }
 
 
 def test_a_rank_without_a_run_id_is_named_by_its_rendezvous():
@@ -49,15 +54,20 @@ def test_a_rank_without_a_run_id_is_named_by_its_rendezvous():
         "WORLD_SIZE": "2",
         "RANK": "1",
     }
-    assert gang_fields(env) == {"gang": "master:node1:6000", "gang_size": 2, "rank": 1}
+    assert gang_fields(env) == {
+        "gang": "master:node1:6000",
+        "gang_size": 2,
+        "rank": 1,
+        "world_size": 2,
+    }
     env["LOCAL_SIZE"], env["LOCAL_RANK"] = "2", "1"  # deepspeed's launcher
     assert gang_fields(env)["gang_size"] == 2
 
 
 def test_an_explicit_gang_wins_and_no_job_is_no_gang():
     env = {"GPUSHARE_GANG": "eval-7", "GPUSHARE_GANG_SIZE": "3", "GPUSHARE_RANK": "0"}
-    assert gang_fields(env) == {"gang": "eval-7", "gang_size": 3, "rank": 0}
-    assert gang_fields({}) == {"gang": "", "gang_size": 0, "rank": -1}
+    assert gang_fields(env) == {"gang": "eval-7", "gang_size": 3, "rank": 0, "world_size": 0}
+    assert gang_fields({}) == {"gang": "", "gang_size": 0, "rank": -1, "world_size": 0}
     assert gang_fields({"MASTER_ADDR": "a", "MASTER_PORT": "1"})["gang"] == ""  # no world
     with pytest.raises(ValueError, match="GPUSHARE_GANG_SIZE='x' is not a whole number"):
         gang_fields({"GPUSHARE_GANG": "g", "GPUSHARE_GANG_SIZE": "x"})

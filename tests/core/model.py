@@ -9,6 +9,12 @@ reporting each, and swap in chunk by chunk within the room the arbiter gives; th
 when they are done with it. The model tracks the
 bytes each client really has on the GPU, in flight included, so tests can check the
 arbiter's invariants against what would physically be there.
+
+Clients of kind ``ddp`` are the ranks of a distributed job (``job``): while holding they
+work in steps of ``step_s``, each ending in a collective that waits for every rank of the
+job; a rank has a safe point after each collective, where it yields to a revoke. They
+tell the arbiter their job (as a gang) unless ``send_gang`` is off, as a client that
+does not know it is a rank.
 """
 
 from __future__ import annotations
@@ -68,6 +74,39 @@ class Client:
     waits: list[float] = field(default_factory=list)
     work_since: float | None = None  # holding with its memory back: GPU time
     work: list[tuple[float, float]] = field(default_factory=list)
+    # ddp ranks
+    job: str = ""
+    send_gang: bool = True
+    step_s: float = 0.05
+    pos: str = "safe"  # safe (at a safe point), step (working), barrier (in the collective)
+    steps: int = 0  # collectives completed
+    revoked_lease: int = 0  # the revoke seen (acted on at the next safe point)
+    frozen: bool = False
+
+
+def drive(
+    clock: ManualClock,
+    heap: list[tuple[float, int, Callable[[], None]]],
+    until: float,
+    deadline: Callable[[], tuple[float, int]],
+    tick: Callable[[int], None],
+) -> None:
+    """Run ``until`` seconds: the model's events in time order, and the arbiters' ticks
+    at their deadlines (``deadline``: the next one and its GPU)."""
+    end = clock.monotonic() + until
+    while True:
+        t_ev = heap[0][0] if heap else float("inf")
+        t_dl, gpu = deadline()
+        t = min(t_ev, t_dl)
+        if t > end:
+            clock.set(end)
+            return
+        clock.set(max(t, clock.monotonic()))
+        if t_ev <= t_dl:
+            _, _, fn = heapq.heappop(heap)
+            fn()
+        else:
+            tick(gpu)
 
 
 class Model:
@@ -103,12 +142,19 @@ class Model:
                 self._on_grant(self.clients[a.session], a)
             elif isinstance(a, RevokeAction):
                 c = self.clients[a.session]
-                if not c.stuck:
+                if c.kind == "ddp":  # seen after its delay, acted on at its next safe point
+                    assert not a.swap_out, "a gang member asked to swap out as it yields"
+                    # A revoke right behind its grant (a regroup) is read with it.
+                    soon = c.lease == a.lease and c.grant_times[-1] == self.clock.monotonic()
+                    delay = 0.0 if soon else c.yield_delay
+                    self.at(delay, lambda c=c, a=a: self._ddp_revoked(c, a.lease))
+                elif not c.stuck:
                     self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
             elif isinstance(a, EscalateAction):
                 if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
                     self._stop_work(self.clients[a.session])
                     self.clients[a.session].holding = False
+                    self.clients[a.session].frozen = True
                 elif a.escalation == "kill":
                     self.at(
                         0.0, lambda sid=a.session: self.kill(sid) if sid in self.clients else None
@@ -137,7 +183,8 @@ class Model:
         self._observe()
 
     def _observe(self) -> None:
-        exclusive = sum(1 for c in self.clients.values() if c.holding)
+        # Holders of different jobs (a gang is one job): one at most in mode exclusive.
+        exclusive = len({c.job or c.sid for c in self.clients.values() if c.holding})
         self.max_holders = max(self.max_holders, exclusive)
         on_gpu = sum(c.on_gpu for c in self.clients.values())
         self.max_on_gpu = max(self.max_on_gpu, on_gpu)
@@ -146,20 +193,13 @@ class Model:
             self.check(self)
 
     def run(self, until: float) -> None:
-        end = self.clock.monotonic() + until
-        while True:
-            t_ev = self.heap[0][0] if self.heap else float("inf")
-            t_dl = self.arb.next_deadline() or float("inf")
-            t = min(t_ev, t_dl)
-            if t > end:
-                self.clock.set(end)
-                return
-            self.clock.set(max(t, self.clock.monotonic()))
-            if t_ev <= t_dl:
-                _, _, fn = heapq.heappop(self.heap)
-                fn()
-            else:
-                self.apply(self.arb.tick())
+        drive(
+            self.clock,
+            self.heap,
+            until,
+            lambda: (self.arb.next_deadline() or float("inf"), 0),
+            lambda _gpu: self.apply(self.arb.tick()),
+        )
 
     # --- clients --------------------------------------------------------------------
     def add(self, c: Client, start: float = 0.0) -> Client:
@@ -172,6 +212,7 @@ class Model:
                 weight=c.weight,
                 fills=c.fills,
                 prefetch=c.prefetch,
+                gang=c.job if c.job and c.send_gang else "",
             )
         )
         self.at(start, lambda: self._want(c))
@@ -192,6 +233,7 @@ class Model:
         self.grants.append(c.sid)
         c.holding = True
         c.swapping_in = True
+        c.frozen = False  # a grant thaws
         c.pf_room = 0  # a prefetch in flight stops at its next chunk
         assert not a.room or c.fills, "a room for a client that cannot fill"
         c.room = a.room
@@ -225,6 +267,8 @@ class Model:
                     assert not c.room, "grew past its room"
                     c.on_gpu = c.limit
                     self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
+                if c.kind == "ddp":
+                    self._ddp_go(c)
 
             if not c.fills:  # all at once: the bytes land as the copy starts
                 c.on_gpu += back
@@ -316,6 +360,42 @@ class Model:
                 self.at(c.think_s, lambda: self._want(c))
 
         self.at(moved / self.bw, done)
+
+    # --- ddp ranks ------------------------------------------------------------------
+    def _ddp_revoked(self, c: Client, lease: int) -> None:
+        if c.sid in self.clients and c.lease == lease:
+            c.revoked_lease = lease
+            if c.pos == "safe":  # waiting at its safe point (its swap-in): yields there
+                self._ddp_go(c)
+
+    def _ddp_go(self, c: Client) -> None:
+        """At a safe point: yield to a revoke, or work the next step."""
+        if c.sid not in self.clients or not c.holding or c.swapping_in or c.pos != "safe":
+            return
+        if c.revoked_lease == c.lease:
+            c.holding = False
+            c.want_since = self.clock.monotonic()
+            self.apply(self.arb.release(c.sid, resident=c.on_gpu, swapped=c.in_host, again=True))
+            return
+        c.pos = "step"
+        self.at(c.step_s, lambda: self._ddp_step_done(c))
+
+    def _ddp_step_done(self, c: Client) -> None:
+        if c.sid not in self.clients:
+            return
+        if c.frozen:  # stopped: the step goes on once it is thawed
+            self.at(0.01, lambda: self._ddp_step_done(c))
+            return
+        c.pos = "barrier"
+        self._ddp_barrier(c.job)
+
+    def _ddp_barrier(self, job: str) -> None:
+        ranks = [x for x in self.clients.values() if x.job == job]
+        if ranks and all(x.pos == "barrier" for x in ranks):
+            for x in ranks:
+                x.steps += 1
+                x.pos = "safe"
+                self.at(0.0, lambda x=x: self._ddp_go(x))
 
     def _prefetch(self, c: Client, done: Callable[[], None]) -> None:
         """Swap in (no lease) chunk by chunk within the latest ask's room; then say which
@@ -423,6 +503,8 @@ class Model:
         c = self.clients.pop(sid)
         c.on_gpu = 0
         self.apply(self.arb.detach(sid, reason="killed"))
+        if c.job:  # its peers' collective no longer waits for it
+            self._ddp_barrier(c.job)
 
     def _stop_work(self, c: Client) -> None:
         if c.work_since is not None:

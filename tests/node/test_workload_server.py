@@ -43,6 +43,12 @@ REFUSALS = [
     ),
     pytest.param(p.encode(p.Hello(version=1, memory_limit=10**15)), "attach", id="too-big"),
     pytest.param(p.encode(p.Hello(version=1, weight=-1.0)), "attach", id="bad-weight"),
+    pytest.param(p.encode(p.Hello(version=1, gang="j" * 300)), "attach", id="gang-id"),
+    pytest.param(p.encode(p.Hello(version=1, gang="j", gang_size=-2)), "attach", id="gang-size"),
+    pytest.param(p.encode(p.Hello(version=1, gang="j", rank=-5)), "attach", id="gang-rank"),
+    pytest.param(
+        p.encode(p.Hello(version=1, gang="j", world_size=10**9)), "attach", id="world-size"
+    ),
     *[
         pytest.param(HELLO + p.encode(m), "denied", id=f"denied-{type(m).__name__}")
         for m in NOT_MINE

@@ -11,7 +11,9 @@ revoked. The burst ends after the node's ``idle_release`` seconds without anothe
 
 A forward (from the outermost module's start to its end) and a backward pass
 (``Tensor.backward``, ``torch.autograd.backward``, ``torch.autograd.grad``, which start
-with a safe point) keep the burst open while they run, however long.
+with a safe point) keep the burst open while they run, however long. A revoke is
+also answered at a nested module's forward, except in a rank of a distributed job (a
+gang: docs/scheduling.md), which yields only at its outermost safe points.
 
 Factory functions asked for CUDA memory (``torch.zeros(n, device="cuda")``,
 ``torch.empty_like(cuda_tensor)``, and the others in :data:`FACTORIES`) are safe points too.
@@ -115,7 +117,11 @@ def install(session: Session) -> list[Any]:
         if n == 0:
             session.begin_work()
             gate()
-        elif session._revoked:  # nested: a safe point only to yield (the flag checkpoint reads)
+        elif session._revoked and not session.gang:
+            # nested: a safe point only to yield (the flag checkpoint reads). Not for a
+            # rank of a distributed job: its gang stops at the outermost safe points
+            # (forward, backward, optimizer step), so a rank let go on to a peer's
+            # collective gets there in a regroup or two (core/gangs.py).
             gate()
 
     def forward_post(*_args: Any) -> None:

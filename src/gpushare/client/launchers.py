@@ -67,7 +67,9 @@ def gang_fields(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     explicit ``GPUSHARE_GANG``, else torchelastic's run id, else the rendezvous
     ``MASTER_ADDR:MASTER_PORT`` of a distributed job), ``gang_size`` (ranks of the job on
     this node: ``GPUSHARE_GANG_SIZE``, else ``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``) and
-    ``rank`` (this one's among them). A process of no job: ``gang`` empty."""
+    ``rank`` (this one's among them), and ``world_size`` (ranks of the job on all nodes,
+    ``WORLD_SIZE``; 0: not known): more than ``gang_size`` says the job spans nodes. A
+    process of no job: ``gang`` empty."""
     e = os.environ if environ is None else environ
     gang = e.get("GPUSHARE_GANG", "").strip()
     run_id = e.get("TORCHELASTIC_RUN_ID", "").strip()
@@ -77,14 +79,20 @@ def gang_fields(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     if not gang and distributed and e.get("MASTER_ADDR") and e.get("MASTER_PORT"):
         gang = f"master:{e['MASTER_ADDR']}:{e['MASTER_PORT']}"
     if not gang:
-        return {"gang": "", "gang_size": 0, "rank": -1}
+        return {"gang": "", "gang_size": 0, "rank": -1, "world_size": 0}
     local = _int(e, "LOCAL_WORLD_SIZE")
     if local is None:
         local = _int(e, "LOCAL_SIZE")  # deepspeed's launcher
     size = _int(e, "GPUSHARE_GANG_SIZE")
     rank = _int(e, "GPUSHARE_RANK")
+    world = _int(e, "WORLD_SIZE")
     if size is None:
-        size = local if local is not None else _int(e, "WORLD_SIZE")
+        size = local if local is not None else world
     if rank is None:
         rank = _int(e, "LOCAL_RANK") if local is not None else _int(e, "RANK")
-    return {"gang": gang, "gang_size": size or 0, "rank": -1 if rank is None else rank}
+    return {
+        "gang": gang,
+        "gang_size": size or 0,
+        "rank": -1 if rank is None else rank,
+        "world_size": world or 0,
+    }

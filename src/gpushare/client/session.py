@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 
 from gpushare import protocol as p
 from gpushare.client.env import read_env
+from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
 from gpushare.client.swap.base import SwapBackend
 from gpushare.client.swap.sim import SimBackend
@@ -82,6 +83,7 @@ def attach(
         pod_uid=env.pod_uid,
         fills=True,
         prefetch=True,
+        **gang_fields(),  # a rank of a distributed job: granted with the others
     )
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)
@@ -167,6 +169,8 @@ class Session:
         self.idle_release_s = welcome.idle_release_s
         self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)
         self.backend = backend
+        # The distributed job this process is a rank of ("": none), as its hello said.
+        self.gang = hello.gang if hello else ""
         # One condition for the link and the lease: each reads a consistent picture of
         # both. Not reentrant: a swap leaves it (see Lease._unlocked).
         cond = threading.Condition(threading.Lock())

@@ -27,6 +27,7 @@ from gpushare.core.actions import (
     ThawAction,
 )
 from gpushare.core.clock import Clock
+from gpushare.core.gangs import REGROUP_S, Gang, Peers
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
 from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
@@ -121,6 +122,10 @@ class Arbiter:
         self._lease_seq = lease_base  # leases are numbered on from the last node's
         self.reserved: int | None = None  # the session whose quantum waits for it to ask
         self.grants_total = 0  # on this GPU since the node started, sessions gone included
+        self.gangs: dict[str, Gang] = {}  # by the node's key (core/gangs.py)
+        self._revoked_gangs: set[str] = set()
+        # The node's other GPUs, for gangs with ranks on several (core/coordinator.py).
+        self.peers: Peers | None = None
         self._out: list[Action] = []
         # After a node restart, until the sessions it knew are back: nothing is granted.
         self.recovering = False
@@ -152,6 +157,9 @@ class Arbiter:
         verified: bool = False,
         fills: bool = False,
         prefetch: bool = False,
+        gang: str = "",
+        gang_size: int = 0,
+        spans_nodes: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
         outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
@@ -161,7 +169,9 @@ class Arbiter:
         for ``lease``), and escalated like a holder's if it does not within the grace
         period. ``fills``: its client can swap in within a room, so its swap-in may
         overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
-        told."""
+        told. ``gang``: the node's key of the distributed job it is a rank of
+        (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
+        ranks elsewhere too)."""
         if sid in self.sessions:
             raise ArbiterError(f"session {sid} is already attached")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
@@ -185,6 +195,9 @@ class Arbiter:
                 f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
                 f" in use on GPU {self.gpu} ({self.capacity} usable)"
             )
+        g = self.gangs.get(gang) if gang else None
+        if gang:
+            self._check_gang(gang, g, limit, spans_nodes)
         s = SessionState(
             id=sid,
             name=name,
@@ -199,6 +212,12 @@ class Arbiter:
         self._set_memory(s, resident, swapped)
         self.sessions[sid] = s
         self._weigh(weight, 1)
+        if gang:
+            if g is None:
+                g = self.gangs[gang] = Gang(gang)
+            g.members.add(sid)
+            g.size, g.spans_nodes = max(g.size, gang_size), g.spans_nodes or spans_nodes
+            s.gang = gang
         resumed = bool(resident or swapped or holding)
         self._event(
             "attach",
@@ -209,6 +228,7 @@ class Arbiter:
             resumed=resumed,
             resident_bytes=resident,
             swapped_bytes=swapped,
+            **({"gang": gang, "gang_size": gang_size, "spans_nodes": spans_nodes} if gang else {}),
         )
         if holding:  # it was working when the node went away
             s.bursts += 1
@@ -289,6 +309,12 @@ class Arbiter:
         self._frozen_idle.discard(sid)
         self._recount(s, gone=True)
         self._weigh(s.weight, -1)
+        if s.gang:
+            g = self.gangs[s.gang]
+            g.members.discard(sid)
+            if not g.members:
+                del self.gangs[s.gang]
+                self._revoked_gangs.discard(s.gang)
         self._event("detach", sid, reason=reason, freed_bytes=s.resident)
         return self._advance()
 
@@ -392,6 +418,10 @@ class Arbiter:
         window = 0.0
         if again:
             self._enqueue(s, front=s.resume_s > 0)  # paused by a turn: it goes on next
+            if revoked and s.gang:  # its gang holds the GPU until every member yields
+                s.parked = True
+                g = self.gangs[s.gang]
+                g.regroup_at = min(g.regroup_at, now + REGROUP_S)
         else:
             s.state = State.IDLE
             s.idle_since = now
@@ -589,6 +619,9 @@ class Arbiter:
         ]
         if self.reserved is not None and self.queue:  # nobody waits: nothing to do then
             times.append(self.sessions[self.reserved].reserve_until)
+        for key in self._revoked_gangs:  # parked members go on to their next safe point
+            if not math.isinf(self.gangs[key].regroup_at):
+                times.append(self.gangs[key].regroup_at)
         return times
 
     def quantum(self, s: SessionState) -> float:
@@ -670,7 +703,7 @@ class Arbiter:
         for sid in list(self.holders):
             s = self.sessions[sid]
             if s.state is State.HOLDING and s.quantum_end <= now:
-                if self.queue:
+                if self._others_wait(s):
                     self._revoke(s, now)
                 else:  # nobody waits: a new quantum, no needless switch
                     if s.turn:  # the turn is over; it holds on as anyone would
@@ -679,7 +712,11 @@ class Arbiter:
                     s.quantum_end = now + s.quantum_len
             elif s.state is State.YIELDING and not s.escalated and s.revoke_deadline <= now:
                 s.escalated = True
-                esc = self._escalate(s, "no_yield_within_grace", {"grace_s": self.settings.grace_s})
+                fields: dict[str, Any] = {"grace_s": self.settings.grace_s}
+                if s.gang:  # the gang as a whole: all its members still holding, once
+                    self.gangs[s.gang].escalated = True
+                    fields["gang"] = s.gang
+                esc = self._escalate(s, "no_yield_within_grace", fields)
                 if esc == "freeze":
                     self._freeze(s, now)
                     self._grant_what_fits()
@@ -733,24 +770,43 @@ class Arbiter:
     def _may_join_holders(self) -> bool:
         if self.recovering or self._blocking:
             return False  # nothing granted until the sessions it knew are back / yielded
+        if self.peers is not None and self.peers.claimed(self.gpu):
+            return False  # kept for a gang on several GPUs: its ranks only (_grant_gangs)
         if not self.holders and self.reserved is None:
             return True
         if self.settings.mode == "exclusive":
             return False
         # Do the limits of all who want the GPU fit (a quantum waiting for its holder
-        # included)? Stop at the first that does not: the queue is long only when they
-        # do not.
+        # included; a gang's ranks all, as they may all ask at any time)? Stop at the
+        # first that does not: the queue is long only when they do not.
         total = 0
         reserved = () if self.reserved is None else (self.reserved,)
+        gangs: set[str] = set()
         for i in itertools.chain(self.holders, reserved, self.queue):
-            total += self.sessions[i].limit
+            s = self.sessions[i]
+            if not s.gang:
+                total += s.limit
+            elif s.gang not in gangs:
+                gangs.add(s.gang)
+                total += sum(self.sessions[m].limit for m in self.gangs[s.gang].members)
             if total > self.capacity:
                 return False
         return True
 
     def _grant_what_fits(self) -> None:
+        now = self.clock.monotonic()
+        if self._revoked_gangs:
+            self._settle_gangs()
+        if self.gangs:
+            for g in self.gangs.values():
+                self._hold_gang(g, self._gang_active(g))
+            self._grant_gangs(now)
         while self.queue and self._may_join_holders():
-            head = self.sessions[self.queue[0]]
+            head = self._head()
+            if head is None:
+                return
+            if head.parked:  # its gang is yielding: the GPU is not free yet
+                return
             # Fast path (the common case, on every handoff): it fits as things are. A
             # filling holder counts at its limit: a holder joining in mode auto may not
             # take what its room is to grow into (it could never fill).
@@ -760,6 +816,8 @@ class Arbiter:
             others = self.used_bytes() - head.used + filling
             if others + head.limit <= self.capacity:
                 self._grant(head)
+                if head.gang:  # its peers that ask join it
+                    self._grant_gangs(now)
                 continue
             plan = plan_grant(self.capacity, self._views(), head.id)
             if not plan.fits:
@@ -776,6 +834,8 @@ class Arbiter:
                     # Enough is on its way out: the head swaps in now, into what is free
                     # and then into what the swap-outs free (RoomActions), at once.
                     self._grant(head, room)
+                    if head.gang:
+                        self._grant_gangs(now)
                     continue
                 if plan.shortfall and not plan.swap_outs and not self.holders:
                     # A frozen session's memory (a stopped process cannot swap) blocks the
@@ -790,6 +850,8 @@ class Arbiter:
                             )
                 return
             self._grant(head)
+            if head.gang:
+                self._grant_gangs(now)
 
     def _freeze(self, s: SessionState, now: float) -> None:
         """The freeze escalation: the process is stopped; its lease goes to the next, and
@@ -809,7 +871,11 @@ class Arbiter:
 
     def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
         now = self.clock.monotonic()
-        self.queue.popleft()
+        if self.queue[0] == s.id:
+            self.queue.popleft()
+        else:  # a gang member joining its gang's lease, ahead of the queue
+            self.queue.remove(s.id)
+        regroup, s.parked = s.parked, False
         waited = self._end_wait(s, now)
         shared = bool(self.holders)
         self._lease_seq += 1
@@ -836,6 +902,19 @@ class Arbiter:
             take = min(s.debt, q / 2)
             q -= take
             s.debt -= take
+        g = self.gangs.get(s.gang) if s.gang else None
+        if g is not None:  # the gang's quantum is its first holder's: no more than what is left
+            self._hold_gang(g, True)
+            ends = [
+                m.quantum_end
+                for m in map(self.sessions.__getitem__, g.members)
+                if m is not s and (m.holding or m.reserved) and not math.isinf(m.quantum_end)
+            ]
+            if ends:
+                q = min(q, max(0.0, min(ends) - now))
+            kind["gang"] = s.gang
+            if regroup:  # parked, its peers still holding: on to its next safe point
+                kind["regroup"] = True
         s.quantum_len = q
         s.room = room
         s.swapping_in = bool(s.swapped)
@@ -870,6 +949,9 @@ class Arbiter:
             **kind,
         )
         self._out.append(GrantAction(s.id, s.lease, s.swapped, q, shared, thaw, room, resume))
+        # Its gang is on its way out: it goes on to its next safe point only.
+        if g is not None and self._yielding(g):
+            self._revoke(s, now, g.reason or "quantum")
 
     def _quantum_end(self, s: SessionState) -> float:
         """A quantum from now, after the swap-in at no less than the floor rate."""
@@ -898,6 +980,9 @@ class Arbiter:
                 self._ask_swap_out(vid, n)
 
     def _revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
+        if s.gang:
+            self._revoke_gang(self.gangs[s.gang], now, reason)
+            return
         s.state = State.YIELDING
         s.revoke_deadline = now + self.settings.grace_s
         s.revoked_at = now
@@ -918,6 +1003,156 @@ class Arbiter:
                     self._ask_swap_out(sid, n)
         self._event("revoke", s.id, lease=s.lease, reason=reason, swap_out_bytes=swap_out)
         self._out.append(RevokeAction(s.id, s.lease, swap_out, self.settings.grace_s))
+
+    # --- gangs (core/gangs.py, docs/scheduling.md "Gangs") ------------------------------
+
+    def _check_gang(self, key: str, g: Gang | None, limit: int, spans_nodes: bool) -> None:
+        """A member the gang can hold the GPU with, or :class:`ArbiterError`."""
+        if spans_nodes and self.settings.mode == "exclusive":
+            raise ArbiterError(
+                f"job {key} has ranks on other nodes, and one node cannot grant them"
+                f" together: in mode exclusive its ranks would wait for each other; give it"
+                f" GPUs of its own, or set mode auto on GPU {self.gpu}"
+            )
+        together = limit + (sum(self.sessions[m].limit for m in g.members) if g else 0)
+        if together > self.capacity:
+            raise ArbiterError(
+                f"the ranks of job {key} on GPU {self.gpu} would need {together} bytes"
+                f" together, more than its usable {self.capacity} bytes: they are granted"
+                " together, so give each less (attach(memory=...), --memory or GPUSHARE_MEMORY)"
+            )
+
+    def gang_here(self, key: str) -> bool:
+        """The GPU is the gang's: a member holds, or its quantum waits for it."""
+        g = self.gangs.get(key)
+        return g is not None and any(
+            self.sessions[m].holding or self.sessions[m].reserved for m in g.members
+        )
+
+    def _hold_gang(self, g: Gang, held: bool) -> None:
+        """While the gang holds the GPU its ranks count at their limits (they may ask at
+        any time) and are never asked to swap out."""
+        for m in map(self.sessions.__getitem__, g.members):
+            if m.gang_held != held:
+                m.gang_held = held
+                self._recount(m)
+
+    def _spread(self, g: Gang) -> bool:
+        """The gang has ranks on other GPUs of the node too, granted with these."""
+        return self.peers is not None and self.peers.spread(g.key)
+
+    def _gang_active(self, g: Gang) -> bool:
+        """The gang holds this GPU (or, with ranks on several, one of them)."""
+        if self.gang_here(g.key):
+            return True
+        return self._spread(g) and self.peers is not None and self.peers.active(g.key)
+
+    def _yielding(self, g: Gang) -> bool:
+        if g.revoked:
+            return True
+        return self._spread(g) and self.peers is not None and self.peers.revoked(g.key)
+
+    def _head(self) -> SessionState | None:
+        """The queue's head for a grant on its own: not a rank of a gang on several GPUs
+        (the gang starts on all of them at once, in _grant_gangs)."""
+        if self.peers is None:
+            return self.sessions[self.queue[0]]
+        for sid in self.queue:
+            s = self.sessions[sid]
+            if not (s.gang and self._spread(self.gangs[s.gang])):
+                return s
+        return None
+
+    def head_waiting_since(self) -> float | None:
+        """When the session first in line for a grant on its own began to wait."""
+        head = self._head() if self.queue else None
+        return None if head is None else head.wait_start
+
+    def _others_wait(self, s: SessionState) -> bool:
+        """Someone not of ``s``'s job waits for the GPU (or, a gang with ranks on several
+        GPUs, for one of them; or a gang on several GPUs waits to start here)."""
+        if self.peers is not None:
+            g = self.gangs.get(s.gang) if s.gang else None
+            if g is not None and self._spread(g):
+                return self.peers.others_wait(g.key)
+            if self.peers.claimed(self.gpu):
+                return True
+        if not s.gang:
+            return bool(self.queue)
+        return any(self.sessions[q].gang != s.gang for q in self.queue)
+
+    def _revoke_gang(self, g: Gang, now: float, reason: str) -> None:
+        """Every holding member is revoked, with the gang's one deadline. Members keep
+        their memory until all have yielded (a parked one may be granted again); the
+        next holder's plan asks for it then."""
+        if not g.revoked:
+            g.revoked, g.reason, g.escalated = True, reason, False
+            g.deadline = now + self.settings.grace_s
+            self._revoked_gangs.add(g.key)
+        for m in map(self.sessions.__getitem__, sorted(g.members)):
+            if m.state is not State.HOLDING:
+                continue
+            if reason == "turn":
+                m.resume_s = max(0.0, m.quantum_end - now)
+            m.state = State.YIELDING
+            m.revoke_deadline = g.deadline
+            # Escalated once per revoke, not per regroup (nor at one at the deadline).
+            m.escalated = g.escalated or now >= g.deadline
+            m.revoked_at = now
+            m.revokes += 1
+            self._event("revoke", m.id, lease=m.lease, reason=reason, swap_out_bytes=0, gang=g.key)
+            self._out.append(RevokeAction(m.id, m.lease, 0, max(0.0, g.deadline - now)))
+
+    def _settle_gangs(self) -> None:
+        """A revoked gang none of whose members holds has yielded: its parked members
+        are plain waiting sessions again, in the queue where they joined it."""
+        for key in list(self._revoked_gangs):
+            g = self.gangs[key]
+            if any(self.sessions[m].holding for m in g.members):
+                continue
+            if self._spread(g) and self.peers is not None and self.peers.holding(key):
+                continue  # its ranks on another GPU have not all yielded yet
+            self._revoked_gangs.discard(key)
+            g.settle()
+            for m in g.members:
+                self.sessions[m].parked = False
+
+    def _grant_gangs(self, now: float) -> None:
+        """Members asking while their gang holds the GPU join it at once, when their
+        memory fits (else the planner makes room, as for any grant). A parked member
+        waits for its peers to yield, until the regroup: then it goes on to its next
+        safe point (a peer may be blocked in a collective, waiting for it)."""
+        for g in list(self.gangs.values()):
+            if not self._gang_active(g) and not self._may_start(g):
+                continue
+            if not g.revoked and self.gang_here(g.key) and self._yielding(g):
+                self._revoke_gang(g, now, "quantum")  # revoked on its other GPUs
+            regroup = g.revoked and now >= g.regroup_at
+            before = g.regroups
+            for m in map(self.sessions.__getitem__, sorted(g.members)):
+                if m.state is not State.WAITING or m.frozen or (m.parked and not regroup):
+                    continue
+                if not self._gang_active(g) and not self._may_start(g):
+                    break
+                others = self.used_bytes() - m.used
+                if others + m.limit > self.capacity:
+                    plan = plan_grant(self.capacity, self._views(), m.id)
+                    if not plan.fits:
+                        for sid, n in plan.swap_outs:
+                            self._ask_swap_out(sid, n)
+                        continue
+                if m.parked:
+                    g.regroups += 1
+                self._grant(m)
+            if regroup:  # until a member parks again (or, none went on, a while)
+                g.regroup_at = math.inf if g.regroups > before else now + REGROUP_S
+
+    def _may_start(self, g: Gang) -> bool:
+        """A gang on several GPUs starts on all at once: when it is the next to and none
+        of its GPUs is held by another job (each was kept for it meanwhile)."""
+        if self.peers is None or not self._spread(g):
+            return False
+        return self.peers.may_start(g.key)
 
     # --- scheduling (docs/scheduling.md) ----------------------------------------------
 
@@ -995,6 +1230,10 @@ class Arbiter:
         st = self.settings
         if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.frozen or s.burst_ewma is None:
             return False  # (no burst of its own yet: nothing says it asks briefly)
+        if s.gang:  # a rank's turn alone would wait in its collectives for the others
+            return False
+        if self.peers is not None and self.peers.claimed(self.gpu):
+            return False  # kept for a gang on several GPUs
         if not self.holders and self.reserved is None:
             return False  # nothing to go ahead of
         if s.credit < max(TURN_MIN_S, s.burst_ewma or 0.0):
@@ -1164,7 +1403,7 @@ class Arbiter:
         now = self.clock.monotonic()
         pinned = s.frozen or s.swap_failed_until > now or s.prefetching
         resident = s.resident if s.holding else s.used
-        holding = s.holding or s.reserved  # a quantum waiting for its holder is its
+        holding = s.holding or s.reserved or s.gang_held  # a quantum waiting for its holder
         keep = self._expected_back(s, now)
         return MemoryView(
             s.id, s.limit, resident, holding, s.last_served, s.pending_out, pinned, keep

@@ -72,6 +72,10 @@ class SessionState:
     yield_due: bool = False
     claim: int = 0  # during recovery: the verified lease it claims, granted at the end
     counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
+    # gangs (core/gangs.py)
+    gang: str = ""  # the node's key of the job it is a rank of ("": none)
+    parked: bool = False  # yielded to its gang's revoke; waits for its peers to yield too
+    gang_held: bool = False  # its gang holds the GPU: counted at its limit, never a victim
     # totals
     lease_s: float = 0.0
     wait_s: float = 0.0  # completed waits
@@ -103,11 +107,12 @@ class SessionState:
     @property
     def used(self) -> int:
         """What it may have on the GPU: a holder its limit (its room while filling), a
-        session whose quantum waits for it its limit too, a prefetching one its room,
-        anyone else what is there now."""
+        session whose quantum waits for it its limit too, as does a rank whose gang holds
+        (it may join at any time), a prefetching one its room, anyone else what is there
+        now."""
         if self.holding:
             return self.room or self.limit
-        if self.reserved:
+        if self.reserved or self.gang_held:
             return self.limit
         if self.swapping_in:  # frozen mid swap-in: all of it may have landed
             return self.resident + self.swapped

@@ -32,6 +32,7 @@ from typing import Any
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
+from gpushare.core.coordinator import Coordinator
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
@@ -114,6 +115,8 @@ class Node:
         self.metrics_port = 0
 
         self.signaller: Signaller = signaller or self._send_signal
+        # Gangs with ranks on several GPUs are granted on all of them at once.
+        self.coordinator = Coordinator(self.arbiters) if len(self.arbiters) > 1 else None
         self.guard = Guard(lambda: self.live.config, self.clock, self.events, self.conns)
         self.dispatch = Dispatch(
             self.clock,
@@ -122,6 +125,7 @@ class Node:
             self.signaller,
             self._proc_root,
             refuse=self.guard.refuse,
+            linked=self.coordinator.linked if self.coordinator else None,
         )
         self.dispatch.recovery = self.recovery
         self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)

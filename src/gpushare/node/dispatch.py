@@ -74,8 +74,12 @@ class Dispatch:
         signaller: Signaller = send_signal,
         proc_root: Callable[[], str] = lambda: "/proc",
         refuse: Refuser | None = None,
+        linked: Callable[[int], list[Arbiter]] | None = None,
     ) -> None:
         self.clock = clock
+        # The GPUs whose decisions may follow from a GPU's (a gang on several GPUs:
+        # core/coordinator.py): ticked after its own.
+        self.linked = linked
         self.events = events
         self.conns = conns
         self.signaller = signaller
@@ -87,7 +91,7 @@ class Dispatch:
         self._timers: dict[int, tuple[float, asyncio.TimerHandle]] = {}
         self.timers_set = 0  # how many times a timer was set (the tests count them)
 
-    def apply(self, arb: Arbiter, actions: list[Action]) -> None:
+    def apply(self, arb: Arbiter, actions: list[Action], depth: int = 0) -> None:
         frames: dict[int, tuple[Conn, list[bytes]]] = {}  # per session, in order
 
         def send(c: Conn, msg: p.Message) -> None:
@@ -134,6 +138,13 @@ class Dispatch:
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))
         self._schedule(arb)
+        if self.linked is not None and depth < 4:
+            for other in self.linked(arb.gpu):
+                follow = other.tick()
+                if follow:
+                    self.apply(other, follow, depth + 1)
+                else:
+                    self._schedule(other)
 
     def _write(self, c: Conn, data: bytes) -> None:
         c.write(data)

@@ -35,6 +35,7 @@ class Conn:
     claimed: Claimed = field(default_factory=Claimed)  # what the client says it is
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
+    rank: int = -1  # its rank in its gang, as its client says (shown)
     frozen: bool = False
     ended: bool = False  # an administrator ended its session (ctl end)
     tokens: float = 0.0

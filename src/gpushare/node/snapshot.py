@@ -11,7 +11,8 @@ import msgspec
 
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
-from gpushare.core.sessions import SessionState
+from gpushare.core.gangs import Gang
+from gpushare.core.sessions import SessionState, State
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn
 from gpushare.node.identity import CgroupIdentity
@@ -19,6 +20,7 @@ from gpushare.node.k8s import PodCache
 from gpushare.node.totals import Totals
 from gpushare.status import (
     Claimed,
+    GangStatus,
     GpuStatus,
     NodeInfo,
     NodeStatus,
@@ -109,6 +111,29 @@ def session(
         container_id=ident.container_id,
         runtime=ident.runtime,
         weight_source=c.weight_source if c else "",
+        gang=s.gang,
+        gang_rank=c.rank if c and s.gang else -1,
+        parked=s.parked,
+    )
+
+
+def gang(a: Arbiter, g: Gang) -> GangStatus:
+    members = [a.sessions[m] for m in sorted(g.members)]
+    if g.revoked:
+        state = "yielding"
+    elif any(m.holding for m in members):
+        state = "holding"
+    elif any(m.state is State.WAITING for m in members):
+        state = "waiting"
+    else:
+        state = "idle"
+    return GangStatus(
+        gang=g.key,
+        sessions=[m.id for m in members],
+        size=g.size,
+        spans_nodes=g.spans_nodes,
+        state=state,
+        regroups_total=g.regroups,
     )
 
 
@@ -132,6 +157,7 @@ def gpu(g: GpuInfo, a: Arbiter, att: Attribution, sessions: list[SessionStatus])
         queue=list(a.queue),
         sessions=sessions,
         recovering=a.recovering,
+        gangs=[gang(a, g) for g in a.gangs.values()],
     )
 
 

@@ -19,11 +19,12 @@ from gpushare import protocol as p
 from gpushare.core.actions import Action
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.attribution import Attribution
+from gpushare.core.gangs import across_gpus
 from gpushare.node.config import NodeConfig
 from gpushare.node.dispatch import Dispatch
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
-from gpushare.node.identity import read_identity
+from gpushare.node.identity import CgroupIdentity, read_identity
 from gpushare.node.k8s import PodCache
 from gpushare.node.recovery import Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
@@ -47,6 +48,7 @@ TEXT_BOUNDS = {
 }
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
 MAX_GANG = 4096
+MAX_WORLD = 1 << 20  # ranks of a job on all nodes
 
 
 def check_hello(h: p.Hello) -> None:
@@ -71,6 +73,10 @@ def check_hello(h: p.Hello) -> None:
             "attach",
             f"hello: gang_size must be in [0, {MAX_GANG}] and rank in [-1, gang_size),"
             f" not {h.gang_size} and {h.rank}",
+        )
+    if not 0 <= h.world_size <= MAX_WORLD:
+        raise Refused(
+            "attach", f"hello: world_size must be in [0, {MAX_WORLD}], not {h.world_size}"
         )
     for name in ("session", "lease"):
         if not 0 <= getattr(h, name) < 2**63:
@@ -217,6 +223,14 @@ class WorkloadServer:
         sid = rec.id if rec else self.recovery.next_session
         verified = rec is not None and self.recovery.token_ok(gpu, sid, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
+        gang, spans_nodes = gang_of(h, conn.uid, identity)
+        if gang:
+            elsewhere = {
+                a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
+            }
+            why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
+            if why:
+                raise Refused("attach", why)
         link = self.sim_link(gpu, conn.uid) if g.simulated else ""  # before any change
         try:
             actions = arb.attach(
@@ -231,12 +245,16 @@ class WorkloadServer:
                 verified=verified,
                 fills=h.fills,
                 prefetch=h.prefetch,
+                gang=gang,
+                gang_size=h.gang_size,
+                spans_nodes=spans_nodes,
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
         if rec is None:
             self.recovery.new_id()  # reserved on disk before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
+        conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
         conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
@@ -308,3 +326,14 @@ class WorkloadServer:
             f"{type(msg).__name__} is not a workload message: a workload acts only on its own"
             " session (administration uses the admin socket)",
         )
+
+
+def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
+    """The node's key of the job a hello says it is a rank of ("" for none), and whether
+    the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
+    job's id to what the kernel says (the pod, else the uid): a rank can join only a job
+    of its own pod or user, whatever id it claims."""
+    if not h.gang:
+        return "", False
+    who = f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
+    return f"{h.gang}@{who}", 0 < h.gang_size < h.world_size

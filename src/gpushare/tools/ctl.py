@@ -50,6 +50,12 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
                 " frame: holders and the queue are shown first)\n"
             )
+        for gang in g.gangs:  # the ranks of one job: one holder
+            spans = "  spans nodes" if gang.spans_nodes else ""
+            out.write(
+                f"  gang {gang.gang}: sessions {', '.join(map(str, gang.sessions))}"
+                f" ({len(gang.sessions)} of {gang.size or '?'} ranks) {gang.state}{spans}\n"
+            )
 
 
 def status(path: str | None, as_json: bool) -> int:

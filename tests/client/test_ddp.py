@@ -1,0 +1,101 @@
+"""Distributed jobs time-sharing one GPU (issue 14): two 2-rank DDP jobs (torchrun, gloo,
+the CPU build of PyTorch), unmodified, under ``gpushare run`` on a node in mode
+exclusive. Each rank is a session; its hello names its job, so the node grants a job's
+ranks together and revokes them together. Without that, the rank holding the GPU waits
+in its backward all-reduce for a rank that waits for the GPU, and both jobs stall until
+gloo's timeout (30 minutes by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.client.test_run import gs_run
+from tests.support import REPO, sim
+
+pytest.importorskip(
+    "torch",
+    reason="PyTorch is not installed (make test installs the CPU build where its wheel is on disk)",
+)
+
+STEPS = 150
+DDP = REPO / "benchmarks" / "ddp_job.py"  # the job (bare, under gpushare run, attached)
+
+
+def torchrun(script: Path, out: Path, node=None, env=None) -> subprocess.Popen[str]:
+    """The job under ``gpushare run`` on ``node``, or bare (``env``: more environment)."""
+    out.mkdir()
+    args = ["--standalone", "--nproc-per-node", "2", str(script), str(out), str(STEPS)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})}
+    runner = str(Path(sys.executable).parent / "torchrun")
+    if node is not None:
+        return gs_run(node, "--memory", "4GiB", "--", runner, *args, extra_env=env)
+    return subprocess.Popen(
+        [runner, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def results(folder: Path) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_factory, short_tmp):
+    if not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    script = DDP
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
+    jobs = [torchrun(script, short_tmp / f"job{j}", node) for j in (0, 1)]
+    bare = torchrun(script, short_tmp / "bare")  # the same job, no gpushare
+    check_results(node, short_tmp, [*jobs, bare], gpus={0})
+
+
+def check_results(node, tmp: Path, procs: list[subprocess.Popen[str]], gpus: set[int]) -> None:
+    """Both jobs and the bare one finished; each job's ranks end with the bare run's
+    parameters; the node granted them as gangs, took turns, escalated none."""
+    try:
+        # Loose: about 15 s here; deadlocked ranks would wait for gloo's 30 minutes.
+        errs = [pr.communicate(timeout=150)[1] for pr in procs]
+    finally:
+        for pr in procs:
+            pr.kill()
+    assert [pr.returncode for pr in procs] == [0, 0, 0], errs
+    expected = results(tmp / "bare")
+    assert expected[0]["params"] == expected[1]["params"]  # DDP: the ranks agree
+    events = node.event_list()
+    for j in (0, 1):
+        ranks = results(tmp / f"job{j}")
+        assert [r["params"] for r in ranks] == [expected[0]["params"]] * 2, f"job {j}"
+        gangs = {
+            e["gang"]
+            for e in events
+            if e["event"] == "attach" and e["session"] in {r["session"] for r in ranks}
+        }
+        assert len(gangs) == 1 and next(iter(gangs)).startswith("torchelastic:"), gangs
+    # They took turns: the jobs' ranks were revoked together, and none was escalated.
+    revokes = [e for e in events if e["event"] == "revoke"]
+    assert len({e.get("gang") for e in revokes} - {None}) == 2, revokes
+    assert all(e.get("gang") for e in revokes), revokes
+    assert not [e for e in events if e["event"] == "escalate"]
+    assert {e["gpu"] for e in events if e["event"] == "grant"} == gpus
+
+
+def test_two_ddp_jobs_on_two_exclusive_gpus_each_are_granted_both_at_once(node_factory, short_tmp):
+    """Rank r of each job on GPU r: granted one GPU at a time, rank 0 of one job would
+    hold GPU 0 while its rank 1 waits for GPU 1, held by the other job's rank 1."""
+    if not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    script = DDP
+    node = node_factory(*sim("16GiB", gpus=2, mode="exclusive", tq="0.3"))
+    env = {"GPUSHARE_SOCKET": node.socket, "DDP_ATTACH": "1"}
+    jobs = [torchrun(script, short_tmp / f"job{j}", env=env) for j in (0, 1)]
+    bare = torchrun(script, short_tmp / "bare")
+    check_results(node, short_tmp, [*jobs, bare], gpus={0, 1})
