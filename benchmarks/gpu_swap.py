@@ -283,46 +283,11 @@ def part_tms(size: int, cycles: int) -> dict[str, Any]:
     }
 
 
-def part_holder(sock: str, memory: int, fill: int, seconds: float, dry: bool) -> dict[str, Any]:
-    """A session that fills its memory and then works in one long burst (dry: on a
-    simulated GPU, its memory the sim backend's)."""
-    import gpushare
-
-    s = gpushare.attach(memory, socket=sock, backend="sim" if dry else "torch")
-    backend: Any = s.backend
-    if dry:
-        with s.gpu():
-            mem = backend.allocate(fill)
-            mem.fill(1)
-        end = time.monotonic() + seconds
-        with s.gpu():
-            while time.monotonic() < end:
-                time.sleep(0.01)
-                s.checkpoint()
-            ok = bool(mem.verify(1))
-        s.close()
-        return {"intact": ok, "grants": s.grants, "dry": True}
-    import torch
-
-    backend.wait_for_host_buffers()  # as a session some time after attach has them
-    with s.gpu():
-        xs = [torch.ones(GiB, dtype=torch.uint8, device="cuda") for _ in range(fill // GiB)]
-        y = torch.randn(1024, 1024, device="cuda")
-    end = time.monotonic() + seconds
-    with s.gpu():
-        while time.monotonic() < end:
-            y = (y @ y).tanh()
-            torch.cuda.synchronize()
-            s.checkpoint()
-        ok = all(bool((x == 1).all()) for x in xs)  # inside the lease: memory is back
-    s.close()
-    return {"intact": ok, "grants": s.grants}
-
-
 def part_stepper(sock: str, memory: int, fill: int, seconds: float, dry: bool) -> dict[str, Any]:
     """A session that fills its memory, then computes in short steps for ``seconds``
-    (revoked and granted again by the node as its quanta come): the wall time at which
-    each step ended, to be laid beside the node's prefetch windows."""
+    (revoked and granted again by the node as its quanta come; dry: on a simulated GPU,
+    its memory the sim backend's): the wall time at which each step ended, to be laid
+    beside the node's prefetch windows, and whether its memory came back intact."""
     import gpushare
 
     s = gpushare.attach(memory, socket=sock, backend="sim" if dry else "torch")
@@ -340,7 +305,7 @@ def part_stepper(sock: str, memory: int, fill: int, seconds: float, dry: bool) -
                 s.checkpoint()
             ok = bool(mem.verify(1))
         s.close()
-        return {"session": s.id, "ends": ends, "intact": ok, "dry": True}
+        return {"session": s.id, "ends": ends, "intact": ok, "grants": s.grants, "dry": True}
     import torch
 
     backend.wait_for_host_buffers()
@@ -357,7 +322,7 @@ def part_stepper(sock: str, memory: int, fill: int, seconds: float, dry: bool) -
             s.checkpoint()
         ok = all(bool((x == 1).all()) for x in xs)
     s.close()
-    return {"session": s.id, "ends": ends, "intact": ok}
+    return {"session": s.id, "ends": ends, "intact": ok, "grants": s.grants}
 
 
 def step_rates(
@@ -576,7 +541,7 @@ def switch(tmp: Path, dry: bool, sequential: bool) -> dict[str, Any]:
     unit = 256 * MiB
     limit, fill = int(cap * 0.54) // unit * unit, int(cap * 0.52) // unit * unit
     node = Node(tmp, 0.5 if dry else 1.5, *(["--sequential-switches"] * sequential), dry=dry)
-    holder = [sys.executable, str(HERE), "--part", "holder", node.sock]
+    holder = [sys.executable, str(HERE), "--part", "stepper", node.sock]
     holder += [str(limit), str(fill), str(seconds), "1" if dry else "0"]
     outs, ev = node.run([holder, holder], fill + limit - cap + 2 * GiB, seconds + 120)
     from gpushare.tools.report import switches
@@ -689,9 +654,7 @@ def _with_tmp(fn: Any, dry: bool, arg: Any) -> dict[str, Any]:
 def _part(argv: list[str]) -> None:
     """A part started by another part (a holder, an LM): prints its JSON."""
     name, rest = argv[0], argv[1:]
-    if name == "holder":
-        out = part_holder(rest[0], int(rest[1]), int(rest[2]), float(rest[3]), rest[4] == "1")
-    elif name == "stepper":
+    if name == "stepper":
         out = part_stepper(rest[0], int(rest[1]), int(rest[2]), float(rest[3]), rest[4] == "1")
     elif name == "lm":
         out = part_lm(float(rest[0]), float(rest[1]), int(rest[2]))

@@ -44,6 +44,16 @@ CHUNK = 4 * GiB  # the fill clients' swap granularity (coarse: the test runs man
 Task = Callable[[Callable[[], None]], None]  # runs, then calls its argument when done
 
 
+def actions_of(actions, kind):
+    """The actions of one kind among an arbiter's answer."""
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def events_of(actions, name):
+    """The event records named ``name`` among an arbiter's answer."""
+    return [a.record for a in actions if getattr(a, "record", {}).get("event") == name]
+
+
 @dataclass
 class Client:
     sid: int

@@ -14,23 +14,9 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.arbiter import ANTICIPATE_FLOOR_S, SWAP_RETRY_S, Arbiter, ArbiterError
-from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
-from tests.core.model import Client, GiB, Model
-
-
-def actions_of(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
-
-
-def events_of(actions, name):
-    return [a.record for a in actions if getattr(a, "record", {}).get("event") == name]
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
+from tests.core.model import Client, GiB, Model, actions_of, events_of
 
 
 def arb(clock, capacity=80 * GiB, **kw):

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
-from gpushare.core.clock import ManualClock
 from gpushare.core.gangs import REGROUP_S
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
@@ -26,11 +25,6 @@ def granted(actions):
 
 def revoked(actions):
     return sorted(a.session for a in of(actions, RevokeAction))
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
 
 
 def two_jobs(clock, **kw):
