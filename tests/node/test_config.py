@@ -80,3 +80,19 @@ def test_a_gpu_table_for_a_gpu_the_node_lacks_is_an_error(tmp_path):
     check_gpus(cfg, 6)
     with pytest.raises(ConfigError, match=r"\[gpu\.5\]: this node has 1 GPU \(0\.\.0\)"):
         check_gpus(cfg, 1)
+
+
+def test_a_named_config_file_that_does_not_exist_is_said(tmp_path, caplog):
+    # a mistyped --config started the node on defaults without a word
+    with caplog.at_level("WARNING", logger="gpushare.node.config"):
+        cfg = load(tmp_path / "nope.toml")
+    assert cfg == NodeConfig()
+    assert "nope.toml does not exist" in caplog.text and "--config" in caplog.text
+
+
+def test_an_unknown_key_names_the_keys_there_are(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("bogus_key = 1\n")
+    with pytest.raises(ConfigError, match="bogus_key") as e:
+        load(p)
+    assert "tq" in str(e.value) and "idle_release" in str(e.value)

@@ -385,3 +385,16 @@ def test_the_readme_example_programs_take_turns_gated(node_factory):
     grants = [sessions[e["session"]] for e in events if e["event"] == "grant"]
     assert {"train-a", "train-b"} <= set(grants)
     assert any(e["event"] == "revoke" for e in events)  # they took turns
+
+
+@pytest.mark.parametrize(
+    "argv", [["node", "--sim-gpu", "1"], ["run", "--mem", "4GiB", "--", "true"]]
+)
+def test_an_abbreviated_option_is_not_taken_for_the_whole_one(argv, capsys):
+    # `node --sim-gpu 1` passed for --sim-gpus and started a real node on the default paths
+    from gpushare.tools.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert "unrecognized arguments: " + argv[1] in capsys.readouterr().err

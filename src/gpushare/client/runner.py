@@ -190,7 +190,7 @@ def child_start() -> None:
     except (GpushareError, ValueError) as e:
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
         hint = ""
-        if isinstance(e, AttachRefusedError) and e.code == "attach":
+        if isinstance(e, AttachRefusedError) and e.code == "attach" and "mode auto" not in str(e):
             hint = " (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
         print(f"gpushare run: error: {e}{hint}", file=sys.stderr, flush=True)
         os._exit(3)

@@ -1013,6 +1013,7 @@ class Arbiter:
                 f"job {key} has ranks on other nodes, and one node cannot grant them"
                 f" together: in mode exclusive its ranks would wait for each other; give it"
                 f" GPUs of its own, or set mode auto on GPU {self.gpu}"
+                f" (gpushare ctl mode auto --gpu {self.gpu})"
             )
         together = limit + (sum(self.sessions[m].limit for m in g.members) if g else 0)
         if together > self.capacity:

@@ -10,6 +10,7 @@ the config file itself), then command-line flags. Within the merged result a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import tomllib
@@ -30,6 +31,8 @@ from gpushare.settings import (
     check as check_value,
 )
 from gpushare.units import parse_size
+
+log = logging.getLogger("gpushare.node.config")
 
 
 class GpuOverride(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -84,9 +87,18 @@ class ConfigError(ValueError):
     pass
 
 
-def read_raw(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """A file's TOML as a dict; a path that does not exist yet gives ``{}``."""
-    if not path or not Path(path).exists():
+def read_raw(path: str | os.PathLike[str] | None, *, named: bool = False) -> dict[str, Any]:
+    """A file's TOML as a dict; a path that does not exist yet gives ``{}`` (and, for a
+    file the user ``named``, a warning: a mistyped --config would pass unseen)."""
+    if not path:
+        return {}
+    if not Path(path).exists():
+        if named:
+            log.warning(
+                "config file %s does not exist: the defaults and the flags apply"
+                " (check the path given to --config)",
+                path,
+            )
         return {}
     try:
         raw = tomllib.loads(Path(path).read_text())
@@ -95,7 +107,11 @@ def read_raw(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except (msgspec.ValidationError, SettingsError) as e:
-        raise ConfigError(f"config file {path}: {e}") from None
+        hint = ""
+        if "unknown field" in str(e):
+            keys = ", ".join(k for k in NodeConfig.__struct_fields__ if k != "gpu")
+            hint = f" (the keys: {keys}; per GPU in [gpu.N] tables)"
+        raise ConfigError(f"config file {path}: {e}{hint}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
 
@@ -164,7 +180,7 @@ def load(
     flags: dict[str, Any] | None = None,
 ) -> NodeConfig:
     """Defaults, then the config file, the state file and the flags."""
-    return merge(read_raw(path), read_raw(state), flags or {})
+    return merge(read_raw(path, named=True), read_raw(state), flags or {})
 
 
 def scheduling(cfg: NodeConfig) -> dict[str, Any]:

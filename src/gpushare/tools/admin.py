@@ -35,6 +35,7 @@ class AdminClient:
             raise DaemonUnavailableError(
                 f"cannot reach the node's admin socket {self.path} ({e.strerror or e}):"
                 " is 'gpushare node' running? Name its admin socket with --socket"
+                " (or GPUSHARE_ADMIN_SOCKET)"
             ) from None
         self._buf = p.FrameBuffer()
         self._pending: list[p.Message] = []

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gpushare._version import __version__
 from gpushare.errors import GpushareError
@@ -93,7 +93,13 @@ def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParse
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake said in one line (the usage is one --help away)."""
+    """argparse, with a usage mistake said in one line (the usage is one --help away), and
+    no abbreviated options: ``node --sim-gpu 1`` must not pass for ``--sim-gpus`` (a typo
+    would start a real node on the default paths)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
