@@ -39,3 +39,13 @@ def test_a_workload_of_the_users_mix_and_a_bad_one(capsys):
     assert 0.0 < float(got[5.0][1]) <= 1.0
     assert main(["simulate", "--no-plot", "--workload", "nonsense"]) == 2
     assert "gpushare simulate: error:" in capsys.readouterr().err
+
+
+def test_the_wait_for_ones_turn_shows_at_a_long_tq(capsys):
+    # short bursts keep their quantum through hundreds of bursts, then wait two quanta once
+    # a round: p99 hid it (0.00 at TQ 30) and a 120 s run saw it about once
+    got = rows(capsys, "--mix", "short", "--tq", "30")
+    # TQ  goodput  ideal  /ideal  batch-loss  p50 / p99 / max  switches  GiB  run-s
+    longest, run_s = float(got[30.0][9]), float(got[30.0][-1])
+    assert 55.0 < longest < 65.0, got[30.0]  # two quanta of 30 s
+    assert run_s >= 4 * 30 * 3

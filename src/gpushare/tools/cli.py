@@ -555,7 +555,10 @@ def _simulate(args: argparse.Namespace) -> int:
         anticipate_s=args.idle_release,
     )
     title = sim.describe(workloads, args.gpu_memory, settings)
-    print(f"gpushare simulate: {title}; {args.seconds:g} s per run")
+    print(
+        f"gpushare simulate: {title}; {args.seconds:g} s per run, or {sim.ROUNDS} rounds of"
+        " every session's quantum where longer (run s)"
+    )
     rows = sim.study(
         workloads, args.tq, args.gpu_memory, settings, args.seconds, args.bandwidth, args.seed
     )
