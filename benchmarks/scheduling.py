@@ -49,6 +49,7 @@ from typing import Any
 
 import gpushare
 from gpushare.tools.demo import wait_for_socket
+from handoff import start_node
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
@@ -173,40 +174,24 @@ def run(
     first quantum and swaps); durations divided by ``scale``."""
     d = Path(tempfile.mkdtemp(dir=tmp))
     sock, admin = str(d / "w.sock"), str(d / "a.sock")
-    node = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpushare",
-            "node",
-            "--socket",
-            sock,
-            "--admin-socket",
-            admin,
-            "--sim-gpus",
-            "1",
-            "--sim-memory",
-            "80GiB",
-            "--sim-bandwidth",
-            str(BANDWIDTH * scale),
-            "--mode",
-            "exclusive",
-            "--policy",
-            policy,
-            "--tq",
-            str(tq / scale),
-            "--idle-release",
-            str(0.5 / scale),
-            "--turn",
-            str(1.0 / scale),
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "warning",
-            "--event-log",
-            str(d / "events.jsonl"),
-            *node_flags,
-        ]
+    node = start_node(
+        sock,
+        admin,
+        "--sim-bandwidth",
+        str(BANDWIDTH * scale),
+        "--mode",
+        "exclusive",
+        "--policy",
+        policy,
+        "--tq",
+        str(tq / scale),
+        "--idle-release",
+        str(0.5 / scale),
+        "--turn",
+        str(1.0 / scale),
+        "--event-log",
+        str(d / "events.jsonl"),
+        *node_flags,
     )
     procs = []
     try:
