@@ -296,16 +296,7 @@ class Model:
                 if c.room and c.on_gpu + k > c.room:
                     c.parked = chunk  # until a RoomAction
                     return
-                c.on_gpu += k
-                c.in_host -= k
-                self._observe()
-
-                def landed() -> None:
-                    if c.sid in self.clients:
-                        self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
-                    chunk()
-
-                self.at(k / self.bw, landed)
+                self._copy_in(c, k, chunk)
 
             chunk()
 
@@ -437,19 +428,24 @@ class Model:
             k = min(CHUNK, c.in_host, c.pf_room - c.on_gpu)
             if c.holding or k <= 0:
                 return finished()
-            c.on_gpu += k
-            c.in_host -= k
             moved[0] += k
-            self._observe()
-
-            def landed() -> None:
-                if c.sid in self.clients:
-                    self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
-                chunk()
-
-            self.at(k / self.bw, landed)
+            self._copy_in(c, k, chunk)
 
         chunk()
+
+    def _copy_in(self, c: Client, k: int, then: Callable[[], None]) -> None:
+        """``k`` bytes from host memory to the GPU: on the GPU at once (the copy holds its
+        destination), reported to the arbiter when the copy lands, then ``then``."""
+        c.on_gpu += k
+        c.in_host -= k
+        self._observe()
+
+        def landed() -> None:
+            if c.sid in self.clients:
+                self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
+            then()
+
+        self.at(k / self.bw, landed)
 
     def _swap_out(self, c: Client, n: int) -> None:
         def swap_out(done: Callable[[], None]) -> None:
