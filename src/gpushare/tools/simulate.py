@@ -223,6 +223,15 @@ class _Client:
         self.busy = True
         self.tasks.popleft()(self._next)
 
+    def copy_chunk_in(self, k: int, then: Callable[[], None]) -> None:
+        """``k`` bytes back on the copy-in lane: on the GPU at once (the copy holds its
+        destination), reported when the copy ends, then ``then``."""
+        self.resident += k
+        self.swapped -= k
+        self.fig.swapped_in += k
+        end = self.sim.book(IN, k)
+        self.sim.at(end - self.sim.now, self.report_then(then))
+
     def copy_in(self, room: Callable[[], int], finished: Callable[[], None]) -> None:
         """Chunks back while ``room()`` allows (0: no bound); parks when it does not."""
 
@@ -234,11 +243,7 @@ class _Client:
             if r and self.resident + k > r:
                 self.parked = chunk
                 return
-            self.resident += k
-            self.swapped -= k
-            self.fig.swapped_in += k
-            end = self.sim.book(IN, k)
-            self.sim.at(end - self.sim.now, self.report_then(chunk))
+            self.copy_chunk_in(k, chunk)
 
         chunk()
 
@@ -327,11 +332,7 @@ class _Client:
             k = min(CHUNK, self.swapped)
             if not k or self.grant is not None or self.resident + k > self.pf_room:
                 return stop()
-            self.resident += k
-            self.swapped -= k
-            self.fig.swapped_in += k
-            end = self.sim.book(IN, k)
-            self.sim.at(end - self.sim.now, self.report_then(chunk))
+            self.copy_chunk_in(k, chunk)
 
         chunk()
 
