@@ -345,15 +345,11 @@ def prefetch_overlap(tmp: Path, dry: bool, _arg: Any = None) -> dict[str, Any]:
     holder swaps in during the quantum (prefetch), on the copy engines, while the holder
     computes. The holder's step time while another session prefetches against its step
     time otherwise, in the same run: what hiding a switch costs the holder."""
-    total = _gpu_bytes(dry)
-    cap = total - RESERVE
-    unit = 256 * MiB
-    limit, fill = int(cap * 0.4) // unit * unit, int(cap * 0.38) // unit * unit
+    _, limit, fill = _sizes(dry, 0.4, 0.38)
     seconds = 3.0 if dry else 20.0
     node = Node(tmp, 0.5 if dry else 3.0, dry=dry)
-    stepper = [sys.executable, str(HERE), "--part", "stepper", node.sock]
-    stepper += [str(limit), str(fill), str(seconds), "1" if dry else "0"]
-    outs, ev = node.run([stepper] * 3, 2 * limit + 2 * GiB, seconds + 120)
+    steppers = [node.stepper(limit, fill, seconds)] * 3
+    outs, ev = node.run(steppers, 2 * limit + 2 * GiB, seconds + 120)
     errors = [o["error"] for o in outs if "error" in o]
     if errors:
         return {"error": errors, "dry": dry}
@@ -488,6 +484,7 @@ class Node:
     programs run on it."""
 
     def __init__(self, tmp: Path, tq: float, *flags: str, dry: bool = False) -> None:
+        self.dry = dry
         self.sock, self.admin = str(tmp / "w.sock"), str(tmp / "a.sock")
         self.events = tmp / f"events-{time.monotonic_ns()}.jsonl"
         cmd = [sys.executable, "-m", "gpushare", "node", "--socket", self.sock]
@@ -518,10 +515,23 @@ class Node:
         events = [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
         return outs, events
 
+    def stepper(self, limit: int, fill: int, seconds: float) -> list[str]:
+        """This script's ``stepper`` part as a session of this node."""
+        cmd = [sys.executable, str(HERE), "--part", "stepper", self.sock]
+        return [*cmd, str(limit), str(fill), str(seconds), "1" if self.dry else "0"]
+
     def gpushare_run(self, limit: int, *part: str) -> list[str]:
         """This script's ``part`` as an unmodified program under ``gpushare run``."""
         cmd = [sys.executable, "-m", "gpushare", "run", "--memory", str(limit)]
         return [*cmd, "--socket", self.sock, "--", sys.executable, str(HERE), "--part", *part]
+
+
+def _sizes(dry: bool, limit: float, fill: float) -> tuple[int, int, int]:
+    """The sessions' usable GPU memory, and a limit and a fill as parts of it, in whole
+    256 MiB units."""
+    cap = _gpu_bytes(dry) - RESERVE
+    unit = 256 * MiB
+    return cap, int(cap * limit) // unit * unit, int(cap * fill) // unit * unit
 
 
 def _last_json(text: str) -> dict[str, Any]:
@@ -534,15 +544,11 @@ def _last_json(text: str) -> dict[str, Any]:
 
 
 def switch(tmp: Path, dry: bool, sequential: bool) -> dict[str, Any]:
-    total = _gpu_bytes(dry)
-    cap = total - RESERVE
     seconds = 2.0 if dry else 8.0
     # Each switch moves fill + limit - cap (about 7% of the GPU) each way.
-    unit = 256 * MiB
-    limit, fill = int(cap * 0.54) // unit * unit, int(cap * 0.52) // unit * unit
+    cap, limit, fill = _sizes(dry, 0.54, 0.52)
     node = Node(tmp, 0.5 if dry else 1.5, *(["--sequential-switches"] * sequential), dry=dry)
-    holder = [sys.executable, str(HERE), "--part", "stepper", node.sock]
-    holder += [str(limit), str(fill), str(seconds), "1" if dry else "0"]
+    holder = node.stepper(limit, fill, seconds)
     outs, ev = node.run([holder, holder], fill + limit - cap + 2 * GiB, seconds + 120)
     from gpushare.tools.report import switches
 
