@@ -100,7 +100,11 @@ def test_a_member_that_asks_while_its_gang_yields_is_granted_and_revoked(clock):
     a.acquire(3)
     clock.advance(1)
     assert revoked(a.tick()) == [1]
-    out = a.acquire(2)  # rank 1 may be blocked in a collective waiting for it
+    # rank 1 may be blocked in a collective waiting for it: it goes on at the regroup (not
+    # at once: ranks asking in turn would keep the revoked gang holding for ever)
+    assert granted(a.acquire(2)) == [] and a.sessions[2].parked
+    clock.advance(REGROUP_S)
+    out = a.tick()
     assert granted(out) == [2] and revoked(out) == [2]
 
 
@@ -242,3 +246,22 @@ def test_gang_invariants_hold_for_any_mix(jobs, solo, mode, tq, kills):
                 waited.append(m.clock.monotonic() - c.want_since)
             n = len(jobs) + len(solo)
             assert max(waited, default=0) <= n * (tq + 2.0 + 2.5) + 5, (c.sid, waited)
+
+
+def test_ranks_that_end_bursts_in_turn_do_not_keep_a_revoked_gang_holding(clock):
+    # two processes of one GPUSHARE_GANG with bursts of their own: each ended its burst
+    # (no `again`) and asked anew while the other held, and joined the revoked gang at
+    # once: the gang held for ever (a solo session got 36 of ~120 steps in 14 s)
+    a = two_jobs(clock)
+    clock.advance(1)
+    assert revoked(a.tick()) == [1, 2]
+    for _ in range(3):
+        clock.advance(0.01)
+        a.release(1, resident=10 * GiB, swapped=0)  # a burst's end, then at once a new one
+        assert granted(a.acquire(1)) == []  # it waits as a parked member does
+        assert a.sessions[1].parked
+        if a.holders != [2]:
+            break
+    clock.advance(0.01)
+    out = a.release(2, resident=10 * GiB, swapped=0)
+    assert granted(out) == [3, 4]  # the gang has yielded: the next job holds

@@ -344,6 +344,13 @@ class Arbiter:
         else:
             s.resume_s = 0.0
             self._enqueue(s)
+        if s.gang and self.gangs[s.gang].revoked:
+            # Its gang is yielding: a new ask waits as a parked member does (until the gang
+            # has yielded, or the regroup), else ranks that take turns asking keep a revoked
+            # gang holding for ever (seen: two processes of one GPUSHARE_GANG).
+            g = self.gangs[s.gang]
+            s.parked = True
+            g.regroup_at = min(g.regroup_at, now + REGROUP_S)
         return self._advance()
 
     def release(
