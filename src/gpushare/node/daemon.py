@@ -9,7 +9,8 @@ here move messages and state in and out of them, one job each:
 * ``dispatch``: the one place actions leave (messages, signals, the per-GPU timers);
 * ``live_config``: the config file watched and applied, ``--persist`` written down;
 * ``utilization``: sampling, credited through the lease; NVML's memory view checked;
-* ``snapshot``: the typed status; ``metrics``: the exporter over it;
+* ``snapshot``: the typed status; ``exporter``: the metrics exporter's process, which
+  asks for it (``metrics``: its text);
 * ``recovery``: the records a restarted node recovers its sessions from, and the window
   in which it grants nothing until they are back;
 * ``safefs``: the node's files, in directories it checked, never through a symlink.
@@ -27,7 +28,7 @@ import os
 import resource
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
@@ -54,6 +55,9 @@ from gpushare.settings import GpuSettings
 from gpushare.simlink import SimLink
 from gpushare.status import NodeInfo, NodeStatus
 from gpushare.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from gpushare.node.exporter import Exporter
 
 log = logging.getLogger("gpushare.node.daemon")
 
@@ -167,7 +171,7 @@ class Node:
         self._made: list[str] = []  # socket and link files this node created
         self._handlers = Handlers()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._stop_metrics: Any = None
+        self.exporter: Exporter | None = None
         self._pod_watcher: PodWatcher | None = None
         self._recovery_timer: asyncio.TimerHandle | None = None
         self._loop_errors: dict[str, tuple[float, int]] = {}
@@ -354,34 +358,24 @@ class Node:
 
     def _start_exporter(self, cfg: NodeConfig) -> None:
         try:
-            from gpushare.node import metrics
+            from gpushare.node.exporter import Exporter
         except ImportError:
             raise OSError(
                 "the metrics exporter needs prometheus-client: pip install"
                 " 'gpushare[node]', or pass --metrics-port 0"
             ) from None
-
-        loop = asyncio.get_running_loop()
-
-        def take() -> NodeStatus:
-            # Made in the event loop, so one scrape sees one consistent state.
-            async def status() -> NodeStatus:
-                return self.status()
-
-            return asyncio.run_coroutine_threadsafe(status(), loop).result(timeout=5)
-
-        exposition = metrics.Exposition()  # written in the exporter's thread
         try:
-            self._stop_metrics = metrics.serve(
-                lambda: exposition.render(take()), cfg.metrics_port, cfg.metrics_address
-            )
+            # Served by a process of its own; asks this loop for a snapshot per scrape,
+            # so the figures of one scrape are one consistent state.
+            self.exporter = Exporter(self.status, cfg.metrics_port, cfg.metrics_address)
         except OSError as e:
             raise OSError(
                 f"metrics port {cfg.metrics_address}:{cfg.metrics_port}: {e.strerror or e}"
                 " (another gpushare node, or another exporter?): choose another with"
                 " --metrics-port PORT (or metrics_port in the config file), or 0 for none"
             ) from None
-        self.metrics_port = cfg.metrics_port
+        self.exporter.start()
+        self.metrics_port = self.exporter.port
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, self.metrics_port)
 
     def _spawn(self, coro: Any) -> None:
@@ -409,9 +403,9 @@ class Node:
         self.dispatch.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._stop_metrics:
-            self._stop_metrics()
-            self._stop_metrics = None
+        if self.exporter is not None:
+            await self.exporter.stop()
+            self.exporter = None
         if self._pod_watcher:
             self._pod_watcher.stop()
         if self._recovery_timer is not None:

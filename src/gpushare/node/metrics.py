@@ -26,14 +26,13 @@ import math
 import platform
 import pwd
 import socket
-import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import attrgetter
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client.exposition import ThreadingWSGIServer, gzip_accepted
 from prometheus_client.metrics_core import Metric
@@ -47,9 +46,6 @@ from gpushare.status import GpuStatus, NodeStatus, SessionStatus
 
 DEFAULT_PORT = 9423
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# While the exporter serves, a thread that wants the GIL (the event loop) waits at most
-# this long for the one writing a scrape's text (Python's default is 5 ms).
-SWITCH_INTERVAL_S = 0.0005
 
 # --- what is exported -------------------------------------------------------------------
 # (metric, help, the GpuStatus figure) for GPU-level gauges
@@ -495,27 +491,53 @@ def app(scrape: Callable[[], bytes]) -> Callable[..., list[bytes]]:
     return metrics_app
 
 
-def serve(scrape: Callable[[], bytes], port: int, address: str) -> Callable[[], None]:
-    """Serve ``/metrics`` on a thread; returns a function that stops it."""
-
-    class Server(ThreadingWSGIServer):
-        pass
-
-    # IPv4 or IPv6, as the address asks (as prometheus_client's server chooses)
+def bind(port: int, address: str) -> socket.socket:
+    """The exporter's listening socket, IPv4 or IPv6 as the address asks (as
+    prometheus_client's server chooses)."""
     info = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, sockaddr = info[0]
-    Server.address_family = family
-    server = make_server(str(sockaddr[0]), port, app(scrape), Server, handler_class=_Quiet)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as socketserver does
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(ThreadingWSGIServer):
+    """wsgiref's threading server on a socket already listening (the node's, inherited)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.address_family = sock.family
+        super().__init__(sock.getsockname(), _Quiet, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        host, port = sock.getsockname()[:2]
+        self.server_name, self.server_port = socket.getfqdn(host), port
+        self.setup_environ()
+
+
+def serve_on(sock: socket.socket, scrape: Callable[[], bytes]) -> _Server:
+    """A server answering ``app(scrape)`` on ``sock`` (listening); ``serve_forever`` it."""
+    server = _Server(sock)
+    server.set_app(app(scrape))
+    return server
+
+
+def serve(scrape: Callable[[], bytes], port: int, address: str) -> Callable[[], None]:
+    """Serve ``/metrics`` on a thread of this process; returns a function that stops it.
+    (The node serves from a process of its own: node/exporter.py.)"""
+    server = serve_on(bind(port, address), scrape)
     thread = threading.Thread(target=server.serve_forever, name="gpushare-metrics", daemon=True)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
     thread.start()
 
     def stop() -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
-        sys.setswitchinterval(interval)
 
     return stop
 
