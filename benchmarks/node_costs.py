@@ -22,7 +22,7 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
 Clients are this tree's in both columns; only the node (and the arbiter) differ. Figures
 depend on the machine and on what else runs on it: compare the columns of one run.
 
-    python benchmarks/node_costs.py [--before REV|DIR] [--quick] [--json FILE]
+    python benchmarks/node_costs.py [--before REV|DIR] [--quick] [--parts P,...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -207,6 +207,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stat_fields(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_of(pid: int) -> float:
+    with contextlib.suppress(OSError):
+        fields = stat_fields(pid)
+        return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int(stat_fields(int(d.name))[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
 class NodeRun:
     def __init__(self, src: Path, tmp: Path) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="n", dir=tmp))
@@ -251,11 +272,22 @@ class NodeRun:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("the node did not start")
             time.sleep(0.02)
+        while True:  # and its exporter serves (a process of its own: started by now)
+            try:
+                self.scrape()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the node's exporter did not answer") from None
+                time.sleep(0.02)
 
     def cpu(self) -> float:
         """The node's CPU seconds so far, every thread (exited ones too)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+        return cpu_of(self.proc.pid)
+
+    def exporter_cpu(self) -> float:
+        """The CPU seconds of the node's children (its exporter process; none before)."""
+        return sum(cpu_of(pid) for pid in children(self.proc.pid))
 
     def scrape(self) -> int:
         req = urllib.request.Request(
@@ -295,14 +327,17 @@ def node_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[st
             grant_cpu = (nd.cpu() - c0) / grants
             grant_rate = grants / (time.monotonic() - t0)
             nd.scrape()  # the first: every session's lines written
-            k, size, c0, t0 = 0, 0, nd.cpu(), time.monotonic()
+            k, size, c0, e0, t0 = 0, 0, nd.cpu(), nd.exporter_cpu(), time.monotonic()
             while k < 10 or time.monotonic() - t0 < seconds:
                 size = nd.scrape()
                 k += 1
+            node_ms, exporter_ms = (nd.cpu() - c0) / k * 1e3, (nd.exporter_cpu() - e0) / k * 1e3
             out[str(n)] = {
                 "grant_cpu_us": grant_cpu * 1e6,
                 "grants_per_s": grant_rate,
-                "scrape_cpu_ms": (nd.cpu() - c0) / k * 1e3,
+                "scrape_cpu_ms": node_ms + exporter_ms,
+                "scrape_node_ms": node_ms,
+                "scrape_exporter_ms": exporter_ms,
                 "scrapes": k,
                 "scrape_gzip_bytes": size,
             }
@@ -529,7 +564,12 @@ def tree(before: str, tmp: Path) -> Iterator[Path]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)])
 
 
-def measure(trees: dict[str, Path], tmp: Path, quick: bool) -> dict[str, dict[str, Any]]:
+PARTS = ("arbiter_us", "render", "node", "handoff64", "mass_attach")
+
+
+def measure(
+    trees: dict[str, Path], tmp: Path, quick: bool, only: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
     """Each part for every tree in turn, so that both see the machine as it is then."""
     sizes = [16, 256] if quick else [16, 256, 1024]
     handoffs = "2000" if quick else "10000"
@@ -546,6 +586,8 @@ def measure(trees: dict[str, Path], tmp: Path, quick: bool) -> dict[str, dict[st
     }
     out: dict[str, dict[str, Any]] = {label: {} for label in trees}
     for name, part in parts.items():
+        if only and name not in only:
+            continue
         for label, src in trees.items():
             out[label][name] = part(src)
     return out
@@ -553,20 +595,24 @@ def measure(trees: dict[str, Path], tmp: Path, quick: bool) -> dict[str, dict[st
 
 def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
     """(figure, unit, value) in print order."""
-    out = [(f"arbiter per handoff, {n} sessions", "us", v) for n, v in r["arbiter_us"].items()]
-    for n, v in r["render"].items():
+    out = [
+        (f"arbiter per handoff, {n} sessions", "us", v) for n, v in r.get("arbiter_us", {}).items()
+    ]
+    for n, v in r.get("render", {}).items():
         out += [
             (f"scrape in process, {n} sessions: status()", "ms", v["status_ms"]),
             (f"  text, every session changed, {n}", "ms", v["text_first_ms"]),
             (f"  text, nothing changed, {n}", "ms", v["text_next_ms"]),
         ]
-    for n, v in r["node"].items():
+    for n, v in r.get("node", {}).items():
         out += [
             (f"node CPU per grant, {n} sessions", "us", v["grant_cpu_us"]),
             (f"  grants per second, {n} sessions", "/s", v["grants_per_s"]),
             (f"node CPU per scrape (gzip), {n} sessions", "ms", v["scrape_cpu_ms"]),
+            (f"  of which the node process, {n}", "ms", v.get("scrape_node_ms", 0.0)),
+            (f"  of which the exporter process, {n}", "ms", v.get("scrape_exporter_ms", 0.0)),
         ]
-    for k, v in r["handoff64"].items():
+    for k, v in r.get("handoff64", {}).items():
         out += [
             (f"handoff p50, 64 cycling, {k}", "us", v["p50_us"]),
             (f"handoff p99, 64 cycling, {k}", "us", v["p99_us"]),
@@ -574,7 +620,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
         ]
         if v["scrapes_per_s"]:
             out.append(("  scrapes per second meanwhile", "/s", v["scrapes_per_s"]))
-    for n, v in r["mass_attach"].items():
+    for n, v in r.get("mass_attach", {}).items():
         out.append((f"mass attach: {n} at once, succeeded", "", v["ok"]))
         out.append((f"  seconds to all answered, {n}", "s", v["seconds"]))
         out.append((f"  connects refused at once, node busy, {n}", "", v["refused_at_first_try"]))
@@ -621,13 +667,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", metavar="REV|DIR", help="also measure this version (ea541dc)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and turns (a smoke)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    ap.add_argument(
+        "--parts",
+        metavar="P,...",
+        help=f"only these parts, comma-separated, of {', '.join(PARTS)}",
+    )
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gs-costs-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         trees = {"after": REPO / "src"}
         if a.before:
             trees = {"before": stack.enter_context(tree(a.before, tmp)), **trees}
-        r = measure(trees, tmp, a.quick)
+        only = a.parts.split(",") if a.parts else None
+        if only and not set(only) <= set(PARTS):
+            ap.error(f"--parts: choose from {', '.join(PARTS)}")
+        r = measure(trees, tmp, a.quick, only)
     after, before = r["after"], r.get("before")
     print(report(after, before, a.before or ""))
     result = {"before": before, "after": after, "before_rev": a.before, "cpus": os.cpu_count()}
