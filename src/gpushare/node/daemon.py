@@ -367,7 +367,9 @@ class Node:
         try:
             # Served by a process of its own; asks this loop for a snapshot per scrape,
             # so the figures of one scrape are one consistent state.
-            self.exporter = Exporter(self.status, cfg.metrics_port, cfg.metrics_address)
+            self.exporter = Exporter(
+                self.status, cfg.metrics_port, cfg.metrics_address, self.clock.monotonic
+            )
         except OSError as e:
             raise OSError(
                 f"metrics port {cfg.metrics_address}:{cfg.metrics_port}: {e.strerror or e}"

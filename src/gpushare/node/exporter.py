@@ -33,12 +33,37 @@ MODULE = "gpushare.node.exporter_process"
 STOP_WAIT_S = 2.0  # for an exporter to end at the link's end, before it is killed
 
 
+class Snapshots:
+    """The encoded snapshots the loop gives the exporter: a new one for each request,
+    unless the last was taken less than ``SHARE`` times its own cost ago, so however
+    fast the exporter is scraped, snapshots take at most 1/(SHARE + 1) of the loop's
+    time (0.5%), and a scrape's figures are at most that old (and 1 s)."""
+
+    SHARE = 200
+    MOST_S = 1.0
+
+    def __init__(self, status: Callable[[], NodeStatus], clock: Callable[[], float]) -> None:
+        self._status = status
+        self._clock = clock
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._last = b""
+        self._until = float("-inf")  # the last one is given until then
+
+    def take(self) -> bytes:
+        t0 = self._clock()
+        if t0 < self._until:
+            return self._last
+        self._last = self._encode(self._status())
+        took = self._clock() - t0
+        self._until = t0 + min(self.MOST_S, took * (self.SHARE + 1))
+        return self._last
+
+
 class _Answers(asyncio.Protocol):
     """The node's end of the link: a snapshot for each request, written from the loop."""
 
-    def __init__(self, status: Callable[[], NodeStatus], ended: asyncio.Future[None]) -> None:
-        self._status = status
-        self._encode = msgspec.msgpack.Encoder().encode
+    def __init__(self, snapshots: Snapshots, ended: asyncio.Future[None]) -> None:
+        self._snapshots = snapshots
         self._ended = ended
         self.transport: asyncio.Transport | None = None
         self.ready = False
@@ -56,7 +81,7 @@ class _Answers(asyncio.Protocol):
     def _answer(self) -> None:
         assert self.transport is not None
         try:
-            body = self._encode(self._status())
+            body = self._snapshots.take()
         except Exception:
             log.exception("metrics: the snapshot failed")
             body = b""  # the scrape is answered 500; the exporter serves on
@@ -70,8 +95,14 @@ class _Answers(asyncio.Protocol):
 class Exporter:
     """Serves ``/metrics`` from a child process; ``status`` is called in the loop."""
 
-    def __init__(self, status: Callable[[], NodeStatus], port: int, address: str) -> None:
-        self._status = status
+    def __init__(
+        self,
+        status: Callable[[], NodeStatus],
+        port: int,
+        address: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self._snapshots = Snapshots(status, clock)
         self._listen = metrics.bind(port, address)  # OSError: the caller says what to do
         self.port: int = self._listen.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -138,7 +169,7 @@ class Exporter:
             except BaseException:
                 ours.close()
                 raise
-        answers = _Answers(self._status, ended)
+        answers = _Answers(self._snapshots, ended)
         transport, _ = await asyncio.get_running_loop().create_unix_connection(
             lambda: answers, sock=ours
         )

@@ -467,6 +467,8 @@ def app(scrape: Callable[[], bytes]) -> Callable[..., list[bytes]]:
     """A WSGI app answering as prometheus_client's does: the exposition on any path (gzip
     when accepted), an empty favicon, OPTIONS, 405 for other methods."""
 
+    last = [(b"", b"")]  # the last text and its gzip: the same text is not compressed again
+
     def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         method = environ["REQUEST_METHOD"]
         headers: list[tuple[str, str]] = []
@@ -482,8 +484,12 @@ def app(scrape: Callable[[], bytes]) -> Callable[..., list[bytes]]:
             status, body = "200 OK", scrape()
             headers = [("Content-Type", CONTENT_TYPE)]
             if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
-                # the fastest level: the text is repetitive, level 1 takes most of it
-                body = gzip.compress(body, compresslevel=1)
+                plain, packed = last[0]
+                if body is not plain:
+                    # the fastest level: the text is repetitive, level 1 takes most of it
+                    packed = gzip.compress(body, compresslevel=1)
+                    last[0] = (body, packed)
+                body = packed
                 headers.append(("Content-Encoding", "gzip"))
         start_response(status, headers)
         return [body]
