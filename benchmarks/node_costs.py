@@ -8,10 +8,12 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
   makes after it; CPU time, best of three);
 * a scrape's work in process: the status snapshot and the exposition text, the first
   scrape (every session's lines written) and the next (nothing changed);
-* the node's CPU time (from /proc/PID/stat: every thread of the real node process, the
-  exporter's included) per grant and per scrape with 16, 256 and 1,024 sessions attached:
-  two raw protocol sessions take turns as fast as the node grants, the others are
-  attached and idle; scrapes are HTTP GETs as Prometheus makes them (gzip), back to back;
+* the node's CPU time (its process CPU-time clock: every thread of the real node
+  process; its exporter process's apart) per grant and per scrape with 16, 256 and
+  1,024 sessions attached: two raw protocol sessions take turns as fast as the node
+  grants, the others are attached and idle; scrapes are HTTP GETs as Prometheus makes
+  them (gzip), back to back, then ten a second apart (each a fresh snapshot; less the
+  CPU time of as long unscraped);
 * handoff latency at 64 sessions cycling (one driver process, raw protocol: from the
   holder's release written to the next session's grant read), and grants per second,
   alone and while another process scrapes the exporter back to back (the median of
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
+import importlib.util
 import json
 import os
 import signal
@@ -100,6 +104,13 @@ def render_part(sizes: list[int]) -> dict[str, Any]:
         def renderer() -> Any:
             return lambda st: generate_latest(registry_for(lambda: st))
 
+    import msgspec
+
+    from gpushare.status import NodeStatus
+
+    exporter_process = importlib.util.find_spec("gpushare.node.exporter_process") is not None
+    decoder = msgspec.msgpack.Decoder(NodeStatus)
+
     def best(f: Any, k: int = 5) -> float:
         b = float("inf")
         for _ in range(k):
@@ -121,12 +132,21 @@ def render_part(sizes: list[int]) -> dict[str, Any]:
         st = node.status()
         render = renderer()
         render(st)
+        text = render(st)
         out[str(n)] = {
             "status_ms": best(node.status),
             "text_first_ms": best(lambda st=st: renderer()(st)),  # every session's lines
             "text_next_ms": best(lambda st=st, r=render: r(st)),  # nothing changed since
-            "bytes": len(render(st)),
+            "gzip_ms": best(lambda t=text: gzip.compress(t, compresslevel=1)),
+            "bytes": len(text),
         }
+        if exporter_process:  # the snapshot's way to the exporter's process
+            raw = msgspec.msgpack.encode(st)
+            out[str(n)] |= {
+                "encode_ms": best(lambda st=st: msgspec.msgpack.encode(st)),
+                "decode_ms": best(lambda raw=raw: decoder.decode(raw)),
+                "snapshot_bytes": len(raw),
+            }
     return out
 
 
@@ -212,6 +232,10 @@ def stat_fields(pid: int) -> list[str]:
 
 
 def cpu_of(pid: int) -> float:
+    """The process's CPU seconds, every thread (exited ones too): its CPU-time clock,
+    in nanoseconds (clock_getcpuclockid's), else /proc's clock ticks."""
+    with contextlib.suppress(OSError):
+        return time.clock_gettime((~pid << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, SCHED)
     with contextlib.suppress(OSError):
         fields = stat_fields(pid)
         return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
@@ -314,7 +338,12 @@ def node(src: Path, tmp: Path) -> Iterator[NodeRun]:
         n.stop()
 
 
-def node_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[str, Any]:
+SPACED_S = 1.05
+
+
+def node_part(
+    src: Path, tmp: Path, sizes: list[int], seconds: float, spaced: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in sizes:
         with node(src, tmp) as nd:
@@ -332,12 +361,28 @@ def node_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[st
                 size = nd.scrape()
                 k += 1
             node_ms, exporter_ms = (nd.cpu() - c0) / k * 1e3, (nd.exporter_cpu() - e0) / k * 1e3
+            # Scrapes a second apart, each a fresh snapshot (the node gives scrapes close
+            # together its last one, for as long as 200 times its cost and at most 1 s)
+            # less what the node does meanwhile unscraped (its sampler, each second)
+            c0, e0 = nd.cpu(), nd.exporter_cpu()
+            time.sleep(SPACED_S * spaced)
+            idle_node, idle_exporter = nd.cpu() - c0, nd.exporter_cpu() - e0
+            c0, e0 = nd.cpu(), nd.exporter_cpu()
+            for _ in range(spaced):
+                time.sleep(SPACED_S)
+                nd.scrape()
+            fresh_node, fresh_exporter = (
+                (nd.cpu() - c0 - idle_node) / spaced * 1e3,
+                (nd.exporter_cpu() - e0 - idle_exporter) / spaced * 1e3,
+            )
             out[str(n)] = {
                 "grant_cpu_us": grant_cpu * 1e6,
                 "grants_per_s": grant_rate,
                 "scrape_cpu_ms": node_ms + exporter_ms,
                 "scrape_node_ms": node_ms,
                 "scrape_exporter_ms": exporter_ms,
+                "spaced_node_ms": fresh_node,
+                "spaced_exporter_ms": fresh_exporter,
                 "scrapes": k,
                 "scrape_gzip_bytes": size,
             }
@@ -578,7 +623,7 @@ def measure(
             src, "arbiter", ["2", "16", "256", "1024", "--handoffs", handoffs]
         ),
         "render": lambda src: in_tree(src, "render", [str(n) for n in sizes]),
-        "node": lambda src: node_part(src, tmp, sizes, 1.0 if quick else 2.0),
+        "node": lambda src: node_part(src, tmp, sizes, 1.0 if quick else 2.0, 5 if quick else 10),
         "handoff64": lambda src: handoff_part(
             src, tmp, 64, 1000 if quick else 3000, 1 if quick else 3
         ),
@@ -603,7 +648,13 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
             (f"scrape in process, {n} sessions: status()", "ms", v["status_ms"]),
             (f"  text, every session changed, {n}", "ms", v["text_first_ms"]),
             (f"  text, nothing changed, {n}", "ms", v["text_next_ms"]),
+            (f"  gzip of the text, {n}", "ms", v.get("gzip_ms", 0.0)),
         ]
+        if "encode_ms" in v:
+            out += [
+                (f"  snapshot msgpack encode (node), {n}", "ms", v["encode_ms"]),
+                (f"  snapshot decode (exporter), {n}", "ms", v["decode_ms"]),
+            ]
     for n, v in r.get("node", {}).items():
         out += [
             (f"node CPU per grant, {n} sessions", "us", v["grant_cpu_us"]),
@@ -612,6 +663,11 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
             (f"  of which the node process, {n}", "ms", v.get("scrape_node_ms", 0.0)),
             (f"  of which the exporter process, {n}", "ms", v.get("scrape_exporter_ms", 0.0)),
         ]
+        if "spaced_node_ms" in v:
+            out += [
+                (f"node CPU per scrape, 1 s apart, {n}", "ms", v["spaced_node_ms"]),
+                (f"  the exporter's, 1 s apart, {n}", "ms", v["spaced_exporter_ms"]),
+            ]
     for k, v in r.get("handoff64", {}).items():
         out += [
             (f"handoff p50, 64 cycling, {k}", "us", v["p50_us"]),
