@@ -2,11 +2,12 @@
 
 Every scrape takes one snapshot (the same object ``ctl status --json`` prints), made in
 the daemon's event loop, so the figures of one scrape are consistent with each other;
-that is all a scrape asks of the loop. The text is written in the exporter's thread by
-:class:`Exposition`, in Prometheus' text format (0.0.4) exactly as prometheus_client
-writes it, without its per-sample objects: a session's lines are written again only
-when one of the figures they show changed, and are otherwise reused from the last
-scrape, so a scrape of many idle sessions costs little more than joining strings.
+that is all a scrape asks of the loop. The text is written in the exporter's process
+(node/exporter_process.py) by :class:`Exposition`, in Prometheus' text format (0.0.4)
+exactly as prometheus_client writes it, without its per-sample objects: a session's
+lines are written again only when one of the figures they show changed, and are
+otherwise reused from the last scrape, so a scrape of many idle sessions costs little
+more than joining strings.
 
 Names: prefix ``gpushare_``, base units, counters end in ``_total``, ratios are 0-1.
 Per-session series carry ``gpu``, ``gpu_uuid``, ``namespace``, ``pod``, ``container``,
