@@ -198,7 +198,10 @@ class Exporter:
         if self._link is not None:
             self._link.close()
         if self._task is not None:
-            await self._task  # it reaps the exporter (killed if it lingers)
+            try:
+                await self._task  # it reaps the exporter (killed if it lingers)
+            except Exception:
+                log.exception("metrics: stopping the exporter")
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
