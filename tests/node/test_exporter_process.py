@@ -285,3 +285,29 @@ def test_a_failed_snapshot_is_a_failed_scrape_not_a_stuck_one():
     scraper.join(timeout=30)
     assert [str(e) for e in failed] == ["the node sent none"]
     ours.close()
+
+
+def test_snapshots_close_together_are_shared_for_200_times_their_cost_at_most_1_s():
+    now = [100.0]
+    taken: list[int] = []
+
+    def status() -> NodeStatus:
+        taken.append(1)
+        now[0] += 0.002  # a snapshot costs 2 ms of the loop
+        return NodeStatus(node=NodeInfo(pid=len(taken), started=0.0, config=""), gpus=[])
+
+    snaps = Snapshots(status, lambda: now[0])
+    first = snaps.take()
+    now[0] += 0.3  # 100.302: within 201 x 2 ms of its start
+    assert snaps.take() is first and len(taken) == 1
+    now[0] += 0.2  # 100.502: past it
+    second = snaps.take()
+    assert second != first and len(taken) == 2
+    slow = Snapshots(lambda: (now.__setitem__(0, now[0] + 0.5), status())[1], lambda: now[0])
+    slow.take()  # about 0.5 s each: shared until 1 s after it began, not 100 s
+    now[0] += 0.4
+    slow.take()
+    assert len(taken) == 3
+    now[0] += 0.2
+    slow.take()
+    assert len(taken) == 4
