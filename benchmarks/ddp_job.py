@@ -6,7 +6,9 @@ and its session's figures to ``OUT/rank<r>.json`` (a file each: the ranks share 
 
 Under ``gpushare run`` its steps are gated by the run's hooks; with ``DDP_ATTACH=1`` it
 attaches itself (``gpushare.attach``, rank r on GPU r) and holds the GPU around each
-step; bare (no gpushare) it is the reference the others' results must equal.
+step; bare (no gpushare) it is the reference the others' results must equal. With
+``DDP_START_FILE`` it trains once that file exists (jobs started side by side under load
+then overlap: each would take turns with the other, not run alone).
 """
 
 import contextlib
@@ -34,6 +36,10 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.L
 ddp = DistributedDataParallel(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+if os.environ.get("DDP_START_FILE"):  # jobs run side by side start together (tests)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.environ["DDP_START_FILE"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 t0, start = time.monotonic(), time.time()
 for _ in range(int(sys.argv[2])):
     with burst():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.client.test_run import gs_run
-from tests.support import REPO, sim
+from tests.support import REPO, sim, wait_until
 
 pytest.importorskip(
     "torch",
@@ -53,9 +53,26 @@ def test_two_ddp_jobs_time_share_an_exclusive_gpu_with_their_bare_results(node_f
         pytest.skip("torchrun is not installed beside this Python")
     script = DDP
     node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
-    jobs = [torchrun(script, short_tmp / f"job{j}", node) for j in (0, 1)]
+    env = {"DDP_START_FILE": str(short_tmp / "start")}
+    jobs = [torchrun(script, short_tmp / f"job{j}", node, env=env) for j in (0, 1)]
     bare = torchrun(script, short_tmp / "bare")  # the same job, no gpushare
+    start_together(node, short_tmp / "start", jobs)
     check_results(node, short_tmp, [*jobs, bare], gpus={0})
+
+
+def start_together(node, start: Path, jobs: list[subprocess.Popen[str]]) -> None:
+    """Once all four ranks are sessions, the jobs train: on a loaded machine one job's
+    start could otherwise lag until the other had all but finished (no turns to see)."""
+    try:
+        wait_until(
+            lambda: (
+                sum(len(g["sessions"]) for g in node.status()["gpus"]) >= 4
+                or any(j.poll() is not None for j in jobs)
+            ),
+            timeout=120,
+        )
+    finally:
+        start.touch()
 
 
 def check_results(node, tmp: Path, procs: list[subprocess.Popen[str]], gpus: set[int]) -> None:
@@ -95,7 +112,12 @@ def test_two_ddp_jobs_on_two_exclusive_gpus_each_are_granted_both_at_once(node_f
         pytest.skip("torchrun is not installed beside this Python")
     script = DDP
     node = node_factory(*sim("16GiB", gpus=2, mode="exclusive", tq="0.3"))
-    env = {"GPUSHARE_SOCKET": node.socket, "DDP_ATTACH": "1"}
+    env = {
+        "GPUSHARE_SOCKET": node.socket,
+        "DDP_ATTACH": "1",
+        "DDP_START_FILE": str(short_tmp / "start"),
+    }
     jobs = [torchrun(script, short_tmp / f"job{j}", env=env) for j in (0, 1)]
     bare = torchrun(script, short_tmp / "bare")
+    start_together(node, short_tmp / "start", jobs)
     check_results(node, short_tmp, [*jobs, bare], gpus={0, 1})
