@@ -303,3 +303,27 @@ def _session_fields() -> dict:
             else {}
         )
     return fields
+
+
+def test_the_ranks_of_a_job_carry_their_gang_and_rank_and_the_gang_its_regroups():
+    clock = ManualClock()
+    node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
+    a = node.arbiters[0]
+    a.configure(tq_s=1, mode="exclusive")
+    for sid, job in ((1, "job7@uid:1000"), (2, "job7@uid:1000"), (3, "")):
+        a.attach(sid, name=f"s{sid}", limit=10 * G, gang=job, gang_size=2 if job else 0)
+        a.acquire(sid)
+    clock.advance(1)
+    a.tick()  # the gang is revoked; rank 1 parks, rank 2 is blocked in a collective
+    a.release(1, resident=0, swapped=0, again=True)
+    clock.set(a.next_deadline())
+    a.tick()  # the regroup: rank 1 goes on to its next safe point
+    reg = registry_for(node.status)
+    gang = [s for f in reg.collect() for s in f.samples if s.name == "gpushare_session_gang_info"]
+    assert sorted((s.labels["session"], s.labels["gang"], s.value) for s in gang) == [
+        ("1", "job7@uid:1000", 1.0),
+        ("2", "job7@uid:1000", 1.0),
+    ]  # the solo session has none
+    assert {s.labels["rank"] for s in gang} == {"-1"}  # no client said its rank here
+    base = {"gpu": "0", "gpu_uuid": node.gpus[0].uuid, "simulated": "true", "gang": "job7@uid:1000"}
+    assert reg.get_sample_value("gpushare_gang_regroups_total", base) == 1

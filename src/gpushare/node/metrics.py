@@ -124,6 +124,8 @@ _SHOWN = attrgetter(
     "name",
     "uid",
     "state",
+    "gang",
+    "gang_rank",
     "wait_seconds_completed_total",
     "wait_seconds_buckets",
     *(f for _, f, _ in _SESSION_COUNTERS),
@@ -273,6 +275,14 @@ def _info(s: SessionStatus, lab: Labels) -> str:
     return f"gpushare_session_info{lab.plus(name=s.name, user=user_name(s.uid))} 1.0\n"
 
 
+def _gang(s: SessionStatus, lab: Labels) -> str:
+    """A rank of a distributed job: its job (the node's gang key) and its rank; no line
+    for a session of its own."""
+    if not s.gang:
+        return ""
+    return f"gpushare_session_gang_info{lab.plus(gang=s.gang, rank=str(s.gang_rank))} 1.0\n"
+
+
 # (header, its lines for one session), in the order they are exposed
 _SESSION_FAMILIES: list[tuple[str, Lines]] = [
     *(
@@ -303,6 +313,15 @@ _SESSION_FAMILIES: list[tuple[str, Lines]] = [
             "Who each session is: its name and user (join on gpu and session).",
         ),
         _info,
+    ),
+    (
+        _header(
+            "gpushare_session_gang_info",
+            "gauge",
+            "The distributed job (gang) a session is a rank of, and its rank (join on gpu"
+            " and session).",
+        ),
+        _gang,
     ),
 ]
 _WORKLOAD_FAMILIES: list[tuple[str, Lines]] = [
@@ -420,6 +439,16 @@ class Exposition:
                 counts[s.state] += 1
             for state, n in counts.items():
                 yield f"gpushare_sessions{lab.with_('state', state)} {value(n)}\n"
+        yield _header(
+            "gpushare_gang_regroups_total",
+            "counter",
+            "Parked ranks of a distributed job let go on to their next safe point (one of"
+            " its ranks was blocked in a collective).",
+        )
+        for g, lab in gpus:
+            for k in g.gangs:
+                yield f"gpushare_gang_regroups_total{lab.with_('gang', _escape(k.gang))}"
+                yield f" {value(k.regroups_total)}\n"
 
     def _rows(self, kind: _Rows, items: list[tuple[GpuStatus, Any]]) -> list[list[bytes]]:
         """Each row's lines per family, the last scrape's where nothing they show changed."""
