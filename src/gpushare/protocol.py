@@ -69,7 +69,11 @@ class Hello(_Msg, tag="hello"):
 
 
 class Acquire(_Msg, tag="acquire"):
-    """A burst begins: the workload wants the GPU."""
+    """A burst begins: the workload wants the GPU. ``ask`` numbers the session's asks
+    (this and every ``Release`` with ``again``) from 1, so that a grant can name the ask
+    it answers (0: not numbered, an older client)."""
+
+    ask: int = 0
 
 
 class Release(_Msg, tag="release"):
@@ -84,6 +88,7 @@ class Release(_Msg, tag="release"):
     swapped_out: int = 0
     seconds: float = 0.0
     swapping_out: int = 0
+    ask: int = 0  # with ``again``: this ask's number (as Acquire's)
 
 
 class SwapDone(_Msg, tag="swap_done"):
@@ -135,6 +140,9 @@ class Grant(_Msg, tag="grant"):
     room: int = 0  # >0: have at most this many bytes on the GPU until a Room says more
     token: str = ""  # the node's signature of this lease: shown to claim it back after a restart
     resume: bool = False  # the lease a hello claimed (holding), given back
+    # The last ask the node had read when it granted: a grant for an ask the client has
+    # since withdrawn (it crossed the release) names an older one, and is not taken.
+    ask: int = 0
 
 
 class Room(_Msg, tag="room"):

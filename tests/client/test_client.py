@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -190,3 +193,13 @@ def test_interrupted_wait_withdraws_from_the_queue(node):
         signal.signal(signal.SIGALRM, old)
         holder.close()
         waiter.close()
+
+
+def test_python_c_is_named_for_what_it_is(node):
+    code = (
+        "import sys, gpushare;"
+        f" s = gpushare.attach('1GiB', socket={node.socket!r}); print(s.name); s.close()"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"python-c-\d+", r.stdout.strip()), r.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpushare.client.env import read_annotations, read_env
+from gpushare.client.env import program_name, read_annotations, read_env
 from tests.support import FIXTURES
 
 FIX = FIXTURES
@@ -56,3 +56,21 @@ def test_visible_devices_that_name_no_one_gpu(visible):
 def test_bad_fraction_names_the_fix(key, value):
     with pytest.raises(ValueError, match="gpu-fraction annotation"):
         read_env({key: value}, FIX / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("argv0", "orig", "name"),
+    [
+        ("train.py", ["python3", "train.py", "--lr", "1"], "train.py"),
+        ("/opt/job/train.py", ["python3", "-u", "/opt/job/train.py"], "train.py"),
+        ("-c", ["python3", "-c", "import gpushare"], "python-c"),
+        ("-c", ["python3", "-ic", "import gpushare"], "python-c"),  # -i -c
+        ("-m", ["python3", "-X", "dev", "-um", "mnist"], "mnist"),
+        ("/x/site-packages/mnist/__main__.py", ["python3", "-m", "mnist", "--e", "2"], "mnist"),
+        ("-m", ["python3", "-W", "error", "-mtorch.distributed.run"], "torch.distributed.run"),
+        ("", [], "python"),
+        ("-c", [], "python"),
+    ],
+)
+def test_a_sessions_default_name_is_its_program(argv0, orig, name):
+    assert program_name(argv0, orig) == name

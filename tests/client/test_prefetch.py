@@ -27,7 +27,7 @@ def until_swap_done(node: FakeNode) -> tuple[list[p.Report], p.SwapDone]:
 
 def waiting(s, node: FakeNode) -> Burst:
     b = Burst(s)
-    assert node.recv() == p.Acquire()
+    assert node.recv() == p.Acquire(ask=2)
     return b
 
 
@@ -103,7 +103,7 @@ def test_a_prefetch_crossing_a_withdrawal_is_not_taken():
     with fake_session(memory_limit=4 * G) as (s, node):
         swapped_out(s, node, 2 * G)
         give_up_waiting(s)
-        assert node.said(s) == [p.Acquire(), p.Release(resident=0, swapped=2 * G)]
+        assert node.said(s) == [p.Acquire(ask=2), p.Release(resident=0, swapped=2 * G)]
         node.send(p.Prefetch(room=2 * G, seq=1))
         node.sync(s)
         assert node.said(s) == []  # no swap, no answer: the node counts it no longer
@@ -131,7 +131,7 @@ def test_a_prefetch_stops_when_the_node_goes_away_and_the_next_node_hears_the_fi
         assert (hello.resident, hello.swapped) in ((PIECE, 2 * G - PIECE), (0, 2 * G))
         wait_until(lambda: not s._lease.prefetching, what="the prefetch to stop")
         msgs = node.said(s)
-        assert p.Acquire() in msgs  # it asks the new node, which numbers its own asks
+        assert p.Acquire(ask=3) in msgs  # it asks the new node, which numbers its own asks
         assert not any(isinstance(x, p.SwapDone) and x.prefetch for x in msgs)
         assert s._lease.prefetch_seq == 0
         node.send(p.Grant(lease=1, swap_in=0, quantum_s=30.0))

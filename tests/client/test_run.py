@@ -401,3 +401,23 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
     assert env["PYTORCH_ALLOC_CONF"] is None
     assert "expandable_segments:True taken out" in err and "backend:cudaMallocAsync" in err
     assert "libgpushare_alloc-" in env["LD_PRELOAD"]  # PyTorch's cudaMalloc reaches gpushare
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["--memory", "lots"], {}, "lots"),
+        ([], {"GPUSHARE_MEMORY": "lots"}, "GPUSHARE_MEMORY"),
+        ([], {"GPU_PORTION": "2"}, "GPU_PORTION"),
+    ],
+)
+def test_a_wrong_memory_or_portion_is_a_usage_error_wherever_it_is_given(
+    node_factory, args, env, said
+):
+    # GPUSHARE_MEMORY was read only by the program's attach: exit 3 (a refusal), where
+    # the same value given as --memory was exit 2 (a usage error), before the program
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, *args, "--", "python3", "-c", "print('ran')", extra_env=env)
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 2 and "ran" not in out, (pr.returncode, err)
+    assert said in err and len(err.strip().splitlines()) == 1, err

@@ -201,6 +201,9 @@ class Model:
         on_gpu = sum(c.on_gpu for c in self.clients.values())
         self.max_on_gpu = max(self.max_on_gpu, on_gpu)
         assert on_gpu <= self.capacity, f"GPU over capacity: {on_gpu} > {self.capacity}"
+        # What the arbiter counts (holders at their limits) fits too: what it promised.
+        counted = self.arb.used_bytes()
+        assert counted <= self.capacity, f"counted over capacity: {counted} > {self.capacity}"
         if self.check:
             self.check(self)
 

@@ -265,3 +265,34 @@ def test_ranks_that_end_bursts_in_turn_do_not_keep_a_revoked_gang_holding(clock)
     clock.advance(0.01)
     out = a.release(2, resident=10 * GiB, swapped=0)
     assert granted(out) == [3, 4]  # the gang has yielded: the next job holds
+
+
+def test_a_ranks_grant_into_a_room_leaves_room_for_its_peers(clock):
+    # Seen on a node of 16 GiB: a solo session's swap-out was in flight when the first
+    # rank of a gang (6 GiB each) was granted into a room; the gang then held, its other
+    # rank counted at its limit, and the node counted 16.75 GiB on 16.
+    cap = 16 * GiB
+    a = Arbiter(0, cap, clock, GpuSettings(mode="exclusive", tq_s=1, grace_s=2))
+    a.attach(3, name="solo", limit=6 * GiB, fills=True)
+    for sid in (1, 2):
+        a.attach(sid, name=f"r{sid}", limit=6 * GiB, gang="job7", gang_size=2, fills=True)
+    a.acquire(1)  # rank 1 holds and fills its 6 GiB, then yields to the solo session
+    a.report(1, resident=5 * GiB, swapped=0)
+    a.acquire(3)
+    clock.advance(1)
+    a.tick()
+    a.release(1, resident=5 * GiB, swapped=0, again=True)
+    assert a.holders == [3]
+    a.report(3, resident=5 * GiB, swapped=0)
+    assert a.used_bytes() <= cap
+    # rank 1 swapped out for the solo session
+    a.swap_done(1, direction="out", nbytes=5 * GiB, seconds=0.1, resident=0, swapped=5 * GiB)
+    clock.advance(1)
+    a.tick()  # the solo session is revoked: it swaps out as rank 1 swaps in
+    a.acquire(2)
+    a.release(3, resident=5 * GiB, swapped=0, again=True)
+    assert a.used_bytes() <= cap, (a.used_bytes() / GiB, [a.sessions[h].room for h in a.holders])
+    # Rank 1 swaps in into a room beside what the solo session has yet to swap out, and
+    # its peer (which joins it) has its limit kept free.
+    assert a.holders == [1, 2] and a.sessions[1].room == cap - 5 * GiB - 6 * GiB
+    a.verify()

@@ -232,3 +232,26 @@ async def test_claims_are_shown_as_claims_and_only_where_the_kernel_agrees(node)
     assert s.runtime == "containerd" and s.container_id == "ab" * 32
     assert (f.namespace, f.pod, f.container, f.identity_verified) == ("", "", "", False)
     assert (f.claimed.pod, f.claimed.namespace) == ("trainer-7", "research")  # shown apart
+
+
+@in_process(mode="exclusive")
+async def test_a_grant_names_the_last_ask_the_node_accepted(node):
+    # The client numbers its asks and takes only a grant of its latest: a grant that
+    # crossed its withdrawal (Ctrl-C while waiting, then at once a new burst) is not.
+    a = await node.workload(memory_limit=G, name="a")
+    b = await node.workload(memory_limit=G, name="b")
+    await a.send(p.Acquire(ask=1))
+    assert (await a.expect(p.Grant)).ask == 1
+    await b.send(p.Acquire(ask=1))
+    await b.send(p.Release(resident=0, swapped=0))  # withdrawn
+    await b.send(p.Acquire(ask=2))
+    await b.send(p.Acquire(ask=9))  # refused (a burst is open): changes nothing
+    err = await b.expect(p.Error)
+    assert "already has a burst open" in err.message
+    await a.send(p.Release(resident=0, swapped=0))
+    g = await b.expect(p.Grant)
+    assert g.ask == 2
+    old = await node.workload(memory_limit=G, name="old")  # a client that numbers none
+    await b.send(p.Release(resident=0, swapped=0))
+    await old.send(p.Acquire())
+    assert (await old.expect(p.Grant)).ask == 0

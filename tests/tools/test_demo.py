@@ -30,3 +30,9 @@ def test_the_demo_runs_and_reports_intact_data_and_overlapped_switches(short_tmp
     assert ran and 8 <= float(ran.group(1)) < 8 * 1.5, text  # loose: a loaded machine
     shares = [float(r.split()[2].rstrip("%")) for r in rows]
     assert sum(shares) <= 100.5  # alone: the shares cannot add up past the whole
+    # progress: one line a second, the clock never past the asked time, and one line
+    # saying who is finishing, not the last second again and again
+    clock = [r for r in text.splitlines() if r.startswith("[")]
+    assert all(int(r[1:].split("/")[0]) <= 8 for r in clock), clock
+    assert sum("time is up" in r for r in clock) == 1, clock
+    assert sum(r.startswith("[   8/8 s] holder") for r in clock) <= 1, clock

@@ -277,3 +277,21 @@ def test_enter_on_a_heading_opens_the_first_session_below_it():
     assert view.detail == (0, 1)  # "a-very-long-..." sorts first by name
     text = " ".join(w.text for w in view.walker if isinstance(w, urwid.Text))
     assert "memory_limit_bytes" in text
+
+
+def test_the_ranks_of_a_job_show_together_as_one_holder():
+    clock = ManualClock()
+    node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
+    a = node.arbiters[0]
+    a.configure(mode="exclusive", tq_s=1)
+    for i, name, job in ((1, "r0", "job7@uid:1000"), (2, "solo", ""), (3, "r1", "job7@uid:1000")):
+        a.attach(i, name=name, limit=10 * G, gang=job, gang_size=2 if job else 0)
+        a.acquire(i)
+    st = node.status()
+    line = render(st, ShareTracker().update(0.0, st), 80)[3]
+    assert line.split("   ") == ["  holder: job7 [r0, r1]", "queue: solo"]
+    clock.advance(1)
+    a.tick()
+    a.release(1, resident=0, swapped=0, again=True)  # r0 yields first: parked
+    st = node.status()
+    assert "holder: job7 [r1]   queue: solo, job7 [(r0)]" in render(st, {}, 80)[3]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +109,27 @@ def read_env(
         container=e.get("CONTAINER_NAME", ""),
         pod_uid=e.get("POD_UID", ""),
     )
+
+
+def program_name(argv0: str, orig_argv: Sequence[str]) -> str:
+    """A session's default name (the pid goes after it): the script's file name, the
+    module of ``python -m``, ``python-c`` for ``python -c``. ``orig_argv`` is Python's
+    own command line (``sys.orig_argv``): ``sys.argv[0]`` is ``-c``, or ``-m`` while
+    the module is found and its file's path after."""
+    args = list(orig_argv[1:])
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "--"):
+        flags, i = args[i][1:], i + 1
+        for k, f in enumerate(flags):  # a cluster (-ic, -um mod) as Python reads it
+            rest = flags[k + 1 :]
+            if f == "c":
+                return "python-c"
+            if f == "m":
+                mod = rest or (args[i] if i < len(args) else "")
+                return mod or "python"
+            if f in "WX":  # takes a value: the rest of the cluster, or the next word
+                i += 0 if rest else 1
+                break
+    if argv0 in ("", "-", "-c", "-m"):
+        return "python"
+    return os.path.basename(argv0) or "python"

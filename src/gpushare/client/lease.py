@@ -99,6 +99,7 @@ class Lease:
         self.lease = 0  # the node's number for the lease granted (0: none)
         self.token = ""  # the node's signature of that lease: it claims it back after a restart
         self.grant: p.Grant | None = None  # the answer to our request, not taken yet
+        self.asks = 0  # asks numbered so far (Acquire, Release again): a grant names its ask
         self.revoke: p.Revoke | None = None  # pending, for self.lease
         self.rejoin = False  # yielding: the burst asks again once swapped out
         self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
@@ -251,7 +252,7 @@ class Lease:
         self.bursts += 1
         self.phase, self.grant = Phase.ACQUIRING, None
         t0 = _now()
-        self.link.send(p.Acquire())
+        self.link.send(self._acquire_msg())
         self._await(t0)
 
     def _await(self, t0: float) -> None:
@@ -334,7 +335,7 @@ class Lease:
         if self.link.state is Link.CONNECTED:
             if self._figures() != self.told:
                 self.link.send(self._report_msg())
-            self.link.send(p.Acquire())
+            self.link.send(self._acquire_msg())
         self._update()
 
     def _withdraw(self) -> None:
@@ -457,9 +458,21 @@ class Lease:
         self.told = resident, swapped = self._figures()
         return p.Report(resident=resident, swapped=swapped)
 
+    def _acquire_msg(self) -> p.Acquire:
+        self.asks += 1
+        return p.Acquire(ask=self.asks)
+
     def _release_msg(self, again: bool = False, swapping_out: int = 0) -> p.Release:
         self.told = resident, swapped = self._figures()
-        return p.Release(resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
+        if again:
+            self.asks += 1
+        return p.Release(
+            resident=resident,
+            swapped=swapped,
+            again=again,
+            swapping_out=swapping_out,
+            ask=self.asks if again else 0,
+        )
 
     def _swap_done_msg(
         self,
@@ -523,6 +536,9 @@ class Lease:
             if self.resume and self.phase is Phase.HOLDING:
                 self.lease, self.token, self.revoke = g.lease, g.token, None
             self.resume = False
+            return
+        if g.ask and g.ask < self.asks:  # it answers an ask withdrawn since: not ours
+            log.debug("grant %d answers ask %d, not ask %d: not taken", g.lease, g.ask, self.asks)
             return
         if self.phase is Phase.HOLDING:  # thawed after a freeze: a new lease, same burst
             self.lease, self.token, self.revoke = g.lease, g.token, None
@@ -593,5 +609,5 @@ class Lease:
             self.link.send(self._report_msg())
         if self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin):
             self.grant = None
-            self.link.send(p.Acquire())
+            self.link.send(self._acquire_msg())
         self._update()

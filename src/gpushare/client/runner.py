@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpushare.client import launchers
+from gpushare.client.env import read_env
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -139,6 +140,9 @@ def run(
     notes: list[str] = []
     try:
         env = child_env(dict(os.environ), memory, weight, name, socket, gpu, notes)
+        # What the program's attach will read (GPUSHARE_MEMORY, GPU_PORTION, the pod's
+        # annotations): a wrong value is a usage error said here, as --memory's is.
+        read_env(env)
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2

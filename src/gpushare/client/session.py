@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 from gpushare import protocol as p
-from gpushare.client.env import read_env
+from gpushare.client.env import program_name, read_env
 from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
 from gpushare.client.swap.base import SwapBackend
@@ -70,7 +70,7 @@ def attach(
     limit = parse_size(memory) if memory is not None else env.memory
     hello = p.Hello(
         version=p.PROTOCOL_VERSION,
-        name=name or f"{os.path.basename(sys.argv[0]) or 'python'}-{os.getpid()}",
+        name=name or f"{program_name(sys.argv[0], getattr(sys, 'orig_argv', []))}-{os.getpid()}",
         memory_limit=limit,
         weight=weight if weight is not None else env.portion,
         portion=env.portion,  # the limit's share when none is given; and the weight's source

@@ -818,8 +818,8 @@ class Arbiter:
         if self._revoked_gangs:
             self._settle_gangs()
         if self.gangs:
-            for g in self.gangs.values():
-                self._hold_gang(g, self._gang_active(g))
+            for g in self.gangs.values():  # (held on another GPU: counted when granted here)
+                self._hold_gang(g, self.gang_here(g.key))
             self._grant_gangs(now)
         while self.queue and self._may_join_holders():
             head = self._head()
@@ -833,13 +833,14 @@ class Arbiter:
             filling = sum(
                 x.limit - x.room for x in map(self.sessions.get, self.holders) if x and x.room
             )
-            others = self.used_bytes() - head.used + filling
+            # A rank's grant makes its gang hold: its peers then count at their limits.
+            others = self.used_bytes() - head.used + filling + self._peers_to_count(head)
             if others + head.limit <= self.capacity:
                 self._grant(head)
                 if head.gang:  # its peers that ask join it
                     self._grant_gangs(now)
                 continue
-            plan = plan_grant(self.capacity, self._views(), head.id)
+            plan = plan_grant(self.capacity, self._views(gang_of=head), head.id)
             if not plan.fits:
                 for sid, n in plan.swap_outs:
                     self._ask_swap_out(sid, n)
@@ -1156,9 +1157,9 @@ class Arbiter:
                     continue
                 if not self._gang_active(g) and not self._may_start(g):
                     break
-                others = self.used_bytes() - m.used
+                others = self.used_bytes() - m.used + self._peers_to_count(m)
                 if others + m.limit > self.capacity:
-                    plan = plan_grant(self.capacity, self._views(), m.id)
+                    plan = plan_grant(self.capacity, self._views(gang_of=m), m.id)
                     if not plan.fits:
                         for sid, n in plan.swap_outs:
                             self._ask_swap_out(sid, n)
@@ -1446,8 +1447,27 @@ class Arbiter:
             s.id, s.limit, resident, holding, s.last_served, s.pending_out, pinned, keep
         )
 
-    def _views(self) -> list[MemoryView]:
-        return [self._view(s) for s in self.sessions.values()]
+    def _views(self, gang_of: SessionState | None = None) -> list[MemoryView]:
+        """Every session as the planner sees it; with ``gang_of``, as if its gang held
+        (its peers at their limits, not victims), as its grant would make it."""
+        views = [self._view(s) for s in self.sessions.values()]
+        if gang_of is None or not gang_of.gang or self._peers_to_count(gang_of) == 0:
+            return views
+        peers = self.gangs[gang_of.gang].members - {gang_of.id}
+        return [
+            MemoryView(v.id, v.limit, v.limit, True, v.last_served, v.pending_out)
+            if v.id in peers
+            else v
+            for v in views
+        ]
+
+    def _peers_to_count(self, s: SessionState) -> int:
+        """Bytes the count grows by beyond ``s``'s own limit when ``s``'s grant makes its
+        gang hold (its peers counted at their limits: they may join at any time)."""
+        if not s.gang or s.gang_held:
+            return 0
+        peers = (self.sessions[m] for m in self.gangs[s.gang].members if m != s.id)
+        return sum(max(0, p.limit - p.used) for p in peers)
 
     def _views_released(self, sid: int) -> list[MemoryView]:
         """The planner's view with holder ``sid`` counted as if it had released: at what

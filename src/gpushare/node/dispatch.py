@@ -123,6 +123,7 @@ class Dispatch:
                         room=a.room,
                         token=token,
                         resume=a.resume,
+                        ask=c.ask,
                     ),
                 )
             elif isinstance(a, ThawAction):

@@ -36,6 +36,7 @@ class Conn:
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     rank: int = -1  # its rank in its gang, as its client says (shown)
+    ask: int = 0  # the number of its last ask read (echoed by grants; 0: not numbered)
     frozen: bool = False
     ended: bool = False  # an administrator ended its session (ctl end)
     tokens: float = 0.0

@@ -141,7 +141,10 @@ class WorkloadServer:
                 msg = await read_frame(reader)
                 self.guard.spend(conn, "workload")
                 try:
-                    self.dispatch.apply(arb, self._message(arb, conn.session, msg))
+                    actions = self._message(arb, conn.session, msg)
+                    if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
+                        conn.ask = msg.ask  # accepted: the grants that follow answer it
+                    self.dispatch.apply(arb, actions)
                 except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
                     # answered (the field named), nothing changed, the session goes on
                     conn.send(p.Error(code=e.code, message=str(e)))

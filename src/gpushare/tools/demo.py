@@ -170,12 +170,18 @@ def _progress(asock: str, procs: list[tuple[str, subprocess.Popen[bytes]]], seco
     t0 = time.monotonic()
     peak = 0
     last_print = -1.0
+    finishing = False
     with AdminClient(asock) as c:
         while any(p.poll() is None for _, p in procs):
             g = c.status().gpus[0]
             peak = max(peak, g.used_bytes)
             t = time.monotonic() - t0
-            if t - last_print >= 1.0:
+            if t >= seconds and not finishing:
+                # The workloads end their last bursts: one line, not a clock stuck at the end
+                finishing = True
+                left = [name for name, p in procs if p.poll() is None]
+                print(f"[{seconds:4.0f}/{seconds:.0f} s] time is up: {', '.join(left)} finishing")
+            elif t - last_print >= 1.0 and not finishing:
                 last_print = t
                 _progress_line(g, t, seconds)
             time.sleep(0.1)
@@ -192,8 +198,8 @@ def _progress_line(g: GpuStatus, t: float, seconds: float) -> None:
             f"{' (' + format_size(s.swapped_bytes) + ' out)' if s.swapped_bytes else ''}"
         )
     print(
-        f"[{min(t, seconds):4.0f}/{seconds:.0f} s] holder {holder:<9} GPU time: "
-        + ", ".join(parts),
+        f"[{int(min(t, seconds)):4d}/{seconds:.0f} s] holder {holder:<9} GPU time: "
+        + (", ".join(parts) or "- (the workloads are attaching)"),
         flush=True,
     )
 

@@ -146,11 +146,27 @@ def gpu_line(status: NodeStatus, index: int) -> str:
 
 
 def holders_line(status: NodeStatus, index: int) -> str:
+    """Who holds and who waits; the ranks of a distributed job (a gang: one holder)
+    together, as ``job [rank, rank]`` (a parked rank, yielded before its peers, in
+    parentheses)."""
     g = next(x for x in status.gpus if x.index == index)
-    names = {s.id: who(s) for s in g.sessions}
-    holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
-    queue = ", ".join(names.get(i, str(i)) for i in g.queue) or "-"
-    return f"holder: {holders}   queue: {queue}"
+    by_id = {s.id: s for s in g.sessions}
+
+    def names(ids: list[int]) -> str:
+        out: list[str | list[str]] = []  # a name, or a gang's ranks (filled in below)
+        jobs: dict[str, list[str]] = {}
+        for i in ids:
+            s = by_id.get(i)
+            if s is None or not s.gang:
+                out.append(str(i) if s is None else who(s))
+                continue
+            if s.gang not in jobs:  # where the job first shows
+                jobs[s.gang] = [s.gang.split("@")[0]]
+                out.append(jobs[s.gang])
+            jobs[s.gang].append(f"({who(s)})" if s.parked else who(s))
+        return ", ".join(x if isinstance(x, str) else f"{x[0]} [{', '.join(x[1:])}]" for x in out)
+
+    return f"holder: {names(g.holders) or '-'}   queue: {names(g.queue) or '-'}"
 
 
 HEADER = (
