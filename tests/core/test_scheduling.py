@@ -479,8 +479,8 @@ def test_shares_stay_within_their_window_bound_when_safe_points_are_late(weight)
     docs/scheduling.md, 4: (1 + 2 L / q) / k, with L the most a holder is late, q the
     lighter quantum and k the lighter session's whole quanta in the window; and so is the
     whole run. (A debt paid back at most half a quantum at a time, and forgiven beyond one,
-    let the lighter session take 5-26% more than its share at 1:3 and 1:9, and windows at
-    1:1 drift by 1.4%.)"""
+    left the ratio 26% under the weights at 1:3 and 1:9, the lighter session keeping what
+    it could not pay back, and a window at 1:1 6% off.)"""
     tq, late = 0.5, (0.5, 1.2)
     q = tq / weight
     rng = random.Random(int(weight))
