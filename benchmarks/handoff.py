@@ -54,7 +54,9 @@ def client(sock: str, go: str, out: str, bursts: int) -> None:
     Path(out).write_text(json.dumps(rows))
 
 
-def start_node(sock: str, admin: str, *extra: str) -> subprocess.Popen[bytes]:
+def start_node(
+    sock: str, admin: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -74,7 +76,8 @@ def start_node(sock: str, admin: str, *extra: str) -> subprocess.Popen[bytes]:
             "--metrics-port",
             "0",
             *extra,
-        ]
+        ],
+        env=env,
     )
 
 

@@ -29,11 +29,17 @@ there (node CPU per grant and scrape, handoff p99, mass attach).
 
     python benchmarks/scheduling.py [--full] [--only short,long,interactive,weighted]
                                     [--tqs 1 5 30] [--json out.json] [--no-node-costs]
+                                    [--before REV|DIR]
+
+``--before``: the weighted runs also run with the node (the arbiter) of that version (a
+revision, checked out in a temporary worktree, or a folder with ``src/``), each weight
+before and after in turn; the workloads are this tree's in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -144,6 +150,7 @@ class Result:
     grants: int
     swapped_bytes: int
     continued: int  # grants that went on with the quantum after a burst's end
+    grant_times: list[list[float]] = field(default_factory=list)  # each session's, in the window
 
     def goodput(self) -> float:
         """Seconds some session worked, per second of the window."""
@@ -168,10 +175,14 @@ def run(
     tq: float,
     *node_flags: str,
     policy: str = "equal",
+    node_src: Path | None = None,
+    step: float = 0.005,
 ) -> Result:
     """A node at TQ ``tq`` and ``sessions`` (allocated one by one, then started
     together), ``seconds`` measured after a first round (every session has had its
-    first quantum and swaps); durations divided by ``scale``."""
+    first quantum and swaps); durations divided by ``scale``. ``node_src``: the node (the
+    arbiter) from that src folder; the workloads are this tree's either way. ``step``:
+    the workloads' work between safe points (seconds, not scaled)."""
     d = Path(tempfile.mkdtemp(dir=tmp))
     sock, admin = str(d / "w.sock"), str(d / "a.sock")
     node = start_node(
@@ -192,6 +203,7 @@ def run(
         "--event-log",
         str(d / "events.jsonl"),
         *node_flags,
+        env=None if node_src is None else {**os.environ, "PYTHONPATH": str(node_src)},
     )
     procs = []
     try:
@@ -208,7 +220,7 @@ def run(
                 "memory": sess.memory,
                 "weight": sess.weight,
                 "seconds": warm + seconds / scale,
-                "step": 0.005,  # safe points as often at any scale
+                "step": step,  # safe points as often at any scale
                 "scale": scale,
                 "seed": i + 1,
                 "out": out,
@@ -241,6 +253,11 @@ def run(
     wall = time.time() - time.monotonic()  # events carry Unix time
     within = [e for e in events if t0 <= e["ts"] - wall <= t1]
     grants = [e for e in within if e["event"] == "grant"]
+    attached = [e for e in events if e["event"] == "attach"]
+    index = {e["session"]: int(e["name"].rsplit("-", 1)[1]) for e in attached}
+    grant_times: list[list[float]] = [[] for _ in sessions]
+    for e in grants:
+        grant_times[index[e["session"]]].append(e["ts"])
     return Result(
         t0,
         t1,
@@ -248,6 +265,7 @@ def run(
         len(grants),
         sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out"),
         sum(1 for e in grants if e.get("continued")),
+        grant_times,
     )
 
 
@@ -337,29 +355,51 @@ def nb() -> Session:
 
 
 def part_weighted(tmp: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each weight on this tree's node and (``--before``) the other's, in turn. The round
+    (both quanta and two switches) over the window is the least error a window's ends can
+    cut when a round's quanta are whole (docs/scheduling.md, 4): printed beside."""
     rows = []
     scale = 1.0 if a.full else 2.0
     window = 60.0 / scale
+    trees: list[tuple[str, Path | None]] = [("after", None)]
+    if a.before_src is not None:
+        trees.insert(0, ("before", a.before_src))
     for w in a.weights:
-        sessions = [Session("batch", 50 * GIB, 1.0), Session("batch", 50 * GIB, float(w))]
-        r = run(tmp, sessions, a.windows * 60.0, scale, a.weighted_tq, policy="weighted")
-        errs = []  # every 60 s window, sliding by a second
-        t = r.t0
-        while t + window <= r.t1 + 1e-9:
-            lo, hi = (s.work(t, t + window) for s in r.sessions)
-            errs.append(abs(hi / lo / w - 1) if lo else float("inf"))
-            t += 1.0 / scale
-        total = r.sessions[1].work(r.t0, r.t1) / r.sessions[0].work(r.t0, r.t1)
-        rows.append(
-            {
-                "weights": f"1:{w:g}",
-                "ratio": total,
-                "window_error_max": max(errs),
-                "window_error_mean": sum(errs) / len(errs),
-                "windows": len(errs),
-                "goodput": r.goodput(),
-            }
-        )
+        for label, src in trees:
+            sessions = [Session("batch", 50 * GIB, 1.0), Session("batch", 50 * GIB, float(w))]
+            secs = a.windows * 60.0
+            r = run(
+                tmp,
+                sessions,
+                secs,
+                scale,
+                a.weighted_tq,
+                policy="weighted",
+                node_src=src,
+                step=a.weighted_step,
+            )
+            errs = []  # every 60 s window, sliding by a second
+            t = r.t0
+            while t + window <= r.t1 + 1e-9:
+                lo, hi = (s.work(t, t + window) for s in r.sessions)
+                errs.append(abs(hi / lo / w - 1) if lo else float("inf"))
+                t += 1.0 / scale
+            total = r.sessions[1].work(r.t0, r.t1) / r.sessions[0].work(r.t0, r.t1)
+            g = r.grant_times[0]  # the lighter session's: one a round
+            round_s = (g[-1] - g[0]) / max(1, len(g) - 1) * scale
+            rows.append(
+                {
+                    "weights": f"1:{w:g}",
+                    "tree": label,
+                    "ratio": total,
+                    "window_error_max": max(errs),
+                    "window_error_mean": sum(errs) / len(errs),
+                    "windows": len(errs),
+                    "goodput": r.goodput(),
+                    "round_s": round_s,
+                    "round_over_window": round_s / 60.0,
+                }
+            )
     return rows
 
 
@@ -404,16 +444,19 @@ def report(res: dict[str, Any], a: argparse.Namespace) -> str:
     if "weighted" in res:
         out.append(
             f"\nweighted shares (2 x 50 GiB, swapping at every switch, TQ {a.weighted_tq:g} s,"
-            " 60 s windows sliding by 1 s; ratio: over the whole run)"
+            f" safe points every {a.weighted_step * 1e3:g} ms, 60 s windows sliding by 1 s;"
+            " ratio: over the whole run; round: the lighter session's grant to its next)"
         )
         out.append(
-            f"{'weights':>8} {'ratio':>7} {'window error max':>17} {'mean':>6}"
-            f" {'windows':>8} {'goodput':>8}"
+            f"{'weights':>8} {'tree':>7} {'ratio':>7} {'window error max':>17} {'mean':>6}"
+            f" {'windows':>8} {'goodput':>8} {'round s':>8} {'round/window':>13}"
         )
         for r in res["weighted"]:
             out.append(
-                f"{r['weights']:>8} {r['ratio']:>7.3f} {r['window_error_max']:>17.1%}"
-                f" {r['window_error_mean']:>6.1%} {r['windows']:>8} {r['goodput']:>8.3f}"
+                f"{r['weights']:>8} {r.get('tree', ''):>7} {r['ratio']:>7.3f}"
+                f" {r['window_error_max']:>17.1%} {r['window_error_mean']:>6.1%}"
+                f" {r['windows']:>8} {r['goodput']:>8.3f} {r['round_s']:>8.3f}"
+                f" {r['round_over_window']:>13.1%}"
             )
     return "\n".join(out)
 
@@ -446,7 +489,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", type=float, nargs="+", default=[1.0, 3.0, 9.0])
     ap.add_argument("--weighted-tq", type=float, default=1.0)
     ap.add_argument(
+        "--weighted-step",
+        type=float,
+        default=0.005,
+        help="the weighted runs' work between safe points, seconds (not scaled)",
+    )
+    ap.add_argument(
         "--windows", type=float, default=1.5, help="weighted runs' length, in 60 s windows"
+    )
+    ap.add_argument(
+        "--before",
+        metavar="REV|DIR",
+        help="the weighted part also runs its nodes from this version, side by side",
     )
     ap.add_argument("--no-node-costs", action="store_true")
     ap.add_argument("--json", metavar="FILE")
@@ -457,8 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad := set(parts) - set(PARTS):
         ap.error(f"unknown part {sorted(bad)}: choose from {', '.join(PARTS)}")
     res: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="gs-sched-") as d:
+    with tempfile.TemporaryDirectory(prefix="gs-sched-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
+        a.before_src = None
+        if a.before:  # a folder with src/, or a revision checked out (as node_costs.py)
+            from node_costs import tree
+
+            a.before_src = stack.enter_context(tree(a.before, tmp))
         for name in parts:
             t0 = time.monotonic()
             res[name] = globals()[f"part_{name}"](tmp, a)

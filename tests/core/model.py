@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from gpushare.core.actions import (
@@ -63,6 +63,7 @@ class Client:
     burst_s: float = 1.0
     think_s: float = 1.0
     yield_delay: float = 0.01
+    delays: Iterator[float] | None = None  # one per revoke, where given (else yield_delay)
     stuck: bool = False  # never answers a revoke (the escalation must deal with it)
     on_gpu: int = 0  # bytes physically on the GPU now (swap-outs in flight count)
     in_host: int = 0
@@ -159,7 +160,8 @@ class Model:
                     delay = 0.0 if soon else c.yield_delay
                     self.at(delay, lambda c=c, a=a: self._ddp_revoked(c, a.lease))
                 elif not c.stuck:
-                    self.at(c.yield_delay, lambda c=c, a=a: self._yield(c, a))
+                    delay = c.yield_delay if c.delays is None else next(c.delays)
+                    self.at(delay, lambda c=c, a=a: self._yield(c, a))
             elif isinstance(a, EscalateAction):
                 if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
                     self._stop_work(self.clients[a.session])

@@ -4,6 +4,8 @@ the quantum, and quanta that pay back GPU time held past earlier ones."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from gpushare.core.actions import GrantAction, PrefetchAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import (
     ANTICIPATE_FLOOR_S,
+    PAYBACK,
     Arbiter,
     ArbiterError,
 )
@@ -380,12 +383,48 @@ def test_gpu_time_held_past_a_quantum_comes_off_the_next(clock):
     (g,) = actions_of(a.release(2, resident=GiB, swapped=0, again=True), GrantAction)
     assert g.session == 1 and g.quantum_s == pytest.approx(0.8)
     assert a.sessions[1].debt == 0
-    # a debt is paid at most half a quantum at a time
+    # a debt is paid at most three quarters of a quantum at a time
     a.sessions[2].debt = 0.9
     clock.advance(0.8)
     a.tick()
     (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
-    assert g.quantum_s == pytest.approx(0.5) and a.sessions[2].debt == pytest.approx(0.4)
+    assert g.quantum_s == pytest.approx(1 - PAYBACK) and a.sessions[2].debt == pytest.approx(0.15)
+
+
+def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
+    """A holder late to its safe point by more than its next quantum can pay back (a
+    lighter session's short quantum): the rest is credit to those who waited, by their
+    weights, added to their next quanta (at most one quantum more each time)."""
+    a = arb(clock, tq_s=0.9, policy="weighted")
+    a.attach(1, name="light", limit=GiB, weight=1.0)
+    a.attach(2, name="heavy", limit=GiB, weight=9.0)
+    a.attach(3, name="middle", limit=GiB, weight=3.0)
+    a.acquire(1)  # quanta: light 0.1, heavy 0.9, middle 0.3
+    a.acquire(2)
+    clock.advance(0.1)
+    a.tick()
+    clock.advance(0.2)  # 0.2 s past its quantum: 0.075 is its next quantum's to pay
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert a.sessions[1].debt == pytest.approx(0.1 * PAYBACK)
+    # the rest, 0.125 of the light's GPU time, is owed nine times over to the heavy
+    assert g.session == 2 and g.quantum_s == pytest.approx(0.9 + 0.9)  # one quantum more
+    assert a.sessions[2].debt == pytest.approx(-(9 * 0.125 - 0.9))
+    a.acquire(3)  # it was not waiting then: none of it is its
+    clock.advance(1.8)
+    a.tick()
+    (g,) = actions_of(a.release(2, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 1 and g.quantum_s == pytest.approx(0.1 * (1 - PAYBACK))
+    clock.advance(0.025)
+    a.tick()
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 3 and g.quantum_s == pytest.approx(0.3)
+    # credit is not banked while idle; a debt stays
+    a.release(3, resident=GiB, swapped=0)
+    a.sessions[2].debt = -0.5
+    clock.advance(0.9)
+    a.tick()
+    a.release(2, resident=GiB, swapped=0)
+    assert a.sessions[2].debt == 0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -430,6 +469,39 @@ def test_shares_match_the_weights_over_windows_swapping_included(sessions, limit
             want = weights[i] / sum(weights)
             err = abs(work[i] / sum(work) / want - 1)
             assert err <= 2.5 / quanta, (k, i, err, quanta, work)
+
+
+@pytest.mark.parametrize("weight", [1.0, 3.0, 9.0])
+def test_shares_stay_within_their_window_bound_when_safe_points_are_late(weight):
+    """Policy weighted, two batch jobs swapping at every switch, each late to its safe
+    point by half to 1.2 times the lighter quantum (a step longer than a short quantum):
+    over every window, the ratio of their GPU times is within the bound of
+    docs/scheduling.md, 4: (1 + 2 L / q) / k, with L the most a holder is late, q the
+    lighter quantum and k the lighter session's whole quanta in the window; and so is the
+    whole run. (A debt paid back at most half a quantum at a time, and forgiven beyond one,
+    left the ratio 26% under the weights at 1:3 and 1:9, the lighter session keeping what
+    it could not pay back, and a window at 1:1 6% off.)"""
+    tq, late = 0.5, (0.5, 1.2)
+    q = tq / weight
+    rng = random.Random(int(weight))
+    m = Model(80 * GiB, GpuSettings(tq_s=tq, mode="exclusive", policy="weighted"))
+    for sid, w in ((1, 1.0), (2, weight)):
+        delays = iter(lambda: rng.uniform(*late) * q, None)
+        m.add(Client(sid, 50 * GiB, w, fills=True, prefetch=True, delays=delays), 0.01 * sid)
+    bound = 1 + 2 * late[1]
+    m.run(5.0)
+    t0 = m.clock.monotonic()
+    while sum(1 for x, _ in m.clients[1].work if x >= t0) < 6 * 64:  # 6 windows of 60 rounds
+        m.run(10.0)
+    t1 = m.clock.monotonic()
+    span = (t1 - t0) / 6
+    windows = [(t0 + i * span / 10, t0 + i * span / 10 + span) for i in range(51)]
+    for a, b in [*windows, (t0, t1)]:
+        light, heavy = m.work(1, a, b), m.work(2, a, b)
+        k = sum(1 for x, y in m.clients[1].work if a <= x and y <= b)
+        assert k >= 60
+        err = abs(heavy / light / weight - 1)
+        assert err <= bound / k, (a - t0, err, bound / k, k)
 
 
 # --- mode auto: a holder joining may not take a filling holder's room -------------------------

@@ -47,6 +47,13 @@ ANTICIPATE_FLOOR_S = 0.05  # the shortest wait of a quantum for its holder to as
 EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
 TURN_MIN_S = 0.02  # a turn shorter than this is not worth its two switches
 RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
+# Deficit accounting (docs/scheduling.md, 4): a quantum pays back at most this much of
+# itself in debt (a grant that costs a switch still works a quarter of it), and gets at
+# most one quantum more from what others owe it; what a session owes beyond what its next
+# quantum can pay goes to those waiting, as credit; stored credit is kept up to this many
+# of its quanta.
+PAYBACK = 0.75
+CREDIT_QUANTA = 2.0
 PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is left)
 
 
@@ -136,6 +143,10 @@ class Arbiter:
         self._used = 0  # the sum of every session's counted memory (SessionState.counted)
         self._weights: Counter[float] = Counter()  # the attached sessions' weights
         self._top_weight = 0.0  # max(self._weights), 0 when it must be found again
+        # GPU seconds per unit of weight share owed to every session waiting, by holders
+        # that held past their quanta more than their next ones can pay back: a waiting
+        # session's credit is its share times the growth since it began to wait (O(1)).
+        self._owed = 0.0
         # (swap_failed_until, session) of failed swaps, stale entries skipped as read
         self._retries: list[tuple[float, int]] = []
         # When the rules last ran (_advance): a retry due since is still to be acted on.
@@ -383,6 +394,7 @@ class Arbiter:
             self._clear_yield(s)
             s.idle_since = now
             s.turn, s.resume_s, s.continued = False, 0.0, False
+            s.debt = max(s.debt, 0.0)  # no credit banked while idle (a debt stays)
             s.prefetch_acked, s.prefetch_room = s.prefetch_seq, 0
             self._set_memory(s, resident, swapped)
             return self._advance()
@@ -433,6 +445,7 @@ class Arbiter:
             s.state = State.IDLE
             s.idle_since = now
             s.resume_s = 0.0
+            s.debt = max(s.debt, 0.0)  # no credit banked while idle (a debt stays)
             s.burst_ewma = (
                 s.burst_lease if s.burst_ewma is None else _ewma(s.burst_ewma, s.burst_lease)
             )
@@ -885,6 +898,7 @@ class Arbiter:
             self.queue.remove(s.id)
         regroup, s.parked = s.parked, False
         waited = self._end_wait(s, now)
+        self._collect_credit(s)
         shared = bool(self.holders)
         self._lease_seq += 1
         s.lease = self._lease_seq
@@ -905,9 +919,9 @@ class Arbiter:
         elif s.resume_s:  # paused by a turn: the rest of it
             q, s.resume_s = s.resume_s, 0.0
             kind["resumed"] = True
-        else:  # GPU time held past earlier quanta comes off this one, up to half of it
+        else:  # deficit accounting: a debt comes off this quantum, a credit adds to it
             q = self.quantum(s)
-            take = min(s.debt, q / 2)
+            take = max(-q, min(s.debt, q * PAYBACK))
             q -= take
             s.debt -= take
         g = self.gangs.get(s.gang) if s.gang else None
@@ -1177,7 +1191,21 @@ class Arbiter:
             if s.resume_s < RESUME_MIN_S:
                 s.resume_s = 0.0
         elif revoked and not math.isinf(s.quantum_end):
-            s.debt = min(s.debt + max(0.0, now - s.quantum_end), self.quantum(s))
+            s.debt += max(0.0, now - s.quantum_end)
+            # What its next quantum cannot pay back is owed to those waiting instead (a
+            # lighter session's quantum may be shorter than the way to its safe point).
+            excess = s.debt - self.quantum(s) * PAYBACK
+            if excess > 0:
+                s.debt -= excess
+                if not s.gang:  # a gang's members share one quantum: not each other's
+                    self._owed += excess / self._weight_share(s)
+
+    def _collect_credit(self, s: SessionState) -> None:
+        """A session leaves the queue for a lease: what holders owed those waiting since
+        it began to wait becomes its credit (bounded)."""
+        owed = (self._owed - s.owed_mark) * self._weight_share(s)
+        s.owed_mark = self._owed
+        s.debt = max(s.debt - owed, -CREDIT_QUANTA * self.quantum(s))
 
     def _anticipation(self, s: SessionState, now: float) -> float:
         """How long the rest of ``s``'s quantum waits for it to ask again after its
@@ -1322,6 +1350,7 @@ class Arbiter:
         there already that go first: turns before paused quanta (docs/scheduling.md)."""
         s.state = State.WAITING
         s.wait_start = self.clock.monotonic()
+        s.owed_mark = self._owed
         self._recount(s)
         if not front:
             self.queue.append(s.id)

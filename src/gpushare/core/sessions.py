@@ -62,7 +62,10 @@ class SessionState:
     burst_lease: float = 0.0  # GPU seconds of the burst in progress
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
-    debt: float = 0.0  # GPU seconds held past earlier quanta, taken off later ones
+    # GPU seconds it owes (held past earlier quanta), taken off later ones; negative: owed
+    # to it (others held past theirs while it waited), added to later ones
+    debt: float = 0.0
+    owed_mark: float = 0.0  # the arbiter's owed total when it began to wait
     # Asked to swap out (pending_out > 0) as a non-holder: escalated if no byte has left
     # by this time (each one that leaves moves it on by a grace period).
     swap_out_deadline: float = math.inf
