@@ -17,6 +17,11 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 # starting 1,000 workers at once; asyncio's default is 100). Linux caps it at
 # net.core.somaxconn (4096 since 5.4); a client finding it full tries again.
 LISTEN_BACKLOG = 4096
+# Connections asyncio accepts at each wakeup (it takes the listen backlog for it, and
+# each one accepted holds a descriptor until its handler has run): a flood of silent
+# connections took the node to its descriptor limit (1,015 open of 1,024); 32 keeps it
+# to about 200 (tests/node/test_mass_attach.py). The kernel's queue stays deep.
+ACCEPT_BATCH = 32
 
 
 class Handlers:
@@ -69,10 +74,17 @@ async def serve_unix(
             raise OSError(f"another gpushare node is serving {path}")
         finally:
             probe.close()
-    old = os.umask(0o777 & ~mode)  # born with the right mode: no window where it is wider
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        srv = await asyncio.start_unix_server(cb, path=path, backlog=backlog)
-    finally:
-        os.umask(old)
+        old = os.umask(0o777 & ~mode)  # born with the right mode: no window where it is wider
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        srv = await asyncio.start_unix_server(cb, sock=sock, backlog=min(backlog, ACCEPT_BATCH))
+    except BaseException:
+        sock.close()
+        raise
+    sock.listen(backlog)  # asyncio listened with the batch; the kernel's queue is deeper
     os.chmod(path, mode)
     return srv
