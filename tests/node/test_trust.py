@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -234,17 +235,18 @@ def blank(kind: type, **given):
     return msgspec.convert({k: v for k, v in {**out, **given}.items() if v is not None}, kind)
 
 
+def gpu_status(index: int, **fields: Any) -> GpuStatus:
+    """GPU ``index`` in mode auto, policy equal, with ``fields``; the rest blank."""
+    return blank(GpuStatus, index=index, mode="auto", policy="equal", escalation="log", **fields)
+
+
 def test_fit_keeps_holders_then_the_queue_of_every_gpu():
     gpus = []
     for k in range(2):
         ids = [k * 10_000 + i for i in range(3000)]
         gpus.append(
-            blank(
-                GpuStatus,
-                index=k,
-                mode="auto",
-                policy="equal",
-                escalation="log",
+            gpu_status(
+                k,
                 holders=[ids[-1]],
                 queue=[ids[5]],
                 sessions=[blank(SessionStatus, id=i, name="x" * 253) for i in ids],
@@ -275,15 +277,8 @@ def test_fit_leaves_out_workloads_totals_too_those_with_sessions_kept_first():
             for i in range(1000)
         ]
         gpus.append(
-            blank(
-                GpuStatus,
-                index=k,
-                mode="auto",
-                policy="equal",
-                escalation="log",
-                holders=[1],
-                sessions=[blank(SessionStatus, id=1, name="x")],
-                workloads=workloads,
+            gpu_status(
+                k, holders=[1], sessions=[blank(SessionStatus, id=1, name="x")], workloads=workloads
             )
         )
     st = fit(NodeStatus(node=blank(NodeInfo), gpus=gpus), 2**20)
