@@ -14,16 +14,19 @@ union of all sessions' steps over the measured window (GPU seconds of work per s
   jobs, 30 GiB each, at TQ 5 and 30: a cell's wait p50/p99 (and beyond its own swap-in),
   and batch loss: 1 - (batch + cell work) / (batch work with the two batch jobs alone);
 * weighted shares: two batch jobs of 50 GiB (they swap at every switch), weights 1:1,
-  1:3 and 1:9, policy weighted, TQ 1: each 60 s window's work ratio against the weights.
+  1:3 and 1:9, policy weighted, TQ 0.3 (a round of both quanta and two switches is
+  then 1.3-1.6 s, 2.2-2.6% of a window: the least error a window of whole quanta can
+  have, docs/scheduling.md, 4): each 60 s window's work ratio against the weights.
 
 So that the default run takes minutes, not an hour, a run whose TQ is above ``--max-tq``
 (default 5 s) runs on a scaled clock: TQ 30 runs as TQ 5 with every duration of its
 workloads (bursts, cells, thinking, the node's idle release and turn) divided by 6 and a
 modelled link 6 times faster, so switch costs keep their ratio to the quantum; the work
 steps (5 ms) and the handoffs (a millisecond on this machine) do not scale, which makes
-the scaled figures a little pessimistic. The weighted runs are scaled by 2 (TQ 0.5 s,
-30 s windows). ``--full`` runs everything in real time, each run at least two rounds,
-weighted over three 60 s windows (about 40 minutes). Figures are ratios measured side by
+the scaled figures a little pessimistic. The weighted runs are in real time (a scaled
+clock would double the handoffs' part of a 33 ms quantum), 90 s each. ``--full`` runs
+everything in real time, each run at least two rounds, weighted over three 60 s windows
+(about 40 minutes). Figures are ratios measured side by
 side in one run. Then ``benchmarks/node_costs.py``'s ``main()`` runs when that file is
 there (node CPU per grant and scrape, handoff p99, mass attach).
 
@@ -151,6 +154,7 @@ class Result:
     swapped_bytes: int
     continued: int  # grants that went on with the quantum after a burst's end
     grant_times: list[list[float]] = field(default_factory=list)  # each session's, in the window
+    turns: int = 0  # grants in the window that were interactive turns
 
     def goodput(self) -> float:
         """Seconds some session worked, per second of the window."""
@@ -177,12 +181,14 @@ def run(
     policy: str = "equal",
     node_src: Path | None = None,
     step: float = 0.005,
+    warm_s: float | None = None,
 ) -> Result:
     """A node at TQ ``tq`` and ``sessions`` (allocated one by one, then started
     together), ``seconds`` measured after a first round (every session has had its
     first quantum and swaps); durations divided by ``scale``. ``node_src``: the node (the
     arbiter) from that src folder; the workloads are this tree's either way. ``step``:
-    the workloads' work between safe points (seconds, not scaled)."""
+    the workloads' work between safe points (seconds, not scaled). ``warm_s``: unscaled
+    seconds before the measured window (default: a quantum per session)."""
     d = Path(tempfile.mkdtemp(dir=tmp))
     sock, admin = str(d / "w.sock"), str(d / "a.sock")
     node = start_node(
@@ -209,7 +215,7 @@ def run(
     try:
         wait_for_socket(admin, node)
         go = str(d / "go")
-        warm = tq / scale * len(sessions)
+        warm = (tq * len(sessions) if warm_s is None else warm_s) / scale
         outs = []
         for i, sess in enumerate(sessions):
             out = str(d / f"s{i}.json")
@@ -266,6 +272,7 @@ def run(
         sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out"),
         sum(1 for e in grants if e.get("continued")),
         grant_times,
+        sum(1 for e in grants if e.get("turn")),
     )
 
 
@@ -359,34 +366,39 @@ def part_weighted(tmp: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     (both quanta and two switches) over the window is the least error a window's ends can
     cut when a round's quanta are whole (docs/scheduling.md, 4): printed beside."""
     rows = []
-    scale = 1.0 if a.full else 2.0
-    window = 60.0 / scale
+    window = 60.0  # in real time: a scaled clock would not scale the handoffs
     trees: list[tuple[str, Path | None]] = [("after", None)]
     if a.before_src is not None:
         trees.insert(0, ("before", a.before_src))
     for w in a.weights:
         for label, src in trees:
-            sessions = [Session("batch", 50 * GIB, 1.0), Session("batch", 50 * GIB, float(w))]
+            gib = int(a.weighted_gib * GIB)
+            sessions = [Session("batch", gib, 1.0), Session("batch", gib, float(w))]
             secs = a.windows * 60.0
             r = run(
                 tmp,
                 sessions,
                 secs,
-                scale,
+                1.0,
                 a.weighted_tq,
                 policy="weighted",
                 node_src=src,
                 step=a.weighted_step,
+                # Measured from the steady round: each job was idle before the start
+                # (allocating one by one), so its first ask is a turn (docs/scheduling.md,
+                # 3) of up to 1 s and its swap-in; half a second of turn in a 60 s window
+                # is 40% of a 1:9 light session's share.
+                warm_s=2 * a.weighted_tq + 1.0 + 2 * 0.5,
             )
             errs = []  # every 60 s window, sliding by a second
             t = r.t0
             while t + window <= r.t1 + 1e-9:
                 lo, hi = (s.work(t, t + window) for s in r.sessions)
                 errs.append(abs(hi / lo / w - 1) if lo else float("inf"))
-                t += 1.0 / scale
+                t += 1.0
             total = r.sessions[1].work(r.t0, r.t1) / r.sessions[0].work(r.t0, r.t1)
             g = r.grant_times[0]  # the lighter session's: one a round
-            round_s = (g[-1] - g[0]) / max(1, len(g) - 1) * scale
+            round_s = (g[-1] - g[0]) / max(1, len(g) - 1)
             rows.append(
                 {
                     "weights": f"1:{w:g}",
@@ -398,6 +410,7 @@ def part_weighted(tmp: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
                     "goodput": r.goodput(),
                     "round_s": round_s,
                     "round_over_window": round_s / 60.0,
+                    "turns": r.turns,
                 }
             )
     return rows
@@ -443,20 +456,21 @@ def report(res: dict[str, Any], a: argparse.Namespace) -> str:
             )
     if "weighted" in res:
         out.append(
-            f"\nweighted shares (2 x 50 GiB, swapping at every switch, TQ {a.weighted_tq:g} s,"
+            f"\nweighted shares (2 x {a.weighted_gib:g} GiB, swapping"
+            f" {2 * a.weighted_gib - 80:g} GiB each way at every switch, TQ {a.weighted_tq:g} s,"
             f" safe points every {a.weighted_step * 1e3:g} ms, 60 s windows sliding by 1 s;"
             " ratio: over the whole run; round: the lighter session's grant to its next)"
         )
         out.append(
             f"{'weights':>8} {'tree':>7} {'ratio':>7} {'window error max':>17} {'mean':>6}"
-            f" {'windows':>8} {'goodput':>8} {'round s':>8} {'round/window':>13}"
+            f" {'windows':>8} {'goodput':>8} {'round s':>8} {'round/window':>13} {'turns':>6}"
         )
         for r in res["weighted"]:
             out.append(
                 f"{r['weights']:>8} {r.get('tree', ''):>7} {r['ratio']:>7.3f}"
                 f" {r['window_error_max']:>17.1%} {r['window_error_mean']:>6.1%}"
                 f" {r['windows']:>8} {r['goodput']:>8.3f} {r['round_s']:>8.3f}"
-                f" {r['round_over_window']:>13.1%}"
+                f" {r['round_over_window']:>13.1%} {r.get('turns', 0):>6}"
             )
     return "\n".join(out)
 
@@ -487,7 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=float, default=1.0, help="rounds measured per run")
     ap.add_argument("--seconds", type=float, default=15.0, help="measured per run, at least")
     ap.add_argument("--weights", type=float, nargs="+", default=[1.0, 3.0, 9.0])
-    ap.add_argument("--weighted-tq", type=float, default=1.0)
+    ap.add_argument("--weighted-tq", type=float, default=0.3)
+    ap.add_argument(
+        "--weighted-gib",
+        type=float,
+        default=50.0,
+        help="each weighted job's memory, GiB (of 80: 50 swaps 20 GiB each way a switch)",
+    )
     ap.add_argument(
         "--weighted-step",
         type=float,
