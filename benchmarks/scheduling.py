@@ -63,6 +63,7 @@ from handoff import start_node
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
 BANDWIDTH = 55e9
+GPU_GIB = 80  # the simulated GPU handoff.start_node makes
 PARTS = ("short", "long", "interactive", "weighted")
 
 
@@ -456,8 +457,13 @@ def report(res: dict[str, Any], a: argparse.Namespace) -> str:
             )
     if "weighted" in res:
         out.append(
-            f"\nweighted shares (2 x {a.weighted_gib:g} GiB, swapping"
-            f" {2 * a.weighted_gib - 80:g} GiB each way at every switch, TQ {a.weighted_tq:g} s,"
+            f"\nweighted shares (2 x {a.weighted_gib:g} GiB, "
+            + (
+                f"swapping {2 * a.weighted_gib - GPU_GIB:g} GiB each way at every switch"
+                if 2 * a.weighted_gib > GPU_GIB
+                else "no swapping: they fit together"
+            )
+            + f", TQ {a.weighted_tq:g} s,"
             f" safe points every {a.weighted_step * 1e3:g} ms, 60 s windows sliding by 1 s;"
             " ratio: over the whole run; round: the lighter session's grant to its next)"
         )
@@ -530,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in a.only.split(",") if p]
     if bad := set(parts) - set(PARTS):
         ap.error(f"unknown part {sorted(bad)}: choose from {', '.join(PARTS)}")
+    if not 0 < a.weighted_gib <= GPU_GIB:
+        ap.error(f"--weighted-gib {a.weighted_gib:g}: a job's memory must be in (0, {GPU_GIB}]")
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gs-sched-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
