@@ -834,13 +834,14 @@ class Arbiter:
                 x.limit - x.room for x in map(self.sessions.get, self.holders) if x and x.room
             )
             # A rank's grant makes its gang hold: its peers then count at their limits.
-            others = self.used_bytes() - head.used + filling + self._peers_to_count(head)
+            peers = self._peers_to_count(head)
+            others = self.used_bytes() - head.used + filling + peers
             if others + head.limit <= self.capacity:
                 self._grant(head)
                 if head.gang:  # its peers that ask join it
                     self._grant_gangs(now)
                 continue
-            plan = plan_grant(self.capacity, self._views(gang_of=head), head.id)
+            plan = plan_grant(self.capacity, self._views(gang_of=head if peers else None), head.id)
             if not plan.fits:
                 for sid, n in plan.swap_outs:
                     self._ask_swap_out(sid, n)
@@ -1157,9 +1158,11 @@ class Arbiter:
                     continue
                 if not self._gang_active(g) and not self._may_start(g):
                     break
-                others = self.used_bytes() - m.used + self._peers_to_count(m)
-                if others + m.limit > self.capacity:
-                    plan = plan_grant(self.capacity, self._views(gang_of=m), m.id)
+                peers = self._peers_to_count(m)
+                if self.used_bytes() - m.used + peers + m.limit > self.capacity:
+                    plan = plan_grant(
+                        self.capacity, self._views(gang_of=m if peers else None), m.id
+                    )
                     if not plan.fits:
                         for sid, n in plan.swap_outs:
                             self._ask_swap_out(sid, n)
@@ -1448,10 +1451,11 @@ class Arbiter:
         )
 
     def _views(self, gang_of: SessionState | None = None) -> list[MemoryView]:
-        """Every session as the planner sees it; with ``gang_of``, as if its gang held
-        (its peers at their limits, not victims), as its grant would make it."""
+        """Every session as the planner sees it; with ``gang_of`` (a rank whose grant
+        makes its gang hold: its ``_peers_to_count`` is not 0), as that grant would make
+        it: its peers at their limits, not victims."""
         views = [self._view(s) for s in self.sessions.values()]
-        if gang_of is None or not gang_of.gang or self._peers_to_count(gang_of) == 0:
+        if gang_of is None:
             return views
         peers = self.gangs[gang_of.gang].members - {gang_of.id}
         return [
