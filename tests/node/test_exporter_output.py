@@ -10,6 +10,7 @@ import gzip
 import math
 import os
 import random
+import threading
 import urllib.error
 import urllib.request
 
@@ -22,10 +23,9 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
 from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
-from gpushare.node.metrics import _SESSIONS, CONTENT_TYPE, Exposition, serve, value
+from gpushare.node.metrics import _SESSIONS, CONTENT_TYPE, Exposition, bind, serve_on, value
 from gpushare.status import NodeStatus, SessionStatus, WorkloadStatus
 from tests.node import exporter_before
-from tests.node.test_metrics import free_port
 
 G = 2**30
 
@@ -252,8 +252,10 @@ def test_random_values_are_written_as_prometheus_client_writes_them():
 def test_served_plain_and_gzipped_as_prometheus_client_served_it():
     node, _ = scripted_node()
     exp = Exposition()
-    port = free_port()
-    stop = serve(lambda: exp.render(node.status()), port, "127.0.0.1")
+    # The exporter process's server (metrics.serve_on), on a thread of this process.
+    server = serve_on(bind(0, "127.0.0.1"), lambda: exp.render(node.status()))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
@@ -271,4 +273,5 @@ def test_served_plain_and_gzipped_as_prometheus_client_served_it():
             urllib.request.urlopen(post, timeout=10)
         assert e.value.code == 405
     finally:
-        stop()
+        server.shutdown()
+        server.server_close()

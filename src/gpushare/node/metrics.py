@@ -563,21 +563,6 @@ def serve_on(sock: socket.socket, scrape: Callable[[], bytes]) -> _Server:
     return server
 
 
-def serve(scrape: Callable[[], bytes], port: int, address: str) -> Callable[[], None]:
-    """Serve ``/metrics`` on a thread of this process; returns a function that stops it.
-    (The node serves from a process of its own: node/exporter.py.)"""
-    server = serve_on(bind(port, address), scrape)
-    thread = threading.Thread(target=server.serve_forever, name="gpushare-metrics", daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return stop
-
-
 # --- for Python callers (and tests): the exposition as prometheus_client's families -----
 class _Parsed(Collector):
     def __init__(self, text: Callable[[], bytes]) -> None:
