@@ -70,7 +70,7 @@ def attach(
     limit = parse_size(memory) if memory is not None else env.memory
     hello = p.Hello(
         version=p.PROTOCOL_VERSION,
-        name=name or f"{program_name(sys.argv[0], getattr(sys, 'orig_argv', []))}-{os.getpid()}",
+        name=name or f"{program_name(sys.argv[0], sys.orig_argv)}-{os.getpid()}",
         memory_limit=limit,
         weight=weight if weight is not None else env.portion,
         portion=env.portion,  # the limit's share when none is given; and the weight's source
