@@ -24,6 +24,7 @@ from gpushare.node.exporter import Snapshots
 from gpushare.node.exporter_process import ASK, HEADER, Link
 from gpushare.node.metrics import CONTENT_TYPE
 from gpushare.status import NodeInfo, NodeStatus
+from tests.node.test_faults import proc_state
 from tests.node.test_metrics import free_port
 from tests.support import NodeProcess, sim, wait_until
 
@@ -32,10 +33,9 @@ MODULE = "gpushare.node.exporter_process"
 
 def alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return proc_state(pid) != "Z"  # a zombie has ended
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
 
 
 def exporters(of: int) -> list[int]:
