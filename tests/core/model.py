@@ -223,7 +223,7 @@ class Model:
             self.arb.attach(
                 c.sid,
                 name=f"s{c.sid}",
-                limit=c.limit,
+                memory_limit=c.limit,
                 weight=c.weight,
                 fills=c.fills,
                 prefetch=c.prefetch,

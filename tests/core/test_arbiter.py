@@ -13,8 +13,10 @@ from gpushare.core.actions import (
     RoomAction,
     SwapOutAction,
 )
-from gpushare.core.arbiter import ANTICIPATE_FLOOR_S, SWAP_RETRY_S, Arbiter, ArbiterError
+from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.deadlines import SWAP_RETRY_S
 from gpushare.core.sessions import State
+from gpushare.core.window import ANTICIPATE_FLOOR_S
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
 
@@ -26,8 +28,8 @@ def arb(clock, capacity=80 * GiB, **kw):
 def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
     """Session 1 holds ``limit`` bytes resident, session 2 (``swapped`` of its bytes in
     host memory) waits, and the quantum ends: what the tick did (the revoke)."""
-    a.attach(1, name="a", limit=limit, fills=fills[0])
-    a.attach(2, name="b", limit=limit, swapped=swapped, fills=fills[1])
+    a.attach(1, name="a", memory_limit=limit, fills=fills[0])
+    a.attach(2, name="b", memory_limit=limit, swapped=swapped, fills=fills[1])
     a.acquire(1)
     a.report(1, resident=limit, swapped=0)
     a.acquire(2)
@@ -38,7 +40,7 @@ def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
 def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", limit=10 * GiB)
+        a.attach(i, name=f"s{i}", memory_limit=10 * GiB)
     g = actions_of(a.acquire(1), GrantAction)
     assert [x.session for x in g] == [1]
     assert actions_of(a.acquire(2), GrantAction) == []
@@ -59,20 +61,20 @@ def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
 
 def test_renewal_when_nobody_waits(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
-    a.attach(1, name="a", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
     a.acquire(1)
-    lease = a.sessions[1].lease
+    lease = a.sessions[1].lease.number
     clock.advance(12)
     out = a.tick()
     assert actions_of(out, RevokeAction) == [] and events_of(out, "grant") == []
-    assert a.sessions[1].lease == lease and a.sessions[1].state is State.HOLDING
-    assert a.sessions[1].quantum_end == pytest.approx(clock.monotonic() + 5)
+    assert a.sessions[1].lease.number == lease and a.sessions[1].state is State.HOLDING
+    assert a.sessions[1].lease.quantum_end == pytest.approx(clock.monotonic() + 5)
 
 
 def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
     a = arb(clock, tq_s=30, mode="exclusive")
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -87,13 +89,13 @@ def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
     assert [x.session for x in g] == [2]
     assert a.reserved is None
     assert a.lease_seconds(a.sessions[1]) == pytest.approx(1)
-    assert a.sessions[2].wait_s == pytest.approx(1 + ANTICIPATE_FLOOR_S)
+    assert a.sessions[2].totals.wait_s == pytest.approx(1 + ANTICIPATE_FLOOR_S)
 
 
 def test_detach_of_holder_frees_lease_and_memory(clock):
     a = arb(clock, capacity=10 * GiB, tq_s=30, mode="exclusive")
-    a.attach(1, name="a", limit=8 * GiB)
-    a.attach(2, name="b", limit=8 * GiB)
+    a.attach(1, name="a", memory_limit=8 * GiB)
+    a.attach(2, name="b", memory_limit=8 * GiB)
     a.acquire(1)
     a.report(1, resident=8 * GiB, swapped=0)
     assert actions_of(a.acquire(2), GrantAction) == []
@@ -106,7 +108,7 @@ def test_detach_of_holder_frees_lease_and_memory(clock):
 def test_planner_swaps_least_recently_served_only_what_is_needed(clock):
     a = arb(clock, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", limit=30 * GiB)
+        a.attach(i, name=f"s{i}", memory_limit=30 * GiB)
     # 1 and 2 run in turn and fill their memory; 2 is served last
     for i in (1, 2):
         a.acquire(i)
@@ -137,8 +139,8 @@ def test_revoke_carries_the_holders_share_of_swap_out(clock):
 
 def test_grace_expiry_escalates_once(clock):
     a = arb(clock, tq_s=1, grace_s=2, mode="exclusive", escalation="kill")
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -154,14 +156,16 @@ def test_grace_expiry_escalates_once(clock):
 
 def test_a_longer_tq_applies_at_the_next_quantum(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
     out = a.configure(tq_s=20)
     assert events_of(out, "config")[0]["tq_s"] == 20
-    assert a.sessions[1].quantum_end == pytest.approx(clock.monotonic() + 9)  # unchanged
+    assert a.sessions[1].lease.quantum_end == pytest.approx(
+        clock.monotonic() + 9
+    )  # unchanged
     clock.advance(8.99)
     assert actions_of(a.tick(), RevokeAction) == []
     clock.advance(0.01)
@@ -175,14 +179,14 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
     # a day later (issue 16).
     a = arb(clock, tq_s=10, mode="exclusive")
     a.configure(tq_s=86400)
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     start = clock.monotonic()
     clock.advance(0.5)
     assert actions_of(a.configure(tq_s=2), RevokeAction) == []
-    assert a.sessions[1].quantum_end == pytest.approx(start + 2)
+    assert a.sessions[1].lease.quantum_end == pytest.approx(start + 2)
     assert a.next_deadline() == pytest.approx(start + 2)
     clock.advance(1.5)
     assert actions_of(a.tick(), RevokeAction)
@@ -197,7 +201,7 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
 def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
     a = arb(clock, capacity=80 * GiB, tq_s=5, mode="auto")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", limit=30 * GiB)
+        a.attach(i, name=f"s{i}", memory_limit=30 * GiB)
     assert actions_of(a.acquire(1), GrantAction)
     (g,) = actions_of(a.acquire(2), GrantAction)
     assert g.shared and sorted(a.holders) == [1, 2]
@@ -209,8 +213,8 @@ def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
 
 def test_weighted_policy_scales_quantum(clock):
     a = arb(clock, tq_s=10, policy="weighted", mode="exclusive")
-    a.attach(1, name="half", limit=GiB, weight=0.5)
-    a.attach(2, name="quarter", limit=GiB, weight=0.25)
+    a.attach(1, name="half", memory_limit=GiB, weight=0.5)
+    a.attach(2, name="quarter", memory_limit=GiB, weight=0.25)
     assert a.quantum(a.sessions[1]) == 10
     assert a.quantum(a.sessions[2]) == 5
 
@@ -218,9 +222,9 @@ def test_weighted_policy_scales_quantum(clock):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda a: a.attach(9, name="big", limit=81 * GiB),
-        lambda a: a.attach(9, name="zero", limit=0),
-        lambda a: a.attach(9, name="w", limit=GiB, weight=0),
+        lambda a: a.attach(9, name="big", memory_limit=81 * GiB),
+        lambda a: a.attach(9, name="zero", memory_limit=0),
+        lambda a: a.attach(9, name="w", memory_limit=GiB, weight=0),
         lambda a: a.acquire(42),
         lambda a: a.release(1, resident=0, swapped=0),
         lambda a: a.configure(tq_s=0),
@@ -230,7 +234,7 @@ def test_weighted_policy_scales_quantum(clock):
 )
 def test_bad_inputs_are_refused_with_a_reason(clock, call):
     a = arb(clock)
-    a.attach(1, name="a", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
     with pytest.raises(ArbiterError) as e:
         call(a)
     assert str(e.value)
@@ -260,7 +264,7 @@ def test_inputs_beyond_the_session_are_keyword_only(clock):
     a = arb(clock)
     with pytest.raises(TypeError):
         a.attach(1, "a", GiB)  # type: ignore[misc]
-    a.attach(1, name="a", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
     with pytest.raises(TypeError):
         a.report(1, GiB, 0)  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -269,7 +273,7 @@ def test_inputs_beyond_the_session_are_keyword_only(clock):
 
 def test_double_acquire_is_refused(clock):
     a = arb(clock)
-    a.attach(1, name="a", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
     a.acquire(1)
     with pytest.raises(ArbiterError, match="already has a burst"):
         a.acquire(1)
@@ -290,7 +294,7 @@ def test_round_robin_order_and_equal_shares():
     mean = sum(shares.values()) / 3
     assert all(abs(v - mean) / mean < 0.05 for v in shares.values()), shares
     # and memory really moved
-    assert sum(s.swap_out_bytes for s in m.arb.sessions.values()) > 0
+    assert sum(s.totals.swap_out_bytes for s in m.arb.sessions.values()) > 0
 
 
 def test_weighted_shares_follow_weights():
@@ -300,7 +304,7 @@ def test_weighted_shares_follow_weights():
     m.add(Client(3, 30 * GiB, weight=0.25))
     m.run(400)
     # GPU time: the lease less the swap-in at its start (the quantum starts after it)
-    sh = {i: v - m.arb.sessions[i].swap_in_s for i, v in m.lease_seconds().items()}
+    sh = {i: v - m.arb.sessions[i].totals.swap_in_s for i, v in m.lease_seconds().items()}
     assert sh[1] / sh[2] == pytest.approx(2.0, rel=0.05)
     assert sh[2] / sh[3] == pytest.approx(1.0, rel=0.05)
 
@@ -389,11 +393,11 @@ def test_freeze_escalation_hands_the_lease_on_and_thaws_at_its_turn(clock):
     assert actions_of(out, EscalateAction) == [EscalateAction(1, "freeze", "no_yield_within_grace")]
     (g,) = actions_of(out, GrantAction)
     assert g.session == 2 and not g.thaw
-    assert a.sessions[1].frozen and list(a.queue) == [1]
+    assert a.sessions[1].esc.frozen and list(a.queue) == [1]
     a.release(2, resident=0, swapped=0)
     clock.advance(ANTICIPATE_FLOOR_S)  # 2 did not ask again within its window
     (g,) = actions_of(a.tick(), GrantAction)
-    assert g.session == 1 and g.thaw and not a.sessions[1].frozen
+    assert g.session == 1 and g.thaw and not a.sessions[1].esc.frozen
 
 
 def test_frozen_memory_is_never_a_victim_and_cannot_deadlock(clock):
@@ -415,7 +419,7 @@ def test_resumed_session_keeps_memory_and_lease(clock):
     out = a.attach(
         1,
         name="survivor",
-        limit=10 * GiB,
+        memory_limit=10 * GiB,
         resident=6 * GiB,
         swapped=4 * GiB,
         holding=True,
@@ -425,13 +429,13 @@ def test_resumed_session_keeps_memory_and_lease(clock):
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and a.holders == [1]
     assert events_of(out, "attach")[0]["resumed"] is True
-    assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)
+    assert (a.sessions[1].memory.resident, a.sessions[1].memory.swapped) == (6 * GiB, 4 * GiB)
 
 
 def test_failed_swap_out_picks_another_victim_or_waits(clock):
     a = arb(clock, capacity=20 * GiB, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", limit=10 * GiB)
+        a.attach(i, name=f"s{i}", memory_limit=10 * GiB)
     for i in (1, 2):
         a.acquire(i)
         a.report(i, resident=10 * GiB, swapped=0)
@@ -461,7 +465,7 @@ def test_failed_swap_out_picks_another_victim_or_waits(clock):
 
 def test_over_limit_seen_by_the_gpu_escalates_once(clock):
     a = arb(clock, escalation="kill")
-    a.attach(1, name="greedy", limit=GiB)
+    a.attach(1, name="greedy", memory_limit=GiB)
     out = a.over_limit(1, used=2 * GiB)
     assert actions_of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
     assert actions_of(a.over_limit(1, used=3 * GiB), EscalateAction) == []
@@ -479,7 +483,7 @@ def test_a_yield_that_crosses_the_freeze_is_taken_as_its_late_answer(clock):
     )
     assert events_of(out, "swap_out")[0]["bytes"] == 4 * GiB
     assert a.sessions[1].state is State.WAITING and list(a.queue) == [1]
-    assert (a.sessions[1].resident, a.sessions[1].swapped) == (6 * GiB, 4 * GiB)
+    assert (a.sessions[1].memory.resident, a.sessions[1].memory.swapped) == (6 * GiB, 4 * GiB)
 
 
 def _switch_setup(clock, **kw):

@@ -44,7 +44,7 @@ class Node:
 
     def check(self) -> None:
         for a in self.arbs:  # one job at most holds each GPU
-            assert len({a.sessions[h].gang or h for h in a.holders}) <= 1, a.holders
+            assert len({a.sessions[h].rank.gang or h for h in a.holders}) <= 1, a.holders
 
     def holders(self) -> list[list[int]]:
         return [sorted(a.holders) for a in self.arbs]
@@ -53,7 +53,7 @@ class Node:
 def two_jobs(n: Node) -> None:
     """Jobs A (sessions 1 on GPU 0, 2 on GPU 1) and B (3 on GPU 0, 4 on GPU 1)."""
     for sid, gpu, job in ((1, 0, "A"), (2, 1, "A"), (3, 0, "B"), (4, 1, "B")):
-        n.do(gpu, "attach", sid, name=f"s{sid}", limit=10 * GiB, gang=job, gang_size=2)
+        n.do(gpu, "attach", sid, name=f"s{sid}", memory_limit=10 * GiB, gang=job, gang_size=2)
 
 
 def test_a_gang_on_two_gpus_holds_both_or_neither():
@@ -86,7 +86,7 @@ def test_without_the_coordinator_two_gangs_each_hold_what_the_other_waits_for():
 def test_gangs_on_several_gpus_start_in_the_order_they_asked():
     n = Node(ManualClock())
     two_jobs(n)
-    n.do(1, "attach", 5, name="solo", limit=10 * GiB)
+    n.do(1, "attach", 5, name="solo", memory_limit=10 * GiB)
     n.do(1, "acquire", 5)  # a solo session holds GPU 1
     n.do(1, "acquire", 4)  # B asks first (on GPU 1), then A (on GPU 0)
     n.do(0, "acquire", 1)
@@ -170,18 +170,21 @@ class MultiModel:
 
     def check(self) -> None:
         for a in self.arbs:
-            assert len({a.sessions[h].gang or h for h in a.holders}) <= 1, (a.gpu, a.holders)
+            assert len({a.sessions[h].rank.gang or h for h in a.holders}) <= 1, (a.gpu, a.holders)
         for r in self.ranks.values():  # a job holding one of its GPUs holds them all
             if r.job and r.holding:
                 gpus = {x.gpu for x in self.ranks.values() if x.job == r.job}
                 for a in self.arbs:
                     if a.gpu in gpus:
-                        assert {a.sessions[h].gang for h in a.holders} <= {r.job}, (r.job, a.gpu)
+                        assert {a.sessions[h].rank.gang for h in a.holders} <= {r.job}, (
+                            r.job,
+                            a.gpu,
+                        )
 
     def add(self, r: Rank) -> None:
         self.ranks[r.sid] = r
         a = self.arbs[r.gpu]
-        self.apply(r.gpu, a.attach(r.sid, name=f"s{r.sid}", limit=GiB, gang=r.job))
+        self.apply(r.gpu, a.attach(r.sid, name=f"s{r.sid}", memory_limit=GiB, gang=r.job))
         self.at(0.001 * r.sid, lambda: self.apply(r.gpu, a.acquire(r.sid)))
 
     def seen(self, r: Rank, lease: int) -> None:

@@ -32,7 +32,7 @@ def two_jobs(clock, **kw):
     A holds, B waits."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1, grace_s=2, **kw))
     for sid, job in ((1, "A"), (2, "A"), (3, "B"), (4, "B")):
-        a.attach(sid, name=f"s{sid}", limit=10 * GiB, gang=job, gang_size=2)
+        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang=job, gang_size=2)
     assert granted(a.acquire(1)) == [1]
     a.acquire(3)
     assert granted(a.acquire(2)) == [2]  # joins its gang's lease, ahead of B
@@ -50,10 +50,10 @@ def test_a_gang_is_granted_and_revoked_as_one_holder(clock):
     assert all(r.swap_out == 0 for r in of(out, RevokeAction))  # memory goes after all yield
     clock.advance(0.01)
     assert granted(a.release(1, resident=10 * GiB, swapped=0, again=True)) == []
-    assert a.sessions[1].parked  # the GPU is A's until rank 2 yields too
+    assert a.sessions[1].rank.parked  # the GPU is A's until rank 2 yields too
     out = a.release(2, resident=10 * GiB, swapped=0, again=True)
     assert granted(out) == [3, 4] and a.holders == [3, 4]
-    assert not a.sessions[1].parked and list(a.queue) == [1, 2]
+    assert not a.sessions[1].rank.parked and list(a.queue) == [1, 2]
 
 
 def test_a_parked_member_goes_on_when_a_peer_is_blocked_waiting_for_it(clock):
@@ -68,7 +68,7 @@ def test_a_parked_member_goes_on_when_a_peer_is_blocked_waiting_for_it(clock):
     grant = next(e.record for e in out if getattr(e, "record", {}).get("event") == "grant")
     assert grant["regroup"] and grant["gang"] == "A"
     # The gang's one deadline: the regrouped rank does not get a new grace period.
-    assert a.sessions[1].revoke_deadline == a.sessions[2].revoke_deadline
+    assert a.sessions[1].lease.revoke_deadline == a.sessions[2].lease.revoke_deadline
     clock.advance(0.01)
     a.release(2, resident=10 * GiB, swapped=0, again=True)  # through the collective
     assert a.holders == [1]
@@ -95,14 +95,14 @@ def test_escalation_applies_to_the_gang_once_at_its_deadline(clock):
 def test_a_member_that_asks_while_its_gang_yields_is_granted_and_revoked(clock):
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1))
     for sid, job in ((1, "A"), (2, "A"), (3, "B")):
-        a.attach(sid, name=f"s{sid}", limit=10 * GiB, gang=job)
+        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang=job)
     a.acquire(1)
     a.acquire(3)
     clock.advance(1)
     assert revoked(a.tick()) == [1]
     # rank 1 may be blocked in a collective waiting for it: it goes on at the regroup (not
     # at once: ranks asking in turn would keep the revoked gang holding for ever)
-    assert granted(a.acquire(2)) == [] and a.sessions[2].parked
+    assert granted(a.acquire(2)) == [] and a.sessions[2].rank.parked
     clock.advance(REGROUP_S)
     out = a.tick()
     assert granted(out) == [2] and revoked(out) == [2]
@@ -111,7 +111,7 @@ def test_a_member_that_asks_while_its_gang_yields_is_granted_and_revoked(clock):
 def test_a_joining_member_gets_what_is_left_of_its_gangs_quantum(clock):
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=4))
     for sid in (1, 2):
-        a.attach(sid, name=f"s{sid}", limit=10 * GiB, gang="A")
+        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang="A")
     a.acquire(1)
     clock.advance(3)
     assert of(a.acquire(2), GrantAction)[0].quantum_s == pytest.approx(1)
@@ -122,8 +122,8 @@ def test_members_never_waited_for_do_not_hold_the_gpu(clock):
     usual (the members present are the gang; the size is shown, not waited for)."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1))
     for sid in (1, 2):
-        a.attach(sid, name=f"s{sid}", limit=10 * GiB, gang="A", gang_size=8)
-    a.attach(3, name="s3", limit=10 * GiB)
+        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang="A", gang_size=8)
+    a.attach(3, name="s3", memory_limit=10 * GiB)
     a.acquire(1)
     a.acquire(3)
     clock.advance(1)
@@ -133,20 +133,20 @@ def test_members_never_waited_for_do_not_hold_the_gpu(clock):
 
 def test_a_gang_whose_ranks_cannot_fit_together_is_refused(clock):
     a = Arbiter(0, 16 * GiB, clock)
-    a.attach(1, name="r0", limit=10 * GiB, gang="A")
+    a.attach(1, name="r0", memory_limit=10 * GiB, gang="A")
     with pytest.raises(ArbiterError, match="give each less"):
-        a.attach(2, name="r1", limit=10 * GiB, gang="A")
+        a.attach(2, name="r1", memory_limit=10 * GiB, gang="A")
     assert set(a.sessions) == {1} and a.gangs["A"].members == {1}  # nothing changed
-    a.attach(2, name="r1", limit=6 * GiB, gang="A")
+    a.attach(2, name="r1", memory_limit=6 * GiB, gang="A")
 
 
 def test_a_job_spanning_nodes_is_refused_in_exclusive_mode_only(clock):
     a = Arbiter(0, 16 * GiB, clock, GpuSettings(mode="exclusive"))
     with pytest.raises(ArbiterError, match=r"ranks on other nodes.*mode auto"):
-        a.attach(1, name="r0", limit=GiB, gang="A", gang_size=2, spans_nodes=True)
+        a.attach(1, name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True)
     assert not a.sessions and not a.gangs
     b = Arbiter(0, 16 * GiB, clock, GpuSettings(mode="auto"))
-    b.attach(1, name="r0", limit=GiB, gang="A", gang_size=2, spans_nodes=True)
+    b.attach(1, name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True)
     assert b.gangs["A"].spans_nodes
 
 
@@ -156,7 +156,7 @@ def test_a_detached_member_completes_its_gangs_yield(clock):
     a.tick()
     a.release(1, resident=10 * GiB, swapped=0, again=True)
     assert granted(a.detach(2)) == [3, 4]
-    assert not a.sessions[1].parked
+    assert not a.sessions[1].rank.parked
 
 
 def ddp_jobs(jobs: int, ranks: int, send_gang: bool, **kw) -> Model:
@@ -259,7 +259,7 @@ def test_ranks_that_end_bursts_in_turn_do_not_keep_a_revoked_gang_holding(clock)
         clock.advance(0.01)
         a.release(1, resident=10 * GiB, swapped=0)  # a burst's end, then at once a new one
         assert granted(a.acquire(1)) == []  # it waits as a parked member does
-        assert a.sessions[1].parked
+        assert a.sessions[1].rank.parked
         if a.holders != [2]:
             break
     clock.advance(0.01)
@@ -273,9 +273,9 @@ def test_a_ranks_grant_into_a_room_leaves_room_for_its_peers(clock):
     # rank counted at its limit, and the node counted 16.75 GiB on 16.
     cap = 16 * GiB
     a = Arbiter(0, cap, clock, GpuSettings(mode="exclusive", tq_s=1, grace_s=2))
-    a.attach(3, name="solo", limit=6 * GiB, fills=True)
+    a.attach(3, name="solo", memory_limit=6 * GiB, fills=True)
     for sid in (1, 2):
-        a.attach(sid, name=f"r{sid}", limit=6 * GiB, gang="job7", gang_size=2, fills=True)
+        a.attach(sid, name=f"r{sid}", memory_limit=6 * GiB, gang="job7", gang_size=2, fills=True)
     a.acquire(1)  # rank 1 holds and fills its 6 GiB, then yields to the solo session
     a.report(1, resident=5 * GiB, swapped=0)
     a.acquire(3)
@@ -291,8 +291,11 @@ def test_a_ranks_grant_into_a_room_leaves_room_for_its_peers(clock):
     a.tick()  # the solo session is revoked: it swaps out as rank 1 swaps in
     a.acquire(2)
     a.release(3, resident=5 * GiB, swapped=0, again=True)
-    assert a.used_bytes() <= cap, (a.used_bytes() / GiB, [a.sessions[h].room for h in a.holders])
+    assert a.used_bytes() <= cap, (
+        a.used_bytes() / GiB,
+        [a.sessions[h].memory.room for h in a.holders],
+    )
     # Rank 1 swaps in into a room beside what the solo session has yet to swap out, and
     # its peer (which joins it) has its limit kept free.
-    assert a.holders == [1, 2] and a.sessions[1].room == cap - 5 * GiB - 6 * GiB
+    assert a.holders == [1, 2] and a.sessions[1].memory.room == cap - 5 * GiB - 6 * GiB
     a.verify()

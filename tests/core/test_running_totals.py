@@ -69,7 +69,7 @@ def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
         a.attach(
             sid + 1,
             name=f"s{sid}",
-            limit=limit,
+            memory_limit=limit,
             weight=weight,
             fills=fills,
             resident=half,
@@ -118,20 +118,22 @@ def scanned_deadline(a: Arbiter) -> float | None:
     for sid in a.holders:
         s = a.sessions[sid]
         if s.state == "holding":
-            if s.quantum_end != float("inf"):
-                times.append(s.quantum_end)
-        elif not s.escalated:
-            times.append(s.revoke_deadline)
+            if s.lease.quantum_end != float("inf"):
+                times.append(s.lease.quantum_end)
+        elif not s.esc.escalated:
+            times.append(s.lease.revoke_deadline)
     for s in a.sessions.values():  # non-holders: a swap-out asked, a claim told to yield
-        if s.swap_out_deadline != float("inf"):
-            times.append(s.swap_out_deadline)
-        if s.yield_due and not s.escalated:
-            times.append(s.revoke_deadline)
+        if s.esc.swap_out_deadline != float("inf"):
+            times.append(s.esc.swap_out_deadline)
+        if s.esc.yield_due and not s.esc.escalated:
+            times.append(s.lease.revoke_deadline)
     # a quantum waiting for its holder to ask again, while someone waits (scheduling.md)
-    times += [s.reserve_until for s in a.sessions.values() if s.reserved and a.queue]
-    if a.queue or any(a.sessions[h].room for h in a.holders):
+    times += [s.share.window_until for s in a.sessions.values() if s.share.window and a.queue]
+    if a.queue or any(a.sessions[h].memory.room for h in a.holders):
         now = a.clock.monotonic()
-        times += [s.swap_failed_until for s in a.sessions.values() if s.swap_failed_until > now]
+        times += [
+            s.esc.swap_failed_until for s in a.sessions.values() if s.esc.swap_failed_until > now
+        ]
     return min(times, default=None)
 
 
@@ -159,8 +161,8 @@ def test_running_totals_and_deadlines_equal_the_scans(first, ops, escalation):
 def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     clock = ManualClock()
     a = Arbiter(0, 4 * G, clock, GpuSettings(mode="exclusive", tq_s=10))
-    a.attach(1, name="victim", limit=3 * G)
-    a.attach(2, name="next", limit=3 * G)
+    a.attach(1, name="victim", memory_limit=3 * G)
+    a.attach(2, name="next", memory_limit=3 * G)
     a.acquire(1)
     a.report(1, resident=3 * G, swapped=0)
     a.release(1, resident=3 * G, swapped=0)
@@ -182,8 +184,8 @@ def test_a_retry_whose_time_passed_without_a_tick_is_still_due():
     # is due then (not drop it as passed), or nothing plans again and the queue waits.
     clock = ManualClock()
     a = Arbiter(0, 10 * G, clock, GpuSettings(mode="exclusive", tq_s=5))
-    a.attach(1, name="waits", limit=6 * G)
-    a.attach(2, name="victim", limit=6 * G)
+    a.attach(1, name="waits", memory_limit=6 * G)
+    a.attach(2, name="victim", memory_limit=6 * G)
     a.acquire(2)
     a.acquire(1)
     clock.advance(5.0)

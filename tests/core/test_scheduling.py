@@ -11,14 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushare.core.actions import GrantAction, PrefetchAction, RevokeAction, SwapOutAction
-from gpushare.core.arbiter import (
-    ANTICIPATE_FLOOR_S,
-    PAYBACK,
-    Arbiter,
-    ArbiterError,
-)
+from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
+from gpushare.core.shares import PAYBACK
+from gpushare.core.window import ANTICIPATE_FLOOR_S
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
 
@@ -39,11 +36,11 @@ def burst(a, clock, sid, seconds, resident=GiB):
 
 def test_a_session_that_asks_again_within_its_window_keeps_its_quantum(clock):
     a = arb(clock, tq_s=5)
-    a.attach(1, name="short", limit=GiB)
-    a.attach(2, name="other", limit=GiB)
+    a.attach(1, name="short", memory_limit=GiB)
+    a.attach(2, name="other", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
-    end = a.sessions[1].quantum_end
+    end = a.sessions[1].lease.quantum_end
     for _ in range(20):  # 20 bursts of 0.1 s, 1 ms apart: one quantum, no switch
         out = burst(a, clock, 1, 0.1)
         assert actions_of(out, GrantAction) == []
@@ -51,16 +48,16 @@ def test_a_session_that_asks_again_within_its_window_keeps_its_quantum(clock):
         (g,) = actions_of(a.acquire(1), GrantAction)
         assert g.session == 1 and g.quantum_s == pytest.approx(end - clock.monotonic())
         assert events_of(a.tick(), "grant") == []
-    assert a.sessions[1].quantum_end == end  # the same quantum all along
-    assert a.sessions[1].continues == 20 and a.sessions[2].state is State.WAITING
+    assert a.sessions[1].lease.quantum_end == end  # the same quantum all along
+    assert a.sessions[1].totals.continues == 20 and a.sessions[2].state is State.WAITING
     clock.set(end)
     assert [r.session for r in actions_of(a.tick(), RevokeAction)] == [1]  # and it ends
 
 
 def test_the_window_follows_the_sessions_gaps_and_none_when_it_stays_away(clock):
     a = arb(clock, tq_s=30, anticipate_s=0.5)
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
 
     def windows(gap, n):
@@ -75,10 +72,10 @@ def test_the_window_follows_the_sessions_gaps_and_none_when_it_stays_away(clock)
 
     short = windows(0.02, 4)  # asks again 20 ms after each burst
     assert short[0] == ANTICIPATE_FLOOR_S  # no history yet: the floor
-    assert short[-1] == pytest.approx(max(ANTICIPATE_FLOOR_S, 4 * a.sessions[1].gap_ewma))
+    assert short[-1] == pytest.approx(max(ANTICIPATE_FLOOR_S, 4 * a.sessions[1].share.gap_ewma))
     assert short[1:] == sorted(short[1:]) and all(w <= 0.5 for w in short)
     long = windows(2.0, 4)  # now it stays away 2 s each time: a session done for now
-    assert long[-1] == 0.0 and a.sessions[1].gap_ewma > 0.25
+    assert long[-1] == 0.0 and a.sessions[1].share.gap_ewma > 0.25
     a.acquire(2)  # and at its burst's end the next gets the GPU at once
     out = burst(a, clock, 1, 0.5)
     assert [g.session for g in actions_of(out, GrantAction)] == [2]
@@ -86,8 +83,8 @@ def test_the_window_follows_the_sessions_gaps_and_none_when_it_stays_away(clock)
 
 def test_the_window_never_outlasts_the_quantum(clock):
     a = arb(clock, tq_s=1)
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     out = burst(a, clock, 1, 0.99)  # 10 ms of its quantum left
@@ -98,9 +95,9 @@ def test_the_window_never_outlasts_the_quantum(clock):
 
 def test_a_waiting_quantum_keeps_its_memory_and_ends_with_its_session(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=5, turn_s=0)
-    a.attach(1, name="a", limit=30 * GiB)
-    a.attach(2, name="b", limit=30 * GiB)
-    a.attach(3, name="idle", limit=10 * GiB, resident=10 * GiB)
+    a.attach(1, name="a", memory_limit=30 * GiB)
+    a.attach(2, name="b", memory_limit=30 * GiB)
+    a.attach(3, name="idle", memory_limit=10 * GiB, resident=10 * GiB)
     a.acquire(1)
     a.report(1, resident=20 * GiB, swapped=0)
     out = burst(a, clock, 1, 1.0, resident=20 * GiB)
@@ -119,7 +116,7 @@ def had_a_burst(a, clock, sid, resident=GiB):
     """``sid`` ran one short burst alone (its first, which is never a turn)."""
     a.acquire(sid)
     clock.advance(0.1)
-    a.release(sid, resident=resident, swapped=a.sessions[sid].swapped)
+    a.release(sid, resident=resident, swapped=a.sessions[sid].memory.swapped)
     clock.advance(1.0)
     a.tick()  # its window passed
     assert a.reserved is None
@@ -129,9 +126,9 @@ def notebook_beside_batch(clock, **kw):
     """Batch session 1 holds (TQ 30); 2 waits; notebook 3 ran a first burst and has idled
     4 s since (with the credit it attached with: a turn)."""
     a = arb(clock, tq_s=30, turn_s=1.0, turn_share=0.25, **kw)
-    a.attach(1, name="batch1", limit=10 * GiB)
-    a.attach(2, name="batch2", limit=10 * GiB)
-    a.attach(3, name="notebook", limit=10 * GiB)
+    a.attach(1, name="batch1", memory_limit=10 * GiB)
+    a.attach(2, name="batch2", memory_limit=10 * GiB)
+    a.attach(3, name="notebook", memory_limit=10 * GiB)
     had_a_burst(a, clock, 3)  # (a first burst is never a turn: nothing is known of it)
     a.acquire(1)
     a.acquire(2)
@@ -141,7 +138,7 @@ def notebook_beside_batch(clock, **kw):
 
 def test_a_notebook_cell_goes_ahead_of_the_queue_for_a_bounded_turn(clock):
     a = notebook_beside_batch(clock)
-    left = a.sessions[1].quantum_end - clock.monotonic()
+    left = a.sessions[1].lease.quantum_end - clock.monotonic()
     out = a.acquire(3)
     (r,) = actions_of(out, RevokeAction)
     assert r.session == 1 and events_of(out, "revoke")[0]["reason"] == "turn"
@@ -157,8 +154,8 @@ def test_a_notebook_cell_goes_ahead_of_the_queue_for_a_bounded_turn(clock):
     (g,) = actions_of(out, GrantAction)  # no window after a turn
     assert g.session == 1 and events_of(out, "grant")[0]["resumed"] is True
     assert g.quantum_s == pytest.approx(left - 0.005)  # the rest of its quantum
-    assert a.sessions[3].credit == pytest.approx(0.8)  # paid for the turn
-    assert a.sessions[3].turns == 1
+    assert a.sessions[3].share.credit == pytest.approx(0.8)  # paid for the turn
+    assert a.sessions[3].totals.turns == 1
 
 
 def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
@@ -170,7 +167,7 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
     assert r.session == 3
     (g,) = actions_of(a.release(3, resident=GiB, swapped=0, again=True), GrantAction)
     assert g.session == 1 and list(a.queue) == [2, 3]
-    assert a.sessions[3].credit == 0
+    assert a.sessions[3].share.credit == 0
 
 
 @pytest.mark.parametrize(
@@ -188,36 +185,36 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
 )
 def test_who_gets_a_turn(clock, idle, burst_ewma, turn_s, takes):
     a = arb(clock, tq_s=30, turn_s=turn_s, turn_share=0.25, anticipate_s=0.5)
-    a.attach(1, name="batch", limit=GiB)
-    a.attach(3, name="cell", limit=GiB)
+    a.attach(1, name="batch", memory_limit=GiB)
+    a.attach(3, name="cell", memory_limit=GiB)
     had_a_burst(a, clock, 3)
-    a.sessions[3].credit = 0.0
+    a.sessions[3].share.credit = 0.0
     a.acquire(1)
-    a.sessions[3].burst_ewma = burst_ewma
-    a.sessions[3].idle_since = clock.monotonic()
+    a.sessions[3].share.burst_ewma = burst_ewma
+    a.sessions[3].lease.idle_since = clock.monotonic()
     clock.advance(idle)
     out = a.acquire(3)
     assert bool(actions_of(out, RevokeAction)) is takes
-    assert a.sessions[3].turn is takes
+    assert a.sessions[3].share.turn is takes
     if takes:
-        assert a.sessions[3].credit == pytest.approx(min(turn_s, 0.25 * idle))
+        assert a.sessions[3].share.credit == pytest.approx(min(turn_s, 0.25 * idle))
 
 
 def test_credit_follows_the_weights(clock):
     a = arb(clock, tq_s=30, policy="weighted", turn_s=1.0, turn_share=0.25)
-    a.attach(1, name="heavy", limit=GiB, weight=1.0)
-    a.attach(2, name="light", limit=GiB, weight=0.25)
+    a.attach(1, name="heavy", memory_limit=GiB, weight=1.0)
+    a.attach(2, name="light", memory_limit=GiB, weight=0.25)
     had_a_burst(a, clock, 2)
-    a.sessions[2].credit = credit = 0.0
+    a.sessions[2].share.credit = credit = 0.0
     a.acquire(1)
     clock.advance(2.0)
     a.acquire(2)
-    assert a.sessions[2].credit == pytest.approx(credit + 0.25 * 0.25 * 3.0)  # idle 3 s
+    assert a.sessions[2].share.credit == pytest.approx(credit + 0.25 * 0.25 * 3.0)  # idle 3 s
 
 
 def test_no_turn_once_someone_waited_a_round(clock):
     a = notebook_beside_batch(clock)
-    a.sessions[2].wait_start -= 90.0  # 2 has waited a round (3 x 30 s: slow switches, say)
+    a.sessions[2].lease.wait_start -= 90.0  # 2 has waited a round (3 x 30 s: slow switches, say)
     out = a.acquire(3)
     assert actions_of(out, RevokeAction) == [] and list(a.queue) == [2, 3]
 
@@ -226,7 +223,7 @@ def test_a_turn_pauses_a_quantum_that_waits_for_its_holder(clock):
     a = notebook_beside_batch(clock)
     a.release(1, resident=GiB, swapped=0)  # 1 ends a burst: its quantum waits for it
     assert a.reserved == 1
-    left = a.sessions[1].quantum_end - clock.monotonic()
+    left = a.sessions[1].lease.quantum_end - clock.monotonic()
     (g,) = actions_of(a.acquire(3), GrantAction)
     assert g.session == 3 and a.reserved is None
     clock.advance(0.01)
@@ -241,8 +238,8 @@ def test_a_turn_plans_the_cells_memory_with_the_revoke(clock):
     """The notebook's swapped bytes come back while the batch job winds down: the revoke
     carries the batch job's share of the swap-out."""
     a = arb(clock, capacity=40 * GiB, tq_s=30, turn_s=1.0)
-    a.attach(1, name="batch", limit=30 * GiB)
-    a.attach(3, name="cell", limit=20 * GiB, swapped=20 * GiB)
+    a.attach(1, name="batch", memory_limit=30 * GiB)
+    a.attach(3, name="cell", memory_limit=20 * GiB, swapped=20 * GiB)
     had_a_burst(a, clock, 3, resident=0)
     a.acquire(1)
     a.report(1, resident=30 * GiB, swapped=0)
@@ -258,9 +255,9 @@ def three_of_30_on_80(clock, **kw):
     """A holds 30 GiB of 80; B (next) has 20 resident, 10 in host memory; C is idle with
     30 resident. All three prefetch; no turns here."""
     a = arb(clock, tq_s=5, turn_s=0, **kw)
-    a.attach(1, name="A", limit=30 * GiB, prefetch=True)
-    a.attach(2, name="B", limit=30 * GiB, resident=20 * GiB, swapped=10 * GiB, prefetch=True)
-    a.attach(3, name="C", limit=30 * GiB, resident=30 * GiB, prefetch=True)
+    a.attach(1, name="A", memory_limit=30 * GiB, prefetch=True)
+    a.attach(2, name="B", memory_limit=30 * GiB, resident=20 * GiB, swapped=10 * GiB, prefetch=True)
+    a.attach(3, name="C", memory_limit=30 * GiB, resident=30 * GiB, prefetch=True)
     a.acquire(1)
     a.report(1, resident=30 * GiB, swapped=0)
     return a
@@ -291,8 +288,8 @@ def test_the_next_holder_swaps_in_during_the_quantum(clock):
         prefetch=1,
     )
     assert events_of(out, "swap_in")[0]["prefetch"] is True
-    assert not a.sessions[2].prefetching
-    clock.set(a.sessions[1].quantum_end)
+    assert not a.sessions[2].prefetch.active
+    clock.set(a.sessions[1].lease.quantum_end)
     (r,) = actions_of(a.tick(), RevokeAction)
     assert r.swap_out == 0  # B fits beside A: a handoff, not a swap
     (g,) = actions_of(a.release(1, resident=30 * GiB, swapped=0, again=True), GrantAction)
@@ -301,9 +298,9 @@ def test_the_next_holder_swaps_in_during_the_quantum(clock):
 
 def test_prefetch_grows_with_what_frees_and_acks_in_order(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=5)
-    a.attach(1, name="A", limit=20 * GiB)
-    a.attach(2, name="B", limit=20 * GiB, resident=0, swapped=20 * GiB, prefetch=True)
-    a.attach(3, name="idle", limit=20 * GiB, resident=10 * GiB)
+    a.attach(1, name="A", memory_limit=20 * GiB)
+    a.attach(2, name="B", memory_limit=20 * GiB, resident=0, swapped=20 * GiB, prefetch=True)
+    a.attach(3, name="idle", memory_limit=20 * GiB, resident=10 * GiB)
     a.acquire(1)
     out = a.acquire(2)
     (pf,) = actions_of(out, PrefetchAction)
@@ -316,38 +313,46 @@ def test_prefetch_grows_with_what_frees_and_acks_in_order(clock):
     a.swap_done(
         2, direction="in", nbytes=GiB, seconds=0.1, resident=10 * GiB, swapped=10 * GiB, prefetch=1
     )
-    assert a.sessions[2].prefetching and a.sessions[2].used == 15 * GiB
+    assert a.sessions[2].prefetch.active and a.sessions[2].used == 15 * GiB
     a.swap_done(
         2, direction="in", nbytes=GiB, seconds=0.1, resident=15 * GiB, swapped=5 * GiB, prefetch=2
     )
-    assert not a.sessions[2].prefetching and a.sessions[2].used == 15 * GiB
+    assert not a.sessions[2].prefetch.active and a.sessions[2].used == 15 * GiB
 
 
 def test_an_ack_of_a_prefetch_never_asked_is_refused_and_changes_nothing(clock):
     a = three_of_30_on_80(clock)
-    before = (a.sessions[2].resident, a.sessions[2].swapped, a.sessions[2].swap_ins)
+    before = (
+        a.sessions[2].memory.resident,
+        a.sessions[2].memory.swapped,
+        a.sessions[2].totals.swap_ins,
+    )
     with pytest.raises(ArbiterError, match="no prefetch 3"):
         a.swap_done(
             2, direction="in", nbytes=GiB, seconds=0.1, resident=30 * GiB, swapped=0, prefetch=3
         )
-    assert (a.sessions[2].resident, a.sessions[2].swapped, a.sessions[2].swap_ins) == before
+    assert (
+        a.sessions[2].memory.resident,
+        a.sessions[2].memory.swapped,
+        a.sessions[2].totals.swap_ins,
+    ) == before
 
 
 def test_no_prefetch_for_clients_that_cannot_or_when_turned_off(clock):
     for kw, cap in (({}, False), ({"prefetch": False}, True)):
         c = ManualClock()
         a = arb(c, capacity=40 * GiB, tq_s=5, **kw)
-        a.attach(1, name="A", limit=20 * GiB)
-        a.attach(2, name="B", limit=20 * GiB, swapped=20 * GiB, prefetch=cap)
+        a.attach(1, name="A", memory_limit=20 * GiB)
+        a.attach(2, name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=cap)
         a.acquire(1)
         assert actions_of(a.acquire(2), PrefetchAction) == []
 
 
 def test_sessions_expected_back_soon_are_not_evicted_for_a_prefetch(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=30)
-    a.attach(1, name="A", limit=20 * GiB)
-    a.attach(2, name="B", limit=20 * GiB, swapped=20 * GiB, prefetch=True)
-    a.attach(3, name="cells", limit=20 * GiB)
+    a.attach(1, name="A", memory_limit=20 * GiB)
+    a.attach(2, name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=True)
+    a.attach(3, name="cells", memory_limit=20 * GiB)
     a.acquire(3)  # a notebook: asks about every second
     for _ in range(3):
         a.report(3, resident=20 * GiB, swapped=0)
@@ -369,26 +374,28 @@ def test_sessions_expected_back_soon_are_not_evicted_for_a_prefetch(clock):
 
 def test_gpu_time_held_past_a_quantum_comes_off_the_next(clock):
     a = arb(clock, tq_s=1)
-    a.attach(1, name="a", limit=GiB)
-    a.attach(2, name="b", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     clock.advance(1.0)
     a.tick()  # revoke; it reaches its safe point 0.2 s later
     clock.advance(0.2)
     a.release(1, resident=GiB, swapped=0, again=True)
-    assert a.sessions[1].debt == pytest.approx(0.2)
+    assert a.sessions[1].share.debt == pytest.approx(0.2)
     clock.advance(1.0)
     a.tick()
     (g,) = actions_of(a.release(2, resident=GiB, swapped=0, again=True), GrantAction)
     assert g.session == 1 and g.quantum_s == pytest.approx(0.8)
-    assert a.sessions[1].debt == 0
+    assert a.sessions[1].share.debt == 0
     # a debt is paid at most three quarters of a quantum at a time
-    a.sessions[2].debt = 0.9
+    a.sessions[2].share.debt = 0.9
     clock.advance(0.8)
     a.tick()
     (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
-    assert g.quantum_s == pytest.approx(1 - PAYBACK) and a.sessions[2].debt == pytest.approx(0.15)
+    assert g.quantum_s == pytest.approx(1 - PAYBACK) and a.sessions[2].share.debt == pytest.approx(
+        0.15
+    )
 
 
 def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
@@ -396,19 +403,19 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     lighter session's short quantum): the rest is credit to those who waited, by their
     weights, added to their next quanta (at most one quantum more each time)."""
     a = arb(clock, tq_s=0.9, policy="weighted")
-    a.attach(1, name="light", limit=GiB, weight=1.0)
-    a.attach(2, name="heavy", limit=GiB, weight=9.0)
-    a.attach(3, name="middle", limit=GiB, weight=3.0)
+    a.attach(1, name="light", memory_limit=GiB, weight=1.0)
+    a.attach(2, name="heavy", memory_limit=GiB, weight=9.0)
+    a.attach(3, name="middle", memory_limit=GiB, weight=3.0)
     a.acquire(1)  # quanta: light 0.1, heavy 0.9, middle 0.3
     a.acquire(2)
     clock.advance(0.1)
     a.tick()
     clock.advance(0.2)  # 0.2 s past its quantum: 0.075 is its next quantum's to pay
     (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
-    assert a.sessions[1].debt == pytest.approx(0.1 * PAYBACK)
+    assert a.sessions[1].share.debt == pytest.approx(0.1 * PAYBACK)
     # the rest, 0.125 of the light's GPU time, is owed nine times over to the heavy
     assert g.session == 2 and g.quantum_s == pytest.approx(0.9 + 0.9)  # one quantum more
-    assert a.sessions[2].debt == pytest.approx(-(9 * 0.125 - 0.9))
+    assert a.sessions[2].share.debt == pytest.approx(-(9 * 0.125 - 0.9))
     a.acquire(3)  # it was not waiting then: none of it is its
     clock.advance(1.8)
     a.tick()
@@ -420,11 +427,11 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     assert g.session == 3 and g.quantum_s == pytest.approx(0.3)
     # credit is not banked while idle; a debt stays
     a.release(3, resident=GiB, swapped=0)
-    a.sessions[2].debt = -0.5
+    a.sessions[2].share.debt = -0.5
     clock.advance(0.9)
     a.tick()
     a.release(2, resident=GiB, swapped=0)
-    assert a.sessions[2].debt == 0
+    assert a.sessions[2].share.debt == 0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -512,15 +519,15 @@ def test_a_joining_holder_leaves_a_filling_holder_its_room(clock):
     holder's room was to grow into; frozen, it could never give it back, the filling
     holder's quantum never started, and the queue waited forever."""
     a = Arbiter(0, 45 * GiB, clock, GpuSettings(tq_s=1, mode="auto", escalation="freeze"))
-    a.attach(1, name="idle", limit=20 * GiB, resident=20 * GiB)
-    a.attach(2, name="filling", limit=30 * GiB, swapped=30 * GiB, fills=True)
-    a.attach(3, name="joins", limit=15 * GiB)
+    a.attach(1, name="idle", memory_limit=20 * GiB, resident=20 * GiB)
+    a.attach(2, name="filling", memory_limit=30 * GiB, swapped=30 * GiB, fills=True)
+    a.attach(3, name="joins", memory_limit=15 * GiB)
     (g,) = actions_of(a.acquire(2), GrantAction)
     assert g.room == 25 * GiB  # beside idle's 20; more as idle's memory goes
     out = a.acquire(3)  # 30 + 15 fit together by their limits
     assert actions_of(out, GrantAction) == []
     a.report(1, resident=5 * GiB, swapped=15 * GiB)  # 15 of idle's 20 have gone
     assert a.holders == [2]  # 3 may not take what the room grows into
-    assert a.sessions[2].room == 0  # the room grew to its limit instead
+    assert a.sessions[2].memory.room == 0  # the room grew to its limit instead
     out = a.report(1, resident=0, swapped=20 * GiB)
     assert [g.session for g in actions_of(out, GrantAction)] == [3]  # then 3 joins

@@ -19,13 +19,8 @@ from gpushare.core.actions import (
     SwapOutAction,
     ThawAction,
 )
-from gpushare.core.arbiter import (
-    MAX_WEIGHT,
-    MIN_WEIGHT,
-    Arbiter,
-    ArbiterError,
-    FieldError,
-)
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.checks import MAX_WEIGHT, MIN_WEIGHT, ArbiterError, FieldError
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
@@ -47,7 +42,7 @@ def state_of(a: Arbiter) -> bytes:
 
 
 def holding(a: Arbiter, sid: int, limit: int, **kw) -> None:
-    a.attach(sid, name=f"s{sid}", limit=limit, **kw)
+    a.attach(sid, name=f"s{sid}", memory_limit=limit, **kw)
     a.acquire(sid)
     a.report(sid, resident=limit, swapped=0)
 
@@ -55,7 +50,7 @@ def holding(a: Arbiter, sid: int, limit: int, **kw) -> None:
 def done(a: Arbiter, sid: int, **kw):
     """The holder ends its burst as a session that stays away between bursts does: its
     quantum does not wait for it (docs/scheduling.md), the GPU moves on at once."""
-    a.sessions[sid].gap_ewma = a.sessions[sid].gap_last = 3600.0
+    a.sessions[sid].share.gap_ewma = a.sessions[sid].share.gap_last = 3600.0
     return a.release(sid, **kw)
 
 
@@ -65,20 +60,20 @@ def done(a: Arbiter, sid: int, **kw):
 def test_a_holding_claim_without_a_verified_record_is_told_to_yield():
     a = arb(mode="exclusive")
     holding(a, 1, 60 * GiB)
-    out = a.attach(2, name="liar", limit=60 * GiB, holding=True, lease=99)
+    out = a.attach(2, name="liar", memory_limit=60 * GiB, holding=True, lease=99)
     assert of(out, GrantAction) == [] and a.holders == [1]
     assert of(out, RevokeAction) == [RevokeAction(2, 99, 0, a.settings.grace_s)]
     assert a.used_bytes() <= a.capacity
-    assert a.sessions[2].state is State.WAITING and a.sessions[2].yield_due
+    assert a.sessions[2].state is State.WAITING and a.sessions[2].esc.yield_due
     # verified or not, a claim never makes a second exclusive holder
-    out = a.attach(3, name="stale", limit=10 * GiB, holding=True, lease=5, verified=True)
+    out = a.attach(3, name="stale", memory_limit=10 * GiB, holding=True, lease=5, verified=True)
     assert of(out, GrantAction) == [] and a.holders == [1]
 
 
 def test_a_refused_release_leaves_no_ghost_holder():
     a = arb(mode="exclusive")
     holding(a, 1, 10 * GiB)
-    a.attach(2, name="b", limit=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB)
     a.acquire(2)
     before = state_of(a)
     with pytest.raises(FieldError, match="release: resident"):
@@ -92,7 +87,7 @@ def test_a_refused_release_leaves_no_ghost_holder():
 def test_swapped_bytes_beyond_the_limit_are_refused_and_the_quantum_stays_bounded():
     clock = ManualClock()
     a = arb(clock=clock, tq_s=5, mode="exclusive")
-    a.attach(1, name="a", limit=GiB)
+    a.attach(1, name="a", memory_limit=GiB)
     with pytest.raises(FieldError, match="swapped"):
         a.report(1, resident=0, swapped=2**62)
     assert len(of(a.acquire(1), GrantAction)) == 1
@@ -103,10 +98,10 @@ def test_swapped_bytes_beyond_the_limit_are_refused_and_the_quantum_stays_bounde
 def test_weights_are_bounded_and_finite(weight):
     a = arb(policy="weighted")
     with pytest.raises(FieldError, match="weight"):
-        a.attach(1, name="w", limit=GiB, weight=weight)
+        a.attach(1, name="w", memory_limit=GiB, weight=weight)
     assert not a.sessions
-    a.attach(1, name="w", limit=GiB, weight=MAX_WEIGHT)
-    a.attach(2, name="v", limit=GiB, weight=MIN_WEIGHT)
+    a.attach(1, name="w", memory_limit=GiB, weight=MAX_WEIGHT)
+    a.attach(2, name="v", memory_limit=GiB, weight=MIN_WEIGHT)
     assert all(math.isfinite(a.quantum(s)) for s in a.sessions.values())
 
 
@@ -114,8 +109,8 @@ def test_figures_that_do_not_fit_are_refused():
     a = arb(capacity=20 * GiB, mode="exclusive")
     holding(a, 1, 15 * GiB)
     with pytest.raises(FieldError, match="do not fit"):
-        a.attach(2, name="b", limit=10 * GiB, resident=10 * GiB)
-    a.attach(2, name="b", limit=10 * GiB, swapped=10 * GiB)
+        a.attach(2, name="b", memory_limit=10 * GiB, resident=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB, swapped=10 * GiB)
     with pytest.raises(FieldError, match="without a lease"):  # it cannot allocate idle
         a.report(2, resident=10 * GiB, swapped=0)
     with pytest.raises(FieldError, match="seconds"):
@@ -128,11 +123,11 @@ def test_figures_that_do_not_fit_are_refused():
 
 def test_resident_over_the_limit_escalates_and_keeps_the_figures():
     a = arb(escalation="kill")
-    a.attach(1, name="greedy", limit=GiB)
+    a.attach(1, name="greedy", memory_limit=GiB)
     a.report(1, resident=GiB // 2, swapped=0)
     out = a.report(1, resident=2**62, swapped=0)
     assert of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
-    assert a.sessions[1].resident == GiB // 2
+    assert a.sessions[1].memory.resident == GiB // 2
 
 
 # --- a refused input changes nothing --------------------------------------------------
@@ -243,7 +238,10 @@ def test_any_refused_input_leaves_the_arbiter_byte_for_byte_unchanged(
         assert a.used_bytes() <= a.capacity
         for s in a.sessions.values():
             assert math.isfinite(a.quantum(s))
-            assert min(s.resident, s.swapped) >= 0 and s.resident + s.swapped <= s.limit
+            assert (
+                min(s.memory.resident, s.memory.swapped) >= 0
+                and s.memory.resident + s.memory.swapped <= s.memory.limit
+            )
         assert set(a.holders) == {i for i, s in a.sessions.items() if s.holding}
         assert set(a.queue) == {i for i, s in a.sessions.items() if s.state is State.WAITING}
 
@@ -255,11 +253,11 @@ def test_nothing_is_granted_in_the_recovery_window_then_the_latest_lease_comes_b
     clock = ManualClock()
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", grace_s=1), lease_base=100)
     a.begin_recovery()
-    out = a.attach(1, name="old", limit=30 * GiB, resident=30 * GiB, holding=True, lease=90,
+    out = a.attach(1, name="old", memory_limit=30 * GiB, resident=30 * GiB, holding=True, lease=90,
                    verified=True)  # fmt: skip
-    out += a.attach(2, name="new", limit=30 * GiB, resident=30 * GiB, holding=True, lease=95,
+    out += a.attach(2, name="new", memory_limit=30 * GiB, resident=30 * GiB, holding=True, lease=95,
                     verified=True)  # fmt: skip
-    a.attach(3, name="waits", limit=10 * GiB)
+    a.attach(3, name="waits", memory_limit=10 * GiB)
     out += a.acquire(3)
     assert of(out, GrantAction) == [] and of(out, RevokeAction) == [] and not a.holders
     assert a.next_deadline() is None
@@ -269,7 +267,7 @@ def test_nothing_is_granted_in_the_recovery_window_then_the_latest_lease_comes_b
     assert of(out, RevokeAction) == [RevokeAction(1, 90, 0, 1)]
     # the told one answers: it waits its turn; 3 is not granted beside the holder
     out = a.release(1, resident=30 * GiB, swapped=0, again=True)
-    assert of(out, GrantAction) == [] and not a.sessions[1].yield_due
+    assert of(out, GrantAction) == [] and not a.sessions[1].esc.yield_due
     assert list(a.queue) == [3, 1]
 
 
@@ -278,9 +276,9 @@ def test_a_claim_not_yielded_within_grace_is_escalated():
     a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="freeze")
     holding(a, 3, 10 * GiB)
     # a lease a node did grant (verified), but another holds the GPU now: told to yield
-    out = a.attach(1, name="stale", limit=10 * GiB, holding=True, lease=3, verified=True)
+    out = a.attach(1, name="stale", memory_limit=10 * GiB, holding=True, lease=3, verified=True)
     assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
-    a.attach(2, name="b", limit=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB)
     a.acquire(2)
     out = done(a, 3, resident=0, swapped=0)
     assert of(out, GrantAction) == []  # nothing granted while it may still run
@@ -298,9 +296,9 @@ def test_an_unverified_claim_blocks_no_one():
     clock = ManualClock()
     a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="log")
     holding(a, 3, 10 * GiB)
-    a.attach(2, name="b", limit=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB)
     a.acquire(2)
-    out = a.attach(1, name="liar", limit=10 * GiB, holding=True, lease=3)
+    out = a.attach(1, name="liar", memory_limit=10 * GiB, holding=True, lease=3)
     assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
     out = done(a, 3, resident=0, swapped=0)
     assert [g.session for g in of(out, GrantAction)] == [2]  # in its turn, not blocked
@@ -317,7 +315,7 @@ def parked(escalation: str):
     a = arb(capacity=20 * GiB, clock=clock, mode="exclusive", grace_s=2, escalation=escalation)
     holding(a, 1, 15 * GiB)
     done(a, 1, resident=15 * GiB, swapped=0)
-    a.attach(2, name="b", limit=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB)
     out = a.acquire(2)
     assert of(out, SwapOutAction) == [SwapOutAction(1, 5 * GiB)]
     return a, clock
@@ -330,7 +328,7 @@ def test_a_non_holder_that_ignores_a_swap_out_is_escalated(escalation):
     clock.advance(2)
     out = a.tick()
     assert of(out, EscalateAction)[0] == EscalateAction(1, escalation, "no_swap_out_within_grace")
-    assert a.sessions[1].frozen == (escalation == "freeze")
+    assert a.sessions[1].esc.frozen == (escalation == "freeze")
     if escalation != "freeze":  # asked again later: escalated once per stretch
         clock.advance(10)
         out = a.tick()
@@ -360,21 +358,21 @@ def test_a_frozen_idle_session_is_killed_when_needed_and_else_thawed_at_a_grant(
     clock.advance(1)
     holding(b, 3, 10 * GiB)  # served later: asked second, another way out
     done(b, 3, resident=10 * GiB, swapped=0)
-    b.attach(2, name="b", limit=10 * GiB)
+    b.attach(2, name="b", memory_limit=10 * GiB)
     assert of(b.acquire(2), SwapOutAction) == [SwapOutAction(1, 5 * GiB)]
     clock.advance(2)
     out = b.tick()
-    assert of(out, SwapOutAction) == [SwapOutAction(3, 5 * GiB)] and b.sessions[1].frozen
+    assert of(out, SwapOutAction) == [SwapOutAction(3, 5 * GiB)] and b.sessions[1].esc.frozen
     out = b.report(3, resident=5 * GiB, swapped=5 * GiB)
     assert [g.session for g in of(out, GrantAction)] == [2]
-    assert of(out, ThawAction) == [ThawAction(1)] and not b.sessions[1].frozen
+    assert of(out, ThawAction) == [ThawAction(1)] and not b.sessions[1].esc.frozen
 
 
 def test_a_revoked_holder_swapping_out_is_not_escalated_as_a_non_holder():
     clock = ManualClock()
     a = arb(capacity=20 * GiB, clock=clock, tq_s=1, grace_s=2, mode="exclusive")
     holding(a, 1, 15 * GiB)
-    a.attach(2, name="b", limit=10 * GiB)
+    a.attach(2, name="b", memory_limit=10 * GiB)
     a.acquire(2)
     clock.advance(1)
     (rev,) = of(a.tick(), RevokeAction)

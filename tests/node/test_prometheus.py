@@ -51,7 +51,7 @@ def concrete(expr: str) -> str:
 
 def exported_names() -> set[str]:
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 2**30), clock=ManualClock())
-    node.arbiters[0].attach(1, name="x", limit=2**20)
+    node.arbiters[0].attach(1, name="x", memory_limit=2**20)
     names = set()
     for fam in registry_for(node.status).collect():
         names |= {s.name for s in fam.samples}

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from gpushare import protocol as p
-from gpushare.core.arbiter import ANTICIPATE_FLOOR_S
+from gpushare.core.window import ANTICIPATE_FLOOR_S
 from tests.node.harness import G, InProcessNode, Workload, in_process
 
 

@@ -384,7 +384,7 @@ async def test_the_recovery_window_ends_when_a_session_does_not_come_back(node):
 @in_process(memory="80GiB", mode="exclusive")
 async def test_a_stale_token_or_another_sessions_lease_is_not_given_back(node):
     a = await holder(node, 10 * G, "a")
-    first = node.node.arbiters[0].sessions[a.session].lease
+    first = node.node.arbiters[0].sessions[a.session].lease.number
     token = node.node.recovery.token(0, a.session, first)
     b = await node.workload(memory_limit=10 * G, name="b")
     await node.settle()

@@ -27,7 +27,7 @@ def scenario():
     a = node.arbiters[0]
     a.configure(mode="exclusive", tq_s=5)
     for i, name in enumerate(["a-very-long-session-name-indeed", "b", "c"], start=1):
-        a.attach(i, name=name, limit=30 * G)
+        a.attach(i, name=name, memory_limit=30 * G)
         a.acquire(i)
     return node, clock
 
@@ -285,7 +285,7 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
     a = node.arbiters[0]
     a.configure(mode="exclusive", tq_s=1)
     for i, name, job in ((1, "r0", "job7@uid:1000"), (2, "solo", ""), (3, "r1", "job7@uid:1000")):
-        a.attach(i, name=name, limit=10 * G, gang=job, gang_size=2 if job else 0)
+        a.attach(i, name=name, memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
         a.acquire(i)
     st = node.status()
     line = render(st, ShareTracker().update(0.0, st), 80)[3]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpushare.core.clock import Clock
 from gpushare.settings import Escalation
 
 
@@ -86,3 +87,25 @@ Action = (
     | ThawAction
     | EventAction
 )
+
+
+class Outbox:
+    """Where one input's decisions gather until the arbiter hands them back."""
+
+    def __init__(self, gpu: int, clock: Clock) -> None:
+        self.gpu, self.clock = gpu, clock
+        self._actions: list[Action] = []
+
+    def act(self, action: Action) -> None:
+        self._actions.append(action)
+
+    def event(self, kind: str, sid: int | None, **fields: Any) -> None:
+        rec: dict[str, Any] = {"ts": self.clock.wall(), "gpu": self.gpu, "event": kind}
+        if sid is not None:
+            rec["session"] = sid
+        rec.update(fields)
+        self._actions.append(EventAction(rec))
+
+    def take(self) -> list[Action]:
+        out, self._actions = self._actions, []
+        return out

@@ -35,7 +35,7 @@ class Coordinator:
         self._tickets: dict[str, tuple[float, int]] = {}
         self._seq = 0
         for a in arbiters:
-            a.peers = self
+            a.gangs.peers = self
 
     def _parts(self, key: str) -> list[Arbiter]:
         return [a for a in self.arbiters.values() if key in a.gangs]
@@ -57,14 +57,14 @@ class Coordinator:
         """None of the gang's GPUs is held, reserved, or kept by another such gang (one
         holding elsewhere: it holds all its GPUs or none)."""
         for a in self._parts(key):
-            if a.holders or a.reserved is not None:
+            if a.holders or a.window.holder is not None:
                 return False
             if any(k != key and self.spread(k) and self.active(k) for k in a.gangs):
                 return False
         return True
 
     def others_wait(self, key: str) -> bool:
-        return any(a.sessions[q].gang != key for a in self._parts(key) for q in a.queue)
+        return any(a.sessions[q].rank.gang != key for a in self._parts(key) for q in a.queue)
 
     def next(self) -> str | None:
         """The gang on several GPUs that starts next: of those with a rank waiting and

@@ -1,4 +1,13 @@
-"""A session as the arbiter keeps it: its state, its memory and its running totals."""
+"""A session as the arbiter keeps it: who it is, its state, and one record per rule.
+
+Each record holds the figures one part of the core owns (docs/architecture.md, "The
+core by rule"): :class:`Memory` the ledger's (core/ledger.py), :class:`Lease` the
+arbiter's grants and revokes, :class:`Escalation` the deadlines' and escalation's
+(core/deadlines.py, core/escalation.py, core/claims.py), :class:`Share` the quantum's, the
+window's and the turns' (core/shares.py, core/window.py, core/turns.py),
+:class:`Prefetch` core/prefetch.py's, :class:`Rank` core/gangs.py's, and
+:class:`Totals` what is only counted, for status and metrics.
+"""
 
 from __future__ import annotations
 
@@ -19,67 +28,107 @@ class State(StrEnum):
 
 
 @dataclass
-class SessionState:
-    id: int
-    name: str
-    limit: int
-    weight: float
-    state: State = State.IDLE
+class Memory:
+    """Its memory: the limit it is held to, what it has where, and what is on its way."""
+
+    limit: int  # the most it may have on the GPU (memory_limit on the wire)
     resident: int = 0
     swapped: int = 0
-    pending_out: int = 0
+    pending_out: int = 0  # asked to swap out, not yet gone
     fills: bool = False  # its client can swap in chunk by chunk within a room
     room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
     swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
-    lease: int = 0
-    lease_start: float = 0.0
-    quantum_end: float = 0.0
-    revoke_deadline: float = 0.0
-    escalated: bool = False
-    wait_start: float = 0.0
-    attached: float = 0.0  # monotonic
-    frozen: bool = False  # stopped by the freeze escalation until its next grant
-    swap_failed_until: float = 0.0
-    over_limit: bool = False
-    last_served: float = -math.inf
-    # scheduling (docs/scheduling.md)
-    prefetch: bool = False  # its client swaps in before its grant when the node says
-    prefetch_room: int = 0  # while prefetching: the most it may have on the GPU
-    prefetch_seq: int = 0  # the last Prefetch sent
-    prefetch_acked: int = 0  # the last one its client said it is done with
-    reserved: bool = False  # its quantum waits for it to ask again (anticipation)
-    reserve_until: float = 0.0
-    continued: bool = False  # asked again within its window: granted the rest of its quantum
-    resume_s: float = 0.0  # a quantum paused by a turn: what is left of it
-    front_until: float = 0.0  # paused while reserved: asks before this to resume it
-    revoked_at: float = 0.0
-    turn: bool = False  # waits for, or holds, an interactive turn
-    credit: float = 0.0  # turn credit, seconds of GPU time
-    idle_since: float = 0.0  # monotonic: when its last burst ended (or it attached)
-    gap_ewma: float | None = None  # seconds from a burst's end to the next ask
-    gap_last: float = 0.0
-    burst_ewma: float | None = None  # GPU seconds per burst
-    burst_lease: float = 0.0  # GPU seconds of the burst in progress
+    over_limit: bool = False  # escalated for this stretch over its limit
+    counted: int = 0  # its part of the ledger's running total (Ledger.recount)
+
+
+@dataclass
+class Lease:
+    """Its lease, its quantum, and when it last waited or idled (monotonic seconds)."""
+
+    number: int = 0  # the lease it holds (0: none)
+    start: float = 0.0
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
+    quantum_end: float = 0.0
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
-    # GPU seconds it owes (held past earlier quanta), taken off later ones; negative: owed
-    # to it (others held past theirs while it waited), added to later ones
-    debt: float = 0.0
-    owed_mark: float = 0.0  # the arbiter's owed total when it began to wait
+    revoke_deadline: float = 0.0
+    revoked_at: float = 0.0
+    wait_start: float = 0.0
+    idle_since: float = 0.0  # when its last burst ended (or it attached)
+    last_served: float = -math.inf
+
+
+@dataclass
+class Escalation:
+    """What it was asked and did not do, and what followed (docs/faults.md)."""
+
+    escalated: bool = False  # this revoke's (or yield's) escalation was applied
+    frozen: bool = False  # stopped by the freeze escalation until its next grant
     # Asked to swap out (pending_out > 0) as a non-holder: escalated if no byte has left
     # by this time (each one that leaves moves it on by a grace period).
     swap_out_deadline: float = math.inf
     swap_escalated: bool = False
+    swap_failed_until: float = 0.0  # its last swap failed: not asked again until then
     # It claimed a lease after a node restart that the node could not give back (not
     # verified, or another holds the GPU now): it was told to yield by revoke_deadline.
     yield_due: bool = False
     claim: int = 0  # during recovery: the verified lease it claims, granted at the end
-    counted: int = 0  # its part of the arbiter's running total of used bytes (Arbiter._recount)
-    # gangs (core/gangs.py)
+
+
+@dataclass
+class Share:
+    """Its share of GPU time (docs/scheduling.md 1, 3 and 4): the window its quantum waits
+    for it, its interactive turns, and what it owes or is owed."""
+
+    window: bool = False  # its quantum waits for it to ask again (1: the window)
+    window_until: float = 0.0
+    continued: bool = False  # asked again within its window: granted the rest of its quantum
+    resume_s: float = 0.0  # a quantum paused by a turn: what is left of it
+    front_until: float = 0.0  # paused while in its window: asks before this to resume it
+    turn: bool = False  # waits for, or holds, an interactive turn (3)
+    credit: float = 0.0  # turn credit, seconds of GPU time
+    gap_ewma: float | None = None  # seconds from a burst's end to the next ask
+    gap_last: float = 0.0
+    burst_ewma: float | None = None  # GPU seconds per burst
+    burst_lease: float = 0.0  # GPU seconds of the burst in progress
+    # GPU seconds it owes (held past earlier quanta), taken off later ones; negative: owed
+    # to it (others held past theirs while it waited), added to later ones (4)
+    debt: float = 0.0
+    owed_mark: float = 0.0  # the shares' owed total when it began to wait
+
+
+@dataclass
+class Prefetch:
+    """Swapping in ahead of its grant (docs/scheduling.md 2)."""
+
+    enabled: bool = False  # its client swaps in before its grant when the node says
+    room: int = 0  # while prefetching: the most it may have on the GPU
+    seq: int = 0  # the last Prefetch sent
+    acked: int = 0  # the last one its client said it is done with
+
+    @property
+    def active(self) -> bool:
+        """A Prefetch is out that its client has not said it is done with."""
+        return self.acked < self.seq
+
+    def moot(self) -> None:
+        """Whatever was asked is done with (a grant, the end of a wait)."""
+        self.acked, self.room = self.seq, 0
+
+
+@dataclass
+class Rank:
+    """Its place in a distributed job (docs/scheduling.md 5, core/gangs.py)."""
+
     gang: str = ""  # the node's key of the job it is a rank of ("": none)
     parked: bool = False  # yielded to its gang's revoke; waits for its peers to yield too
-    gang_held: bool = False  # its gang holds the GPU: counted at its limit, never a victim
-    # totals
+    held: bool = False  # its gang holds the GPU: counted at its limit, never a victim
+
+
+@dataclass
+class Totals:
+    """Running totals since it attached: counted, never decided on."""
+
     lease_s: float = 0.0
     wait_s: float = 0.0  # completed waits
     wait_max_s: float = 0.0
@@ -98,14 +147,25 @@ class SessionState:
     wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
     recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=128))
 
+
+@dataclass
+class SessionState:
+    id: int
+    name: str
+    weight: float
+    memory: Memory
+    attached: float = 0.0  # monotonic
+    state: State = State.IDLE
+    lease: Lease = field(default_factory=Lease)
+    esc: Escalation = field(default_factory=Escalation)
+    share: Share = field(default_factory=Share)
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    rank: Rank = field(default_factory=Rank)
+    totals: Totals = field(default_factory=Totals)
+
     @property
     def holding(self) -> bool:
         return self.state in (State.HOLDING, State.YIELDING)
-
-    @property
-    def prefetching(self) -> bool:
-        """A Prefetch is out that its client has not said it is done with."""
-        return self.prefetch_acked < self.prefetch_seq
 
     @property
     def used(self) -> int:
@@ -113,12 +173,22 @@ class SessionState:
         session whose quantum waits for it its limit too, as does a rank whose gang holds
         (it may join at any time), a prefetching one its room, anyone else what is there
         now."""
+        m = self.memory
         if self.holding:
-            return self.room or self.limit
-        if self.reserved or self.gang_held:
-            return self.limit
-        if self.swapping_in:  # frozen mid swap-in: all of it may have landed
-            return self.resident + self.swapped
-        if self.prefetching:
-            return max(self.resident, self.prefetch_room)
-        return self.resident
+            return m.room or m.limit
+        if self.share.window or self.rank.held:
+            return m.limit
+        if m.swapping_in:  # frozen mid swap-in: all of it may have landed
+            return m.resident + m.swapped
+        if self.prefetch.active:
+            return max(m.resident, self.prefetch.room)
+        return m.resident
+
+    def expected_back(self, now: float) -> bool:
+        """Idle, and it usually asks again soon (within twice its usual gap)."""
+        g = self.share.gap_ewma
+        return (
+            self.state is State.IDLE
+            and g is not None
+            and now - self.lease.idle_since < max(2 * g, 1e-3)
+        )

@@ -239,7 +239,7 @@ class WorkloadServer:
             actions = arb.attach(
                 sid,
                 name=name,
-                limit=limit,
+                memory_limit=limit,
                 weight=weight,
                 resident=h.resident,
                 swapped=h.swapped,

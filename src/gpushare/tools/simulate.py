@@ -371,7 +371,7 @@ class Simulation:
                 self.arb.attach(
                     sid,
                     name=c.fig.name,
-                    limit=w.memory,
+                    memory_limit=w.memory,
                     weight=w.weight,
                     resident=c.resident,
                     swapped=c.swapped,
