@@ -82,12 +82,12 @@ def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
     # no history of gaps: the rest of the quantum waits the shortest window for it
     assert actions_of(out, GrantAction) == []
     assert events_of(out, "release")[0]["anticipate_s"] == ANTICIPATE_FLOOR_S
-    assert a.sessions[1].state is State.IDLE and a.reserved == 1
+    assert a.sessions[1].state is State.IDLE and a.window.holder == 1
     assert a.next_deadline() == pytest.approx(clock.monotonic() + ANTICIPATE_FLOOR_S)
     clock.advance(ANTICIPATE_FLOOR_S)
     g = actions_of(a.tick(), GrantAction)
     assert [x.session for x in g] == [2]
-    assert a.reserved is None
+    assert a.window.holder is None
     assert a.lease_seconds(a.sessions[1]) == pytest.approx(1)
     assert a.sessions[2].totals.wait_s == pytest.approx(1 + ANTICIPATE_FLOOR_S)
 
@@ -163,9 +163,7 @@ def test_a_longer_tq_applies_at_the_next_quantum(clock):
     clock.advance(1)
     out = a.configure(tq_s=20)
     assert events_of(out, "config")[0]["tq_s"] == 20
-    assert a.sessions[1].lease.quantum_end == pytest.approx(
-        clock.monotonic() + 9
-    )  # unchanged
+    assert a.sessions[1].lease.quantum_end == pytest.approx(clock.monotonic() + 9)  # unchanged
     clock.advance(8.99)
     assert actions_of(a.tick(), RevokeAction) == []
     clock.advance(0.01)

@@ -176,7 +176,7 @@ def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     a.verify()
     # no retry left: the one deadline is the victim's to move a byte (a grace period)
     assert a.next_deadline() == clock.monotonic() + a.settings.grace_s
-    assert len(a._retries) <= 1  # what has passed is dropped
+    assert len(a.st.deadlines._retries) <= 1  # what has passed is dropped
 
 
 def test_a_retry_whose_time_passed_without_a_tick_is_still_due():

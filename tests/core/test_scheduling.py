@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gpushare.core.actions import GrantAction, PrefetchAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
+from gpushare.core.ledger import view
 from gpushare.core.sessions import State
 from gpushare.core.shares import PAYBACK
 from gpushare.core.window import ANTICIPATE_FLOOR_S
@@ -101,11 +102,11 @@ def test_a_waiting_quantum_keeps_its_memory_and_ends_with_its_session(clock):
     a.acquire(1)
     a.report(1, resident=20 * GiB, swapped=0)
     out = burst(a, clock, 1, 1.0, resident=20 * GiB)
-    assert a.reserved == 1 and a.used_bytes() == 40 * GiB  # counted at its limit
+    assert a.window.holder == 1 and a.used_bytes() == 40 * GiB  # counted at its limit
     out = a.acquire(2)  # 2 must wait: nothing of 1's is asked to go meanwhile
     assert actions_of(out, GrantAction) == [] and actions_of(out, SwapOutAction) == []
     out = a.detach(1)
-    assert a.reserved is None
+    assert a.window.holder is None
     assert [g.session for g in actions_of(out, GrantAction)] == [2]
 
 
@@ -119,7 +120,7 @@ def had_a_burst(a, clock, sid, resident=GiB):
     a.release(sid, resident=resident, swapped=a.sessions[sid].memory.swapped)
     clock.advance(1.0)
     a.tick()  # its window passed
-    assert a.reserved is None
+    assert a.window.holder is None
 
 
 def notebook_beside_batch(clock, **kw):
@@ -222,10 +223,10 @@ def test_no_turn_once_someone_waited_a_round(clock):
 def test_a_turn_pauses_a_quantum_that_waits_for_its_holder(clock):
     a = notebook_beside_batch(clock)
     a.release(1, resident=GiB, swapped=0)  # 1 ends a burst: its quantum waits for it
-    assert a.reserved == 1
+    assert a.window.holder == 1
     left = a.sessions[1].lease.quantum_end - clock.monotonic()
     (g,) = actions_of(a.acquire(3), GrantAction)
-    assert g.session == 3 and a.reserved is None
+    assert g.session == 3 and a.window.holder is None
     clock.advance(0.01)
     a.acquire(1)  # it asks again during the turn: next, with the rest of its quantum
     assert list(a.queue) == [1, 2]
@@ -277,7 +278,7 @@ def test_the_next_holder_swaps_in_during_the_quantum(clock):
     assert (pf.session, pf.room, pf.seq) == (2, 30 * GiB, 1)
     assert a.sessions[2].used == 30 * GiB and a.used_bytes() <= a.capacity
     # while it prefetches it is nobody's victim, and counts at its room
-    assert a._view(a.sessions[2]).pinned
+    assert view(a.sessions[2], clock.monotonic()).pinned
     out = a.swap_done(
         2,
         direction="in",

@@ -145,7 +145,7 @@ inputs = st.one_of(
         st.fixed_dictionaries(
             {
                 "name": st.just("x"),
-                "limit": st.one_of(sizes, st.sampled_from([GiB, 10 * GiB, 30 * GiB])),
+                "memory_limit": st.one_of(sizes, st.sampled_from([GiB, 10 * GiB, 30 * GiB])),
                 "weight": st.one_of(hostile_floats, st.just(1.0)),
                 "resident": sizes,
                 "swapped": sizes,
@@ -378,4 +378,4 @@ def test_a_revoked_holder_swapping_out_is_not_escalated_as_a_non_holder():
     (rev,) = of(a.tick(), RevokeAction)
     assert rev.swap_out > 0
     a.report(1, resident=14 * GiB, swapped=GiB)  # its share goes as it winds down
-    assert not a._asked  # a holder's swap-out has the revoke's deadline, not this one
+    assert not a.st.deadlines.asked  # a holder's swap-out has the revoke's deadline, not this one
