@@ -30,7 +30,7 @@ from gpushare.core.clock import Clock
 from gpushare.core.gangs import REGROUP_S, Gang, Peers
 from gpushare.core.planner import MemoryView, plan_grant, take_from
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState, State
-from gpushare.settings import Escalation, GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.settings import Change, Escalation, GpuSettings, SettingsError, validate
 from gpushare.units import format_size
 
 SWAP_RETRY_S = 1.0  # a session whose swap failed is not asked again for this long
@@ -573,20 +573,14 @@ class Arbiter:
         self._out.append(EscalateAction(s.id, esc, reason))
         return esc
 
-    def configure(
-        self,
-        *,
-        tq_s: float | None = None,
-        mode: Mode | None = None,
-        policy: Policy | None = None,
-        escalation: Escalation | None = None,
-    ) -> list[Action]:
-        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
-        now that the change makes shorter ends no later than its start plus its new
-        length (a longer one keeps its end). Every value is checked first: one bad value
-        changes nothing."""
+    def set_config(self, change: Change) -> list[Action]:
+        """A live change of this GPU's settings (any keys of :class:`Change`): TQ, mode,
+        policy and escalation from the next quantum, the others from the next decision;
+        a quantum running now that the change makes shorter ends no later than its start
+        plus its new length (a longer one keeps its end). Every value is checked first:
+        one bad value changes nothing. One ``config`` event names what was set."""
         try:
-            changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
+            changes = validate(**change)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
         # The quanta running now (and one waiting for its holder to ask again); a turn's

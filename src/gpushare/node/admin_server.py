@@ -95,7 +95,7 @@ class AdminServer:
         targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
         try:
             for arb in targets:
-                self.dispatch.apply(arb, arb.configure(**change))
+                self.dispatch.apply(arb, arb.set_config(change))
         except ArbiterError as e:
             return p.Error(code="value", message=str(e))
         for arb in targets:

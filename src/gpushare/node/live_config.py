@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 from gpushare.core.arbiter import Arbiter
 from gpushare.node.config import (
@@ -21,6 +21,7 @@ from gpushare.node.config import (
     scheduling,
 )
 from gpushare.node.dispatch import Dispatch
+from gpushare.settings import Change
 
 log = logging.getLogger("gpushare.node.live_config")
 
@@ -91,7 +92,7 @@ class LiveConfig:
                     arb.gpu,
                     change,
                 )
-                self.dispatch.apply(arb, arb.configure(**change))
+                self.dispatch.apply(arb, arb.set_config(cast(Change, change)))
         restart = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
         if restart:
             log.warning(
