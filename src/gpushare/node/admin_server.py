@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter, ArbiterError
@@ -109,10 +108,8 @@ class AdminServer:
             )
         persisted = ""
         if m.persist:
-            names = {"tq_s": "tq", "mode": "mode", "policy": "policy", "escalation": "escalation"}
-            values: dict[str, Any] = {names[k]: v for k, v in change.items()}
             try:
-                persisted = self.live.persist(m.gpu, values)
+                persisted = self.live.persist(m.gpu, change)
             except NotPersisted as e:
                 return p.Error(code="persist", message=str(e))
         return p.ConfigReply(

@@ -37,7 +37,7 @@ from gpushare.core.coordinator import Coordinator
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, check_gpus, gpu_settings, scheduling
+from gpushare.node.config import NodeConfig, check_gpus, settings_for
 from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
@@ -92,12 +92,7 @@ class Node:
         reserve = parse_size(config.reserve)
         self.arbiters: list[Arbiter] = []
         for g in gpus:
-            settings = GpuSettings(
-                grace_s=config.grace,
-                overlap=config.overlap,
-                **scheduling(config),
-                **gpu_settings(config, g.index),
-            )
+            settings = GpuSettings(grace_s=config.grace, **settings_for(config, g.index))
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
             self.arbiters.append(
