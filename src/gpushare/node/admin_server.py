@@ -1,6 +1,7 @@
 """The admin socket: status, live settings, ending a session, the event stream. Each
 request is decoded, checked (the peer may administer, at a bounded rate) and answered;
-settings go to the arbiters and their actions to dispatch, like every other input."""
+settings go to the arbiters and their actions to the node's decisions, like every
+other input."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import Clock
+from gpushare.node.decisions import Decisions
 from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
@@ -32,12 +34,14 @@ class AdminServer:
         conns: dict[int, Conn],
         guard: Guard,
         dispatch: Dispatch,
+        decisions: Decisions,
         events: EventBus,
         status: Callable[[], NodeStatus],
         clock: Clock,
     ) -> None:
         self.live, self.arbiters, self.conns = live, arbiters, conns
         self.guard, self.dispatch, self.events = guard, dispatch, events
+        self.decisions = decisions
         self.status, self.clock = status, clock
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,7 +98,7 @@ class AdminServer:
         targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
         try:
             for arb in targets:
-                self.dispatch.apply(arb, arb.set_config(change))
+                self.decisions.act(arb, arb.set_config(change))
         except ArbiterError as e:
             return p.Error(code="value", message=str(e))
         for arb in targets:

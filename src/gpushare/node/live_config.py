@@ -20,7 +20,7 @@ from gpushare.node.config import (
     persist,
     settings_for,
 )
-from gpushare.node.dispatch import Dispatch
+from gpushare.node.decisions import Decisions
 from gpushare.settings import Change, SettingsError, validate
 
 log = logging.getLogger("gpushare.node.live_config")
@@ -45,14 +45,14 @@ class LiveConfig:
         self,
         config: NodeConfig,
         arbiters: list[Arbiter],
-        dispatch: Dispatch,
+        decisions: Decisions,
         path: str = "",
         state_path: str = "",
         flags: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.arbiters = arbiters
-        self.dispatch = dispatch
+        self.decisions = decisions
         self.path = path
         self.state_path = state_path
         self.flags = flags or {}
@@ -101,7 +101,7 @@ class LiveConfig:
                     arb.gpu,
                     file_keys(change),
                 )
-                self.dispatch.apply(arb, arb.set_config(change))
+                self.decisions.act(arb, arb.set_config(change))
         restart = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
         if restart:
             log.warning(
@@ -115,9 +115,9 @@ class LiveConfig:
         """A live change refused: said in the log and as a ``config_refused`` event; the
         configuration in force is kept."""
         log.error("%s: refused, keeping the configuration in force", reason)
-        self.dispatch.events.publish(
+        self.decisions.dispatch.events.publish(
             {
-                "ts": self.dispatch.clock.wall(),
+                "ts": self.decisions.clock.wall(),
                 "gpu": None,
                 "event": "config_refused",
                 "source": source,
