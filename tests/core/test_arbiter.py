@@ -243,6 +243,9 @@ def test_bad_inputs_are_refused_with_a_reason(clock, call):
         {"mode": "exclusive", "tq_s": float("nan")},
         {"policy": "weighted", "escalation": "shout"},
         {"tq_s": 0.0, "policy": "weighted", "mode": "exclusive", "escalation": "kill"},
+        {"tq_s": 5.0, "overlap": "yes"},  # the keys only the config file changes, too
+        {"anticipate_s": 0.0, "prefetch": False},
+        {"turn_s": 1.0, "turn_share": 2.0},
     ],
 )
 def test_a_bad_value_in_set_config_changes_nothing(clock, change):
