@@ -45,12 +45,36 @@ class GpuSettings:
 
 
 class Change(TypedDict, total=False):
-    """What a live change sets (only the keys given), every value checked."""
+    """A live change of a GPU's settings, what every door passes (``ctl`` over the wire,
+    the config file watched, the arbiter's :meth:`~gpushare.core.arbiter.Arbiter.set_config`):
+    only the keys given, each a :class:`GpuSettings` field, every value checked by
+    :func:`validate`."""
 
     tq_s: float
     mode: Mode
     policy: Policy
     escalation: Escalation
+    overlap: bool
+    prefetch: bool
+    anticipate_s: float
+    turn_s: float
+    turn_share: float
+
+
+# The config file's key (and ``--flag``) for each setting a live change may set: the one
+# place the two names meet (the file says ``tq``, the settings, events and wire ``tq_s``).
+# A key's range in RANGES, and how messages name it, are the file's.
+KEYS: dict[str, str] = {
+    "tq_s": "tq",
+    "mode": "mode",
+    "policy": "policy",
+    "escalation": "escalation",
+    "overlap": "overlap",
+    "prefetch": "prefetch",
+    "anticipate_s": "idle_release",
+    "turn_s": "turn",
+    "turn_share": "turn_share",
+}
 
 
 @dataclass(frozen=True)
@@ -134,22 +158,44 @@ def _choice(what: str, value: object, allowed: tuple[C, ...]) -> C:
     raise SettingsError(f"{what} must be one of {', '.join(allowed)}")
 
 
+def _switch(what: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise SettingsError(f"{what} must be true or false, not {value!r}")
+
+
 def validate(
     *,
     tq_s: object = None,
     mode: object = None,
     policy: object = None,
     escalation: object = None,
+    overlap: object = None,
+    prefetch: object = None,
+    anticipate_s: object = None,
+    turn_s: object = None,
+    turn_share: object = None,
 ) -> Change:
     """Every value given (``None``: not given) checked, before anything is changed: the
-    first bad one raises :class:`SettingsError` and nothing is returned to apply."""
+    first bad one raises :class:`SettingsError` (naming the config file's key) and
+    nothing is returned to apply."""
     out = Change()
     if tq_s is not None:
-        out["tq_s"] = seconds("tq", tq_s)
+        out["tq_s"] = seconds(KEYS["tq_s"], tq_s)
     if mode is not None:
         out["mode"] = _choice("mode", mode, MODES)
     if policy is not None:
         out["policy"] = _choice("policy", policy, POLICIES)
     if escalation is not None:
         out["escalation"] = _choice("escalation", escalation, ESCALATIONS)
+    if overlap is not None:
+        out["overlap"] = _switch("overlap", overlap)
+    if prefetch is not None:
+        out["prefetch"] = _switch("prefetch", prefetch)
+    if anticipate_s is not None:
+        out["anticipate_s"] = seconds(KEYS["anticipate_s"], anticipate_s)
+    if turn_s is not None:
+        out["turn_s"] = seconds(KEYS["turn_s"], turn_s)
+    if turn_share is not None:
+        out["turn_share"] = float(check(KEYS["turn_share"], turn_share))
     return out

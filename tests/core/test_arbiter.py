@@ -161,7 +161,7 @@ def test_a_longer_tq_applies_at_the_next_quantum(clock):
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
-    out = a.configure(tq_s=20)
+    out = a.set_config({"tq_s": 20})
     assert events_of(out, "config")[0]["tq_s"] == 20
     assert a.sessions[1].lease.quantum_end == pytest.approx(clock.monotonic() + 9)  # unchanged
     clock.advance(8.99)
@@ -176,14 +176,14 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
     # `ctl tq 1d` then `ctl tq 1`: the day-long quantum ends at its start plus 1 s, not
     # a day later (issue 16).
     a = arb(clock, tq_s=10, mode="exclusive")
-    a.configure(tq_s=86400)
+    a.set_config({"tq_s": 86400})
     a.attach(1, name="a", memory_limit=GiB)
     a.attach(2, name="b", memory_limit=GiB)
     a.acquire(1)
     a.acquire(2)
     start = clock.monotonic()
     clock.advance(0.5)
-    assert actions_of(a.configure(tq_s=2), RevokeAction) == []
+    assert actions_of(a.set_config({"tq_s": 2}), RevokeAction) == []
     assert a.sessions[1].lease.quantum_end == pytest.approx(start + 2)
     assert a.next_deadline() == pytest.approx(start + 2)
     clock.advance(1.5)
@@ -191,9 +191,9 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
     # Past its new end already: revoked at once.
     (g,) = actions_of(a.release(1, resident=0, swapped=0, again=True), GrantAction)
     assert g.session == 2
-    a.configure(tq_s=86400)
+    a.set_config({"tq_s": 86400})
     clock.advance(5)
-    assert actions_of(a.configure(tq_s=1), RevokeAction)
+    assert actions_of(a.set_config({"tq_s": 1}), RevokeAction)
 
 
 def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
@@ -225,8 +225,8 @@ def test_weighted_policy_scales_quantum(clock):
         lambda a: a.attach(9, name="w", memory_limit=GiB, weight=0),
         lambda a: a.acquire(42),
         lambda a: a.release(1, resident=0, swapped=0),
-        lambda a: a.configure(tq_s=0),
-        lambda a: a.configure(mode="bogus"),
+        lambda a: a.set_config({"tq_s": 0}),
+        lambda a: a.set_config({"mode": "bogus"}),
         lambda a: a.report(1, resident=-1, swapped=0),
     ],
 )
@@ -245,15 +245,18 @@ def test_bad_inputs_are_refused_with_a_reason(clock, call):
         {"mode": "exclusive", "tq_s": float("nan")},
         {"policy": "weighted", "escalation": "shout"},
         {"tq_s": 0.0, "policy": "weighted", "mode": "exclusive", "escalation": "kill"},
+        {"tq_s": 5.0, "overlap": "yes"},  # the keys only the config file changes, too
+        {"anticipate_s": 0.0, "prefetch": False},
+        {"turn_s": 1.0, "turn_share": 2.0},
     ],
 )
-def test_a_bad_value_in_configure_changes_nothing(clock, change):
+def test_a_bad_value_in_set_config_changes_nothing(clock, change):
     a = arb(clock, tq_s=10)
     before = vars(a.settings).copy()
     with pytest.raises(ArbiterError):
-        a.configure(**change)
+        a.set_config(change)
     assert vars(a.settings) == before
-    out = a.configure(tq_s=5.0, mode="exclusive")  # a good change applies whole
+    out = a.set_config({"tq_s": 5.0, "mode": "exclusive"})  # a good change applies whole
     assert (a.settings.tq_s, a.settings.mode) == (5.0, "exclusive")
     assert events_of(out, "config") == [events_of(out, "config")[0]]
 
@@ -266,7 +269,7 @@ def test_inputs_beyond_the_session_are_keyword_only(clock):
     with pytest.raises(TypeError):
         a.report(1, GiB, 0)  # type: ignore[misc]
     with pytest.raises(TypeError):
-        a.configure(5.0)  # type: ignore[misc]
+        a.set_config(tq_s=5.0)  # type: ignore[call-arg]
 
 
 def test_double_acquire_is_refused(clock):

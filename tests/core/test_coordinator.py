@@ -19,8 +19,9 @@ from tests.core.model import GiB, drive
 
 
 class Node:
-    """Two exclusive GPUs and their coordinator, ticked as the node's dispatch does:
-    after a GPU's decisions, the GPUs that share a gang with it."""
+    """Two exclusive GPUs and their coordinator, ticked as the node's decisions are
+    (node/decisions.py): after a GPU's decisions, the GPUs that share a gang with it,
+    until none decides anything more."""
 
     def __init__(self, clock: ManualClock, coordinate: bool = True) -> None:
         self.clock = clock
@@ -32,15 +33,17 @@ class Node:
         self.granted: list[int] = []
         self.revoked: list[int] = []
 
-    def do(self, gpu: int, call: str, *args, depth: int = 0, **kw) -> None:
-        arb = self.arbs[gpu]
-        out = getattr(arb, call)(*args, **kw)
-        self.granted += [a.session for a in out if isinstance(a, GrantAction)]
-        self.revoked += [a.session for a in out if isinstance(a, RevokeAction)]
-        if self.coord and depth < 4:
-            for other in self.coord.linked(gpu):
-                self.do(other.gpu, "tick", depth=depth + 1)
-        self.check()
+    def do(self, gpu: int, call: str, *args, **kw) -> None:
+        todo, ticks = [(gpu, getattr(self.arbs[gpu], call)(*args, **kw))], 0
+        while todo:
+            g, out = todo.pop(0)
+            ticks += 1
+            assert ticks < 1000, "the linked GPUs never settle"
+            self.granted += [a.session for a in out if isinstance(a, GrantAction)]
+            self.revoked += [a.session for a in out if isinstance(a, RevokeAction)]
+            self.check()
+            if self.coord and (out or g == gpu):
+                todo += [(o.gpu, o.tick()) for o in self.coord.linked(g)]
 
     def check(self) -> None:
         for a in self.arbs:  # one job at most holds each GPU
@@ -135,7 +138,7 @@ class Rank:
 
 class MultiModel:
     """Ranks of jobs on several GPUs driving real arbiters and their coordinator, ticked
-    as the node's dispatch does, on one ManualClock."""
+    as the node's decisions are, on one ManualClock."""
 
     def __init__(self, gpus: int, settings: GpuSettings) -> None:
         self.clock = ManualClock()
@@ -152,7 +155,17 @@ class MultiModel:
         self.seq += 1
         heapq.heappush(self.heap, (self.clock.monotonic() + delay, self.seq, fn))
 
-    def apply(self, gpu: int, actions, depth: int = 0) -> None:
+    def apply(self, gpu: int, actions) -> None:
+        todo, ticks = [(gpu, actions)], 0
+        while todo:
+            g, out = todo.pop(0)
+            ticks += 1
+            assert ticks < 1000, "the linked GPUs never settle"
+            self.deliver(out)
+            if out or g == gpu:  # what it decided may let its linked GPUs decide
+                todo += [(o.gpu, o.tick()) for o in self.coord.linked(g)]
+
+    def deliver(self, actions) -> None:
         for a in actions:
             if isinstance(a, GrantAction):
                 r = self.ranks[a.session]
@@ -164,9 +177,6 @@ class MultiModel:
             elif isinstance(a, EscalateAction):
                 self.escalations += 1
         self.check()
-        if depth < 4:
-            for other in self.coord.linked(gpu):
-                self.apply(other.gpu, other.tick(), depth + 1)
 
     def check(self) -> None:
         for a in self.arbs:

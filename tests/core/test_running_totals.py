@@ -47,7 +47,7 @@ inputs = st.one_of(
     st.tuples(st.just("report"), SIDS, BYTES, BYTES),
     st.tuples(st.just("over_limit"), SIDS, BYTES),
     st.tuples(
-        st.just("configure"),
+        st.just("set_config"),
         st.sampled_from(["auto", "exclusive"]),
         st.sampled_from(["equal", "weighted"]),
         st.sampled_from([0.5, 1.0, 5.0]),
@@ -60,7 +60,8 @@ inputs = st.one_of(
 
 def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
     kind, *args = op
-    if kind not in ("attach", "configure", "tick", "recovery") and a.sessions:  # mostly those there
+    # mostly those there
+    if kind not in ("attach", "set_config", "tick", "recovery") and a.sessions:
         ids = sorted(a.sessions)
         args[0] = ids[args[0] % len(ids)] if args[0] < 9 else max(ids) + 1
     if kind == "attach":
@@ -100,8 +101,8 @@ def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
         a.report(args[0], resident=args[1], swapped=args[2])
     elif kind == "over_limit":
         a.over_limit(args[0], used=args[1])
-    elif kind == "configure":
-        a.configure(mode=args[0], policy=args[1], tq_s=args[2])
+    elif kind == "set_config":
+        a.set_config({"mode": args[0], "policy": args[1], "tq_s": args[2]})
     elif kind == "recovery":
         if args[0]:
             a.begin_recovery()

@@ -49,10 +49,10 @@ def test_bad_files_give_one_clear_line(tmp_path, text, match):
 
 def test_persist_all_and_one_gpu_keeps_other_keys(tmp_path):
     f = tmp_path / "sub" / "node.toml"
-    persist(f, 1, tq=4.0)
+    persist(f, 1, {"tq_s": 4.0})
     assert load(f).gpu["1"].tq == 4.0
     f.write_text('escalation = "kill"\n' + f.read_text())
-    persist(f, None, tq=9.0)
+    persist(f, None, {"tq_s": 9.0})
     c = load(f)
     assert c.tq == 9.0 and "1" not in c.gpu and c.escalation == "kill"
     assert not list(f.parent.glob(".node.toml.*"))  # no temp files left behind
@@ -61,10 +61,10 @@ def test_persist_all_and_one_gpu_keeps_other_keys(tmp_path):
 def test_persist_refuses_values_the_node_could_not_read(tmp_path):
     f = tmp_path / "node.toml"
     with pytest.raises(ConfigError, match="mode"):
-        persist(f, None, mode="fastest")
+        persist(f, None, {"mode": "fastest"})
     assert not f.exists()
     with pytest.raises(ConfigError, match="TQ"):
-        persist(f, 0, tq=-3.0)
+        persist(f, 0, {"tq_s": -3.0})
     assert not f.exists()
 
 

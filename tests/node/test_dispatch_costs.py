@@ -27,23 +27,23 @@ async def test_grants_within_the_set_timer_set_no_timer_and_an_early_one_does_no
     t0 = node.clock.monotonic()
     await a.send(p.Acquire())
     await a.expect(p.Grant)
-    assert node.node.dispatch.timers_set == 1  # for t0 + 5
+    assert node.node.decisions.timers_set == 1  # for t0 + 5
     for _ in range(40):  # short bursts back to back: the rest of the same quantum each time
         await asyncio.sleep(0.05)
         await a.send(p.Release(resident=0, swapped=0), p.Acquire())
         await a.expect(p.Grant)
     # nobody waits: the windows at the bursts' ends set no timer either
-    assert node.node.dispatch.timers_set == 1  # not one per message
+    assert node.node.decisions.timers_set == 1  # not one per message
     await a.send(p.Release(resident=0, swapped=0))
     await asyncio.sleep(1.0)  # past its window: the next burst is a new quantum
     await a.send(p.Acquire())
     await a.expect(p.Grant)
     last_grant = node.clock.monotonic()
     assert last_grant - t0 == pytest.approx(3.0)
-    assert node.node.dispatch.timers_set == 1
+    assert node.node.decisions.timers_set == 1
     # At t0 + 5 the timer fires early for the new quantum: nothing is due, no tick
     await node.until(lambda: node.clock.monotonic() > t0 + 5)
-    assert node.node.dispatch.timers_set == 2  # set again, for the new quantum's end
+    assert node.node.decisions.timers_set == 2  # set again, for the new quantum's end
     assert ticks == []
     b = await node.workload(memory_limit=G, name="b")
     await b.send(p.Acquire())
@@ -88,7 +88,7 @@ async def test_a_rounds_frames_for_one_connection_leave_in_one_write(node, monke
         RevokeAction(a.session, 2, 0, 5.0),
         SwapOutAction(b.session, 2 * G),
     ]
-    node.node.dispatch.apply(node.node.arbiters[0], round_)
+    node.node.dispatch.deliver(node.node.arbiters[0], round_)
     assert len(writes) == 1
     assert [(await b.recv()).bytes, (await b.recv()).bytes] == [G, 2 * G]  # in order
     assert [(await a.recv()).lease, (await a.recv()).lease] == [1, 2]

@@ -55,8 +55,8 @@ def scripted_node() -> tuple[Node, ManualClock]:
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(2, 80 * G), clock=clock)
     a, b = node.arbiters
-    a.configure(tq_s=10, mode="exclusive")
-    b.configure(policy="weighted")
+    a.set_config({"tq_s": 10, "mode": "exclusive"})
+    b.set_config({"policy": "weighted"})
     for sid in range(1, 5):
         a.attach(sid, name=f"s{sid}", memory_limit=30 * G, weight=0.25 * sid)
     b.attach(7, name="other", memory_limit=int(1.5 * G), weight=0.5)

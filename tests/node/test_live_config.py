@@ -30,7 +30,7 @@ async def test_config_file_changes_apply_live(node, caplog):
     await node.until(lambda: tqs(node) == [12, 12])  # at the next look (1 s)
     assert node.node.arbiters[1].settings.mode == "exclusive"
     assert node.node.arbiters[0].settings.mode == "auto"
-    assert "changed: GPU 0 {'tq_s': 12.0}" in caplog.text
+    assert "changed: GPU 0 {'tq': 12.0}" in caplog.text  # by the file's key
     assert [e["gpu"] for e in node.events("config")] == [0, 1]
     # bad edits: refused (a log line, an event), and the configuration in force is kept
     bad_edits = [
@@ -56,6 +56,53 @@ async def test_config_file_changes_apply_live(node, caplog):
     # and the next good edit applies as usual
     cfg.write_text("tq = 9.0\n")
     await node.until(lambda: tqs(node) == [9, 9])
+
+
+LIVE_EDITS = [  # a line of the config file, the setting it changes, its new value
+    ("overlap = false", "overlap", False),
+    ("prefetch = false", "prefetch", False),
+    ("idle_release = 2.0", "anticipate_s", 2.0),
+    ("turn = 0.0", "turn_s", 0.0),
+    ("turn_share = 0.5", "turn_share", 0.5),
+    ('mode = "exclusive"', "mode", "exclusive"),
+    ('policy = "weighted"', "policy", "weighted"),
+    ('escalation = "freeze"', "escalation", "freeze"),
+    ("tq = 7.0", "tq_s", 7.0),
+]
+
+
+@in_process(gpus=2, files={"config": "grace = 5.0\n"})
+async def test_each_live_key_changes_through_the_one_door(node):
+    # Every key the file may change live goes through the arbiter's set_config: each
+    # edit is one config event per GPU naming just what changed (overlap and the
+    # scheduling keys too, which were set behind the arbiter's back with no event).
+    cfg = node.dir / "config.toml"
+    lines = ["grace = 5.0"]
+    for i, (line, field, value) in enumerate(LIVE_EDITS, start=1):
+        assert all(getattr(a.settings, field) != value for a in node.node.arbiters)
+        lines.append(line)
+        cfg.write_text("\n".join(lines) + "\n")
+        await node.until(lambda i=i: len(node.events("config")) == 2 * i)
+        new = node.events("config")[-2:]
+        assert [e["gpu"] for e in new] == [0, 1]
+        for e in new:
+            assert {k: v for k, v in e.items() if k not in ("ts", "gpu", "event")} == {field: value}
+        assert all(getattr(a.settings, field) == value for a in node.node.arbiters)
+    # A bad value for any of them is refused whole: what is in force is kept.
+    before = [vars(a.settings).copy() for a in node.node.arbiters]
+    bad = ['overlap = "yes"', "prefetch = 1", "idle_release = 0.0", "turn = -1.0"]
+    bad += ["turn_share = 2.0", 'policy = "fastest"', "grace = 0.0", "tq = 0.0"]
+    for i, line in enumerate(bad, start=1):
+        # a good change beside it (tq) is not applied either
+        edit = {x.split(" ")[0]: x for x in [*lines, "tq = 3.0", line]}
+        cfg.write_text("\n".join(edit.values()) + "\n")
+        await node.until(lambda i=i: len(node.events("config_refused")) == i)
+    await asyncio.sleep(2)  # two more looks at the last bad edit
+    assert [vars(a.settings) for a in node.node.arbiters] == before
+    assert len(node.events("config")) == 2 * len(LIVE_EDITS)
+    reasons = [e["reason"] for e in node.events("config_refused")]
+    for line, reason in zip(bad, reasons, strict=True):
+        assert line.split(" ")[0] in reason.replace("TQ", "tq"), reason
 
 
 @in_process(files={"config": "tq = 30.0\n"})

@@ -40,7 +40,7 @@ def scripted():
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
-    a.configure(tq_s=10, mode="exclusive")
+    a.set_config({"tq_s": 10, "mode": "exclusive"})
     a.attach(1, name="train", memory_limit=50 * G)
     a.attach(2, name="infer", memory_limit=50 * G)
     a.acquire(1)
@@ -309,7 +309,7 @@ def test_the_ranks_of_a_job_carry_their_gang_and_rank_and_the_gang_its_regroups(
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
-    a.configure(tq_s=1, mode="exclusive")
+    a.set_config({"tq_s": 1, "mode": "exclusive"})
     for sid, job in ((1, "job7@uid:1000"), (2, "job7@uid:1000"), (3, "")):
         a.attach(sid, name=f"s{sid}", memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
         a.acquire(sid)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import gpushare
+from gpushare.errors import GpushareError
+from gpushare.tools.admin import AdminClient
 from tests.node.test_metrics import free_port
 from tests.support import REPO, sim, wait_until
 
@@ -108,6 +110,17 @@ def test_ctl_tq_shows_sets_and_refuses(node):
     assert node.status()["gpus"][0]["tq_s"] == 300  # the refusals changed nothing
     refused = [e for e in node.event_list() if e["event"] == "config_refused"]
     assert [e["source"] for e in refused] == ["ctl"]  # the one that reached the node
+
+
+def test_the_admin_client_sets_a_change_and_names_what_only_the_file_sets(node):
+    with AdminClient(node.admin) as c:
+        r = c.set_config({"tq_s": 12.0, "policy": "weighted"}, gpu=0)
+        assert [(g.tq_s, g.policy) for g in r.gpus] == [(12.0, "weighted")]
+        with pytest.raises(GpushareError, match="idle_release, overlap: not changed over"):
+            c.set_config({"overlap": False, "anticipate_s": 1.0, "tq_s": 5.0})
+    assert node.status()["gpus"][0]["tq_s"] == 12  # the refused change sent nothing
+    (config,) = [e for e in node.event_list() if e["event"] == "config"]
+    assert (config["tq_s"], config["policy"]) == (12.0, "weighted")
 
 
 def test_socket_before_or_after_the_subcommand(node):

@@ -25,7 +25,7 @@ def scenario():
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
-    a.configure(mode="exclusive", tq_s=5)
+    a.set_config({"mode": "exclusive", "tq_s": 5})
     for i, name in enumerate(["a-very-long-session-name-indeed", "b", "c"], start=1):
         a.attach(i, name=name, memory_limit=30 * G)
         a.acquire(i)
@@ -283,7 +283,7 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
-    a.configure(mode="exclusive", tq_s=1)
+    a.set_config({"mode": "exclusive", "tq_s": 1})
     for i, name, job in ((1, "r0", "job7@uid:1000"), (2, "solo", ""), (3, "r1", "job7@uid:1000")):
         a.attach(i, name=name, memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
         a.acquire(i)

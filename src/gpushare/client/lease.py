@@ -38,14 +38,14 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import msgspec
 
 from gpushare import protocol as p
-from gpushare.client.swap.base import SwapBackend
-from gpushare.client.transport import LIVE, Link, Transport
+from gpushare.client.swap.base import SwapBackend, SwapHooks
+from gpushare.client.transport import LIVE, Link, Peer, Transport
 from gpushare.errors import DaemonUnavailableError, GpushareError, SwapError
 
 log = logging.getLogger("gpushare.client.lease")
@@ -77,15 +77,15 @@ class Lease:
 
     def __init__(
         self,
-        link: Transport,
-        backend: SwapBackend,
+        link: Callable[[Peer], Transport],
+        backend: Callable[[SwapHooks], SwapBackend],
         cond: threading.Condition,
         welcome: p.Welcome,
         reconnect_timeout: float,
         pid: int,
     ) -> None:
-        self.link = link
-        self.backend = backend
+        """``link`` and ``backend`` build this lease's connection and swap backend, each
+        given the lease as what it tells (its peer; its hooks) when it is built."""
         self.cond = cond
         self.memory_limit = welcome.memory_limit
         self.weight = welcome.weight
@@ -120,6 +120,9 @@ class Lease:
         self.waits: list[float] = []
         self.swap_lock = threading.Lock()  # one swap at a time, whichever thread
         self._idle_thread: threading.Thread | None = None
+        # Last, the state above in place: a backend may report from its own thread at once.
+        self.link = link(self)
+        self.backend = backend(SwapHooks(self.report, self.check_access, self.wait_room))
 
     # --- what the session's public methods do ---------------------------------------
 

@@ -180,16 +180,17 @@ def child_start() -> None:
     # Consumed here: Python processes this one starts (spawned DataLoader workers,
     # tools) are not the session.
     os.environ.pop(ENV_FLAG, None)
-    from gpushare.client.session import attach
+    from gpushare.client.session import attach_with
     from gpushare.errors import AttachRefusedError, GpushareError
 
     weight = os.environ.get("GPUSHARE_WEIGHT")
     gpu = os.environ.get("GPUSHARE_GPU")
     try:
-        session = attach(
+        session = attach_with(
             name=os.environ.get("GPUSHARE_NAME") or None,
             weight=float(weight) if weight else None,
             gpu=int(gpu) if gpu else None,
+            on_ended=_stop_program,
         )
     except (GpushareError, ValueError) as e:
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
@@ -198,7 +199,6 @@ def child_start() -> None:
             hint = " (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
         print(f"gpushare run: error: {e}{hint}", file=sys.stderr, flush=True)
         os._exit(3)
-    session._link.on_ended = _stop_program
     tq = f", TQ {session.tq_s:g} s" if session.tq_s else ""
     print(
         f"gpushare run: attached as session {session.id} ({session.name}) on GPU"

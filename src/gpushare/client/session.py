@@ -3,7 +3,10 @@
 :func:`attach` connects and says hello; :class:`Session` is the public face of two parts:
 the connection (:mod:`gpushare.client.transport`: socket, reader thread, reconnecting)
 and the lease (:mod:`gpushare.client.lease`: the state machine of asking, swapping in,
-holding and yielding). A revoke only clears the flag :meth:`Session.checkpoint` reads
+holding and yielding). The lease builds the connection and the swap backend, each
+given at construction what it tells (the lease as the connection's peer; its hooks, to
+report memory, check access and wait for room, as the backend's), so neither runs a
+moment half wired. A revoke only clears the flag :meth:`Session.checkpoint` reads
 with no lock and no system call; swap-outs asked of an idle or waiting session are done
 by the reader thread, while the workload's own threads go on with CPU work. When the
 node goes away, the reader thread reconnects with backoff and re-registers the session's
@@ -20,15 +23,22 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from gpushare import protocol as p
 from gpushare.client.env import program_name, read_env
 from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
-from gpushare.client.swap.base import SwapBackend
+from gpushare.client.swap.base import SwapBackend, SwapHooks
 from gpushare.client.swap.sim import SimBackend
-from gpushare.client.transport import Connector, Link, Transport, UnixConnector, open_connection
+from gpushare.client.transport import (
+    Connector,
+    Link,
+    Peer,
+    Transport,
+    UnixConnector,
+    open_connection,
+)
 from gpushare.errors import GpushareError
 from gpushare.units import parse_size
 
@@ -65,6 +75,33 @@ def attach(
     :class:`~gpushare.errors.DaemonUnavailableError` when no node answers and
     :class:`~gpushare.errors.AttachRefusedError` when the node refuses.
     """
+    return attach_with(
+        memory,
+        socket=socket,
+        gpu=gpu,
+        name=name,
+        weight=weight,
+        backend=backend,
+        timeout=timeout,
+        reconnect_timeout=reconnect_timeout,
+    )
+
+
+def attach_with(
+    memory: str | int | None = None,
+    *,
+    socket: str | None = None,
+    gpu: int | None = None,
+    name: str | None = None,
+    weight: float | None = None,
+    backend: str | None = None,
+    timeout: float = 10.0,
+    reconnect_timeout: float | None = None,
+    on_ended: Callable[[str], None] | None = None,
+) -> Session:
+    """:func:`attach`, and ``on_ended(reason)`` called on the reader thread, unlocked,
+    once the node has ended the session for good (``ctl end``, a refusal on
+    reconnecting): ``gpushare run`` stops its program there."""
     env = read_env()
     path = socket or env.socket
     limit = parse_size(memory) if memory is not None else env.memory
@@ -87,7 +124,9 @@ def attach(
     )
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)
-    return open_session(UnixConnector(path), hello, timeout, backend, reconnect_timeout)
+    return open_session(
+        UnixConnector(path), hello, timeout, backend, reconnect_timeout, on_ended=on_ended
+    )
 
 
 def open_session(
@@ -96,12 +135,13 @@ def open_session(
     timeout: float = 10.0,
     backend: str | None = None,
     reconnect_timeout: float = 60.0,
+    on_ended: Callable[[str], None] | None = None,
 ) -> Session:
     """:func:`attach` once the hello is made, through any connector (tests use a fake
-    node's)."""
+    node's); ``on_ended``: see :func:`attach_with`."""
     sock, welcome, rest = open_connection(connector, hello, timeout)
     try:
-        swap = _make_backend(backend, welcome)
+        swap = _backend_for(backend, welcome)
     except BaseException:
         sock.close()  # the node counts the session gone
         raise
@@ -114,11 +154,17 @@ def open_session(
         reconnect_timeout,
         connector=connector,
         first=rest,
+        on_ended=on_ended,
     )
 
 
-def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
-    """``sim`` for a simulated GPU, ``torch`` for a real one, unless asked otherwise."""
+BackendFactory = Callable[[SwapHooks], SwapBackend]
+"""Builds a session's swap backend, given what it calls in its session."""
+
+
+def _backend_for(name: str | None, w: p.Welcome) -> BackendFactory:
+    """``sim`` for a simulated GPU, ``torch`` for a real one, unless asked otherwise: how
+    to build it (a backend that does not fit the GPU is refused here, before)."""
     name = name or ("sim" if w.simulated else "torch")
     if name == "sim":
         if not w.simulated:
@@ -126,12 +172,13 @@ def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
                 f"GPU {w.gpu} ({w.gpu_name}) is a real GPU and the sim backend only serves"
                 " simulated ones: use backend='torch' (the default on real GPUs)"
             )
-        return SimBackend(
+        return lambda hooks: SimBackend(
             w.memory_limit,
             scale=w.sim_scale,
             bandwidth=w.sim_bandwidth,
             failure_rate=w.sim_swap_failure_rate,
             link=w.sim_link,
+            hooks=hooks,
         )
     if name == "torch":
         if w.simulated:
@@ -141,7 +188,9 @@ def _make_backend(name: str | None, w: p.Welcome) -> SwapBackend:
             )
         from gpushare.client.swap.torch import TorchBackend  # imports PyTorch: only when needed
 
-        return TorchBackend(w.memory_limit, gpu_uuid=w.gpu_uuid, gpu_index=w.gpu)
+        return lambda hooks: TorchBackend(
+            w.memory_limit, gpu_uuid=w.gpu_uuid, gpu_index=w.gpu, hooks=hooks
+        )
     raise GpushareError(f"unknown swap backend {name!r}: choose 'torch' or 'sim'")
 
 
@@ -152,13 +201,14 @@ class Session:
         self,
         sock: _socket.socket,
         welcome: p.Welcome,
-        backend: SwapBackend,
+        backend: BackendFactory,
         path: str = "",
         hello: p.Hello | None = None,
         reconnect_timeout: float = 60.0,
         *,
         connector: Connector | None = None,
         first: Iterable[p.Message] = (),
+        on_ended: Callable[[str], None] | None = None,
     ) -> None:
         self.name = welcome.name
         self.gpu_index = welcome.gpu
@@ -168,24 +218,30 @@ class Session:
         self.weight = welcome.weight
         self.idle_release_s = welcome.idle_release_s
         self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)
-        self.backend = backend
         # The distributed job this process is a rank of ("": none), as its hello said.
         self.gang = hello.gang if hello else ""
         # One condition for the link and the lease: each reads a consistent picture of
         # both. Not reentrant: a swap leaves it (see Lease._unlocked).
         cond = threading.Condition(threading.Lock())
-        self._link = Transport(
-            sock,
-            welcome.session,
-            connector or UnixConnector(path),
-            hello or p.Hello(version=p.PROTOCOL_VERSION),
-            cond,
-        )
-        self._lease = Lease(self._link, backend, cond, welcome, reconnect_timeout, os.getpid())
-        self._link.peer = self._lease
-        backend.on_change = self._lease.report
-        backend.check_access = self._lease.check_access
-        backend.wait_room = self._lease.wait_room
+
+        def link(peer: Peer) -> Transport:
+            return Transport(
+                sock,
+                welcome.session,
+                connector or UnixConnector(path),
+                hello or p.Hello(version=p.PROTOCOL_VERSION),
+                cond,
+                peer,
+                on_ended,
+            )
+
+        try:  # the lease builds its link and backend, each told of it
+            self._lease = Lease(link, backend, cond, welcome, reconnect_timeout, os.getpid())
+        except BaseException:
+            sock.close()  # the backend could not start: the node counts the session gone
+            raise
+        self._link = self._lease.link
+        self.backend = self._lease.backend
         self._link.start(first)
         _sessions.add(self)
 

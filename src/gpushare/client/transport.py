@@ -204,9 +204,11 @@ class Transport:
         connector: Connector,
         hello: p.Hello,
         cond: threading.Condition,
+        peer: Peer,
+        on_ended: Callable[[str], None] | None = None,
     ) -> None:
         self.cond = cond
-        self.peer: Peer | None = None  # set by the session before start()
+        self.peer = peer  # the session's lease, told what comes
         self.state = Link.CONNECTED
         self.reason = ""  # why the link is away or ended
         self.away_since = 0.0
@@ -225,7 +227,7 @@ class Transport:
         self._first: list[p.Message] = []
         # Called on the reader thread, unlocked, once the node ended the session for good
         # (`ctl end`, a refusal on reconnecting): `gpushare run` stops its program there.
-        self.on_ended: Callable[[str], None] | None = None
+        self.on_ended = on_ended
 
     def start(self, first: Iterable[p.Message] = ()) -> None:
         """Start the reader thread; it handles ``first`` (what came with the welcome)
@@ -275,7 +277,6 @@ class Transport:
         """Mark the link ended or closed (condition held); closing also ends an ended one."""
         if self.state in LIVE or (state is Link.CLOSED and self.state is Link.ENDED):
             self.state, self.reason = state, reason
-            assert self.peer is not None
             self.peer.on_link_change()
             self.cond.notify_all()
 
@@ -313,7 +314,6 @@ class Transport:
                     return
                 self.state, self.reason = Link.AWAY, reason
                 self.away_since = time.monotonic()
-                assert self.peer is not None
                 self.peer.on_link_change()
                 self.cond.notify_all()  # a swap-in waiting for room stops now
             log.warning("gpushare node went away (%s): reconnecting", reason)
@@ -340,7 +340,6 @@ class Transport:
             return str(e) or type(e).__name__
 
     def _dispatch(self, msgs: Iterable[p.Message]) -> None:
-        assert self.peer is not None
         for msg in msgs:
             if isinstance(msg, p.Error):
                 self._on_error(msg)
@@ -367,7 +366,6 @@ class Transport:
             with self.cond:
                 if self.state is not Link.AWAY:
                     return False
-                assert self.peer is not None
                 hello = self.peer.resume_hello(self._hello)
             try:
                 sock, welcome, rest = open_connection(
@@ -394,7 +392,6 @@ class Transport:
                 self.session = welcome.session
                 self.generation += 1
                 self.state, self.reason = Link.CONNECTED, ""
-                assert self.peer is not None
                 self.peer.on_reconnected(hello)
                 self.cond.notify_all()
             with contextlib.suppress(OSError):

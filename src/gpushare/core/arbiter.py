@@ -43,8 +43,7 @@ from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
 from gpushare.core.turns import Turns
 from gpushare.core.window import Window
-from gpushare.settings import Escalation as EscalationPolicy
-from gpushare.settings import GpuSettings, Mode, Policy, SettingsError, validate
+from gpushare.settings import Change, GpuSettings, SettingsError, validate
 from gpushare.units import format_size
 
 __all__ = ["Arbiter", "ArbiterError", "FieldError"]
@@ -412,20 +411,14 @@ class Arbiter:
         self.escalation.check_limit(s, used, "used_bytes")
         return self._decide()
 
-    def configure(
-        self,
-        *,
-        tq_s: float | None = None,
-        mode: Mode | None = None,
-        policy: Policy | None = None,
-        escalation: EscalationPolicy | None = None,
-    ) -> list[Action]:
-        """Change TQ, mode, policy or escalation, from the next quantum; a quantum running
-        now that the change makes shorter ends no later than its start plus its new
-        length (a longer one keeps its end). Every value is checked first: one bad value
-        changes nothing."""
+    def set_config(self, change: Change) -> list[Action]:
+        """A live change of this GPU's settings (any keys of :class:`Change`): TQ, mode,
+        policy and escalation from the next quantum, the others from the next decision;
+        a quantum running now that the change makes shorter ends no later than its start
+        plus its new length (a longer one keeps its end). Every value is checked first:
+        one bad value changes nothing. One ``config`` event names what was set."""
         try:
-            changes = validate(tq_s=tq_s, mode=mode, policy=policy, escalation=escalation)
+            changes = validate(**change)
         except SettingsError as e:
             raise ArbiterError(str(e)) from None
         # The quanta running now (and one waiting for its holder to ask again); a turn's

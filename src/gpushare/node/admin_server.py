@@ -1,17 +1,18 @@
 """The admin socket: status, live settings, ending a session, the event stream. Each
 request is decoded, checked (the peer may administer, at a bounded rate) and answered;
-settings go to the arbiters and their actions to dispatch, like every other input."""
+settings go to the arbiters and their actions to the node's decisions, like every
+other input."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import Clock
+from gpushare.node.decisions import Decisions
 from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
@@ -33,12 +34,14 @@ class AdminServer:
         conns: dict[int, Conn],
         guard: Guard,
         dispatch: Dispatch,
+        decisions: Decisions,
         events: EventBus,
         status: Callable[[], NodeStatus],
         clock: Clock,
     ) -> None:
         self.live, self.arbiters, self.conns = live, arbiters, conns
         self.guard, self.dispatch, self.events = guard, dispatch, events
+        self.decisions = decisions
         self.status, self.clock = status, clock
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -95,7 +98,7 @@ class AdminServer:
         targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
         try:
             for arb in targets:
-                self.dispatch.apply(arb, arb.configure(**change))
+                self.decisions.act(arb, arb.set_config(change))
         except ArbiterError as e:
             return p.Error(code="value", message=str(e))
         for arb in targets:
@@ -109,10 +112,8 @@ class AdminServer:
             )
         persisted = ""
         if m.persist:
-            names = {"tq_s": "tq", "mode": "mode", "policy": "policy", "escalation": "escalation"}
-            values: dict[str, Any] = {names[k]: v for k, v in change.items()}
             try:
-                persisted = self.live.persist(m.gpu, values)
+                persisted = self.live.persist(m.gpu, change)
             except NotPersisted as e:
                 return p.Error(code="persist", message=str(e))
         return p.ConfigReply(

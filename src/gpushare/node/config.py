@@ -20,7 +20,9 @@ from typing import Any
 import msgspec
 
 from gpushare.settings import (
+    KEYS,
     RANGES,
+    Change,
     Escalation,
     Mode,
     Policy,
@@ -142,7 +144,7 @@ def check(cfg: NodeConfig) -> NodeConfig:
     """Every setting checked as it is on the command line and over the wire
     (gpushare.settings: the GPU settings as every live change is, each numeric key
     against its range); the literals were checked by their types already."""
-    validate(tq_s=cfg.tq, mode=cfg.mode, policy=cfg.policy, escalation=cfg.escalation)
+    validate(**{field: getattr(cfg, key) for field, key in KEYS.items()})
     for key in RANGES:
         check_value(key, getattr(cfg, key))
     for key in SIZE_KEYS:
@@ -156,7 +158,7 @@ def check(cfg: NodeConfig) -> NodeConfig:
         if not index.isdigit():
             raise SettingsError(f"[gpu.{index}]: a GPU table is named by its index, like [gpu.0]")
         try:
-            validate(tq_s=o.tq, mode=o.mode, policy=o.policy, escalation=o.escalation)
+            validate(**_overrides(o))
         except SettingsError as e:
             raise SettingsError(f"[gpu.{index}]: {e}") from None
     return cfg
@@ -183,31 +185,35 @@ def load(
     return merge(read_raw(path, named=True), read_raw(state), flags or {})
 
 
-def scheduling(cfg: NodeConfig) -> dict[str, Any]:
-    """The arbiters' scheduling settings (docs/scheduling.md) from the node's keys: a
-    quantum waits for its holder to ask again up to ``idle_release``."""
+def _overrides(o: GpuOverride | None) -> dict[str, object]:
+    """The settings a ``[gpu.N]`` table sets (by their :class:`Change` keys)."""
+    if o is None:
+        return {}
     return {
-        "anticipate_s": cfg.idle_release,
-        "turn_s": cfg.turn,
-        "turn_share": cfg.turn_share,
-        "prefetch": cfg.prefetch,
+        field: getattr(o, key)
+        for field, key in KEYS.items()
+        if key in GpuOverride.__struct_fields__ and getattr(o, key) is not None
     }
 
 
-def gpu_settings(cfg: NodeConfig, index: int) -> dict[str, Any]:
-    """TQ, mode, policy and escalation for one GPU, its ``[gpu.N]`` table applied."""
-    o = cfg.gpu.get(str(index))
-    return {
-        "tq_s": o.tq if o and o.tq is not None else cfg.tq,
-        "mode": o.mode if o and o.mode else cfg.mode,
-        "policy": o.policy if o and o.policy else cfg.policy,
-        "escalation": o.escalation if o and o.escalation else cfg.escalation,
-    }
+def settings_for(cfg: NodeConfig, index: int) -> Change:
+    """Every live-changeable setting of GPU ``index`` (:data:`gpushare.settings.KEYS`:
+    TQ, mode, policy, escalation, overlap, prefetch, idle_release, turn, turn_share),
+    its ``[gpu.N]`` table applied: what its arbiter starts with, and what a changed
+    config file is compared by."""
+    values: dict[str, object] = {field: getattr(cfg, key) for field, key in KEYS.items()}
+    values.update(_overrides(cfg.gpu.get(str(index))))
+    return validate(**values)
 
 
-def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> None:
-    """Write ``values`` (``tq``, ``mode``, ``policy``, ``escalation``) into the file,
-    atomically.
+def file_keys(change: Change) -> dict[str, Any]:
+    """A change by the config file's keys (``tq_s`` is ``tq``...): what is persisted."""
+    return {KEYS[field]: value for field, value in change.items()}
+
+
+def persist(path: str | os.PathLike[str], gpu: int | None, change: Change) -> None:
+    """Write ``change`` (TQ, mode, policy, escalation: a ``[gpu.N]`` table's keys) into
+    the file, by the file's key names, atomically.
 
     For one GPU they go to its ``[gpu.N]`` table; for all, to the top level, and the
     same keys are dropped from every ``[gpu.N]`` table so that they apply everywhere.
@@ -215,6 +221,7 @@ def persist(path: str | os.PathLike[str], gpu: int | None, **values: Any) -> Non
     """
     import tomli_w  # daemon-only dependency
 
+    values = file_keys(change)
     p = Path(path)
     raw: dict[str, Any] = tomllib.loads(p.read_text()) if p.exists() else {}
     tables: dict[str, Any] = raw.setdefault("gpu", {})

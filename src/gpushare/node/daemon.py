@@ -6,7 +6,9 @@ here move messages and state in and out of them, one job each:
 * ``workload_server``: the workload socket (hello, then a session's messages);
 * ``admin_server``: the admin socket (status, settings, ending sessions, events);
 * ``guard``: connection identity, rate and session limits, the one refusal path;
-* ``dispatch``: the one place actions leave (messages, signals, the per-GPU timers);
+* ``decisions``: every input's actions go there: delivered, the GPU's timer set, the
+  GPUs linked through a gang ticked until nothing follows;
+* ``dispatch``: the one place actions leave (messages, signals);
 * ``live_config``: the config file watched and applied, ``--persist`` written down;
 * ``utilization``: sampling, credited through the lease; NVML's memory view checked;
 * ``snapshot``: the typed status; ``exporter``: the metrics exporter's process, which
@@ -37,7 +39,8 @@ from gpushare.core.coordinator import Coordinator
 from gpushare.node import snapshot
 from gpushare.node.admin_server import AdminServer
 from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, check_gpus, gpu_settings, scheduling
+from gpushare.node.config import NodeConfig, check_gpus, settings_for
+from gpushare.node.decisions import Decisions
 from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
@@ -92,12 +95,7 @@ class Node:
         reserve = parse_size(config.reserve)
         self.arbiters: list[Arbiter] = []
         for g in gpus:
-            settings = GpuSettings(
-                grace_s=config.grace,
-                overlap=config.overlap,
-                **scheduling(config),
-                **gpu_settings(config, g.index),
-            )
+            settings = GpuSettings(grace_s=config.grace, **settings_for(config, g.index))
             if g.memory_bytes - reserve <= 0:
                 raise ValueError(f"reserve {config.reserve} leaves nothing of GPU {g.index}")
             self.arbiters.append(
@@ -129,17 +127,23 @@ class Node:
             self.signaller,
             self._proc_root,
             refuse=self.guard.refuse,
-            linked=self.coordinator.linked if self.coordinator else None,
         )
         self.dispatch.recovery = self.recovery
-        self.live = LiveConfig(config, self.arbiters, self.dispatch, config_path, state_path, flags)
+        self.decisions = Decisions(
+            self.dispatch,
+            self.clock,
+            linked=self.coordinator.linked if self.coordinator else None,
+        )
+        self.live = LiveConfig(
+            config, self.arbiters, self.decisions, config_path, state_path, flags
+        )
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
             arbiters=self.arbiters,
             conns=self.conns,
             guard=self.guard,
-            dispatch=self.dispatch,
+            decisions=self.decisions,
             utilization=self.utilization,
             sim_link=self._sim_link,
             recovery=self.recovery,
@@ -153,6 +157,7 @@ class Node:
             conns=self.conns,
             guard=self.guard,
             dispatch=self.dispatch,
+            decisions=self.decisions,
             events=self.events,
             status=self.status,
             clock=self.clock,
@@ -164,7 +169,7 @@ class Node:
             {g.index: NvmlUtilization(nvml, g.index) for g in gpus if nvml and not g.simulated},
             self.conns,
             self.clock,
-            self.dispatch,
+            self.decisions,
             lambda: parse_size(self.live.config.nvml_allowance),
         )
         self._servers: list[asyncio.Server] = []
@@ -290,7 +295,7 @@ class Node:
         )
         self.recovery.expected.clear()
         for a in self.arbiters:
-            self.dispatch.apply(a, a.end_recovery())
+            self.decisions.act(a, a.end_recovery())
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """asyncio's errors (an accept failing for want of descriptors, say) logged at
@@ -402,7 +407,7 @@ class Node:
         self.recovery.hold()  # the workloads outlive this node: the next one expects them
         self.events.end_followers()
         await self._handlers.close()  # every connection ends; its session detaches
-        self.dispatch.close()
+        self.decisions.close()
         for task in list(self._tasks):
             task.cancel()
         if self.exporter is not None:

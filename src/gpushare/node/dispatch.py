@@ -8,18 +8,12 @@ process that took a pid since. A batch's frames for one connection leave in one 
 connection whose peer does not read is not let to hold more than ``write_limit`` bytes
 of the node's memory: it is refused and closed, and the others go on.
 
-After every batch the GPU's timer is checked against the arbiter's next deadline,
-relative to the node's clock (so a virtual clock drives it as well). It is set again
-only when that deadline is earlier than the one it is set for: a timer that fires
-before anything is due (its deadline went, or moved later) does not tick the arbiter,
-it is only set for the next deadline from there. So a message costs no timer work in
-the common case (a grant's quantum ends after the timer already set), and the arbiter
-is ticked exactly when something is due, as before.
+It only delivers: what follows from a batch (the GPUs' timers, the GPUs linked through a
+gang ticked in turn) is :mod:`gpushare.node.decisions`'.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 from collections.abc import Callable
@@ -74,12 +68,8 @@ class Dispatch:
         signaller: Signaller = send_signal,
         proc_root: Callable[[], str] = lambda: "/proc",
         refuse: Refuser | None = None,
-        linked: Callable[[int], list[Arbiter]] | None = None,
     ) -> None:
         self.clock = clock
-        # The GPUs whose decisions may follow from a GPU's (a gang on several GPUs:
-        # core/coordinator.py): ticked after its own.
-        self.linked = linked
         self.events = events
         self.conns = conns
         self.signaller = signaller
@@ -87,11 +77,10 @@ class Dispatch:
         self.recovery: Recovery | None = None  # signs leases, keeps their floor on disk
         self.refuse = refuse
         self.write_limit = WRITE_LIMIT
-        # per GPU: the deadline its timer is set for, and the timer
-        self._timers: dict[int, tuple[float, asyncio.TimerHandle]] = {}
-        self.timers_set = 0  # how many times a timer was set (the tests count them)
 
-    def apply(self, arb: Arbiter, actions: list[Action], depth: int = 0) -> None:
+    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:
+        """``arb``'s actions, each where it belongs (a batch's frames for a connection in
+        one write)."""
         frames: dict[int, tuple[Conn, list[bytes]]] = {}  # per session, in order
 
         def send(c: Conn, msg: p.Message) -> None:
@@ -138,14 +127,6 @@ class Dispatch:
                 send(c, p.Prefetch(room=a.room, seq=a.seq))
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))
-        self._schedule(arb)
-        if self.linked is not None and depth < 4:
-            for other in self.linked(arb.gpu):
-                follow = other.tick()
-                if follow:
-                    self.apply(other, follow, depth + 1)
-                else:
-                    self._schedule(other)
 
     def _write(self, c: Conn, data: bytes) -> None:
         c.write(data)
@@ -171,11 +152,6 @@ class Dispatch:
         if c.frozen:
             self._thaw(c)
         c.writer.close()
-
-    def close(self) -> None:
-        for _, t in self._timers.values():
-            t.cancel()
-        self._timers.clear()
 
     def _escalate(self, a: EscalateAction, c: Conn | None) -> None:
         who = f"session {a.session}" + (f" (pid {c.pid})" if c else "")
@@ -219,27 +195,3 @@ class Dispatch:
         for ref in refs:
             self.signaller(ref, sig)
         return refs
-
-    def _schedule(self, arb: Arbiter) -> None:
-        when = arb.next_deadline()
-        if when is None:
-            return  # a timer already set fires, finds nothing due, and is not set again
-        armed = self._timers.get(arb.gpu)
-        if armed is not None:
-            if armed[0] <= when:
-                return  # it fires first; the next deadline is set from there
-            armed[1].cancel()
-        delay = max(0.0, when - self.clock.monotonic())
-        self.timers_set += 1
-        self._timers[arb.gpu] = (
-            when,
-            asyncio.get_running_loop().call_later(delay, self._on_timer, arb),
-        )
-
-    def _on_timer(self, arb: Arbiter) -> None:
-        self._timers.pop(arb.gpu, None)
-        when = arb.next_deadline()
-        if when is not None and when <= self.clock.monotonic():
-            self.apply(arb, arb.tick())
-        else:  # set for a deadline that went or moved later: nothing is due yet
-            self._schedule(arb)

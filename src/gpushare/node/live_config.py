@@ -15,17 +15,25 @@ from gpushare.node.config import (
     ConfigError,
     NodeConfig,
     check_gpus,
-    gpu_settings,
+    file_keys,
     load,
     persist,
-    scheduling,
+    settings_for,
 )
-from gpushare.node.dispatch import Dispatch
+from gpushare.node.decisions import Decisions
+from gpushare.settings import Change, SettingsError, validate
 
 log = logging.getLogger("gpushare.node.live_config")
 
 # Keys read once at start: a change to them waits for the next start.
 RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve", "recovery_dir")
+
+
+def _changed(old: NodeConfig, new: NodeConfig, gpu: int) -> dict[str, object]:
+    """GPU ``gpu``'s settings that differ in ``new`` (a live change made with ctl stays:
+    it is in neither)."""
+    before, after = settings_for(old, gpu), settings_for(new, gpu)
+    return {k: v for k, v in after.items() if before.get(k) != v}
 
 
 class NotPersisted(Exception):
@@ -37,14 +45,14 @@ class LiveConfig:
         self,
         config: NodeConfig,
         arbiters: list[Arbiter],
-        dispatch: Dispatch,
+        decisions: Decisions,
         path: str = "",
         state_path: str = "",
         flags: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.arbiters = arbiters
-        self.dispatch = dispatch
+        self.decisions = decisions
         self.path = path
         self.state_path = state_path
         self.flags = flags or {}
@@ -78,20 +86,22 @@ class LiveConfig:
         except ConfigError as e:
             self.refused(f"file {self.path}", str(e))
             return
-        for arb in self.arbiters:
-            arb.settings.overlap = new.overlap  # the next switch is planned with it
-            for key, value in scheduling(new).items():  # from the next decision on
-                setattr(arb.settings, key, value)
-            before, after = gpu_settings(self.config, arb.gpu), gpu_settings(new, arb.gpu)
-            change = {k: v for k, v in after.items() if before[k] != v}
+        try:  # every GPU's change checked before any GPU changes
+            changes = [
+                (arb, validate(**_changed(self.config, new, arb.gpu))) for arb in self.arbiters
+            ]
+        except SettingsError as e:
+            self.refused(f"file {self.path}", str(e))
+            return
+        for arb, change in changes:
             if change:
                 log.info(
                     "config %s changed: GPU %d %s (from the next quantum)",
                     self.path,
                     arb.gpu,
-                    change,
+                    file_keys(change),
                 )
-                self.dispatch.apply(arb, arb.configure(**change))
+                self.decisions.act(arb, arb.set_config(change))
         restart = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
         if restart:
             log.warning(
@@ -105,9 +115,9 @@ class LiveConfig:
         """A live change refused: said in the log and as a ``config_refused`` event; the
         configuration in force is kept."""
         log.error("%s: refused, keeping the configuration in force", reason)
-        self.dispatch.events.publish(
+        self.decisions.dispatch.events.publish(
             {
-                "ts": self.dispatch.clock.wall(),
+                "ts": self.decisions.clock.wall(),
                 "gpu": None,
                 "event": "config_refused",
                 "source": source,
@@ -115,9 +125,9 @@ class LiveConfig:
             }
         )
 
-    def persist(self, gpu: int | None, values: dict[str, Any]) -> str:
-        """Write ``values`` (config file keys) to the state file, or the config file
-        without one; the file written, or :class:`NotPersisted`."""
+    def persist(self, gpu: int | None, change: Change) -> str:
+        """Write ``change`` to the state file, or the config file without one; the file
+        written, or :class:`NotPersisted`."""
         target = self.state_path or self.path
         if not target:
             raise NotPersisted(
@@ -125,10 +135,10 @@ class LiveConfig:
                 " or --state FILE"
             )
         try:
-            persist(target, gpu, **values)
+            persist(target, gpu, change)
             self.config = load(self.path, self.state_path, self.flags)
             self._text = self._read()
         except (OSError, ValueError) as e:
             raise NotPersisted(f"changed live, not persisted: {e}") from None
-        log.info("persisted %s to %s", values, target)
+        log.info("persisted %s to %s", file_keys(change), target)
         return target

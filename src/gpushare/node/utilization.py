@@ -20,7 +20,7 @@ from typing import Any
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
-from gpushare.node.dispatch import Dispatch
+from gpushare.node.decisions import Decisions
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn
 
@@ -72,11 +72,11 @@ class Sampler:
         nvml: Mapping[int, NvmlUtilization],
         conns: Mapping[int, Conn],
         clock: Clock,
-        dispatch: Dispatch,
+        decisions: Decisions,
         allowance: Callable[[], int],
     ) -> None:
         self.gpus, self.arbiters, self.utilization = gpus, arbiters, utilization
-        self.nvml, self.conns, self.clock, self.dispatch = nvml, conns, clock, dispatch
+        self.nvml, self.conns, self.clock, self.decisions = nvml, conns, clock, decisions
         self.allowance = allowance  # NVML bytes a process may use beyond its session's
 
     async def run(self, period: float = 1.0) -> None:
@@ -107,4 +107,4 @@ class Sampler:
                 allowance = self.allowance()
                 for sid, pid in pids.items():
                     if pid in used and sid in arb.sessions:
-                        self.dispatch.apply(arb, arb.over_limit(sid, used=used[pid] - allowance))
+                        self.decisions.act(arb, arb.over_limit(sid, used=used[pid] - allowance))

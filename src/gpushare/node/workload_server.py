@@ -21,7 +21,7 @@ from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.attribution import Attribution
 from gpushare.core.gangs import across_gpus
 from gpushare.node.config import NodeConfig
-from gpushare.node.dispatch import Dispatch
+from gpushare.node.decisions import Decisions
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
@@ -92,7 +92,7 @@ class WorkloadServer:
         arbiters: Sequence[Arbiter],
         conns: dict[int, Conn],
         guard: Guard,
-        dispatch: Dispatch,
+        decisions: Decisions,
         utilization: Sequence[Attribution],
         sim_link: Callable[[int, int], str],
         recovery: Recovery,
@@ -102,7 +102,7 @@ class WorkloadServer:
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
-        self.guard, self.dispatch, self.utilization = guard, dispatch, utilization
+        self.guard, self.decisions, self.utilization = guard, decisions, utilization
         self.sim_link = sim_link  # (gpu, uid) -> the link file that uid may book
         self.recovery = recovery
         self.returned = returned  # every session on record is back: the window ends
@@ -144,7 +144,7 @@ class WorkloadServer:
                     actions = self._message(arb, conn.session, msg)
                     if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
                         conn.ask = msg.ask  # accepted: the grants that follow answer it
-                    self.dispatch.apply(arb, actions)
+                    self.decisions.act(arb, actions)
                 except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
                     # answered (the field named), nothing changed, the session goes on
                     conn.send(p.Error(code=e.code, message=str(e)))
@@ -158,7 +158,7 @@ class WorkloadServer:
                 del self.conns[conn.session]
                 self.utilization[arb.gpu].forget(conn.session)
                 reason = "ended" if conn.ended else "disconnected"
-                self.dispatch.apply(arb, arb.detach(conn.session, reason=reason))
+                self.decisions.act(arb, arb.detach(conn.session, reason=reason))
                 self.recovery.save_soon()
             writer.close()
 
@@ -292,7 +292,7 @@ class WorkloadServer:
                 tq_s=arb.settings.tq_s,
             )
         )
-        self.dispatch.apply(arb, actions)
+        self.decisions.act(arb, actions)
         if rec is not None and self.recovery.returned(sid):
             self.returned()  # the last one expected: the recovery window ends
         return arb

@@ -11,7 +11,11 @@ from typing import Any
 from gpushare import protocol as p
 from gpushare.client.env import DEFAULT_ADMIN_SOCKET
 from gpushare.errors import DaemonUnavailableError, GpushareError
+from gpushare.settings import KEYS, Change
 from gpushare.status import NodeStatus
+
+# The settings a set_config request carries (the others change in the config file only).
+WIRE_KEYS = ("tq_s", "mode", "policy", "escalation")
 
 
 def default_admin_socket() -> str:
@@ -75,8 +79,28 @@ class AdminClient:
         assert isinstance(r, p.StatusReply)
         return r.status
 
-    def configure(self, **kw: Any) -> p.ConfigReply:
-        r = self.request(p.SetConfig(**kw))
+    def set_config(
+        self, change: Change, *, gpu: int | None = None, persist: bool = False
+    ) -> p.ConfigReply:
+        """``change`` live on GPU ``gpu`` (all: None), written down with ``persist``: the
+        ``set_config`` request. The node checks it (and answers a bad value with an
+        error); the settings only the config file changes are refused here."""
+        others = sorted(set(change) - set(WIRE_KEYS))
+        if others:
+            raise GpushareError(
+                f"{', '.join(KEYS[k] for k in others)}: not changed over the admin socket;"
+                " set it in the node's config file (it is applied live, docs/node.md)"
+            )
+        r = self.request(
+            p.SetConfig(
+                gpu=gpu,
+                persist=persist,
+                tq_s=change.get("tq_s"),
+                mode=change.get("mode"),
+                policy=change.get("policy"),
+                escalation=change.get("escalation"),
+            )
+        )
         assert isinstance(r, p.ConfigReply)
         return r
 

@@ -9,11 +9,19 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from gpushare._version import __version__
 from gpushare.errors import GpushareError
-from gpushare.settings import ESCALATIONS, MODES, POLICIES, RANGES, SettingsError, check
+from gpushare.settings import (
+    ESCALATIONS,
+    MODES,
+    POLICIES,
+    RANGES,
+    Change,
+    SettingsError,
+    check,
+)
 from gpushare.units import parse_duration, parse_size
 
 log = logging.getLogger("gpushare")
@@ -275,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         f" or a duration ({DURATIONS}), from 0.05 s to 1 d.",
     )
     tq.add_argument(
-        "seconds",
+        "tq_s",
         type=_setting("tq"),
         nargs="?",
         metavar="SECONDS",
@@ -621,13 +629,14 @@ def _ctl(args: argparse.Namespace) -> int:
     if args.ctl_cmd == "status":
         return ctl.status(path, args.json)
     if args.ctl_cmd == "tq":
-        if args.seconds is None:
+        if args.tq_s is None:
             if args.persist:
                 raise GpushareError("--persist needs a value to write: ctl tq SECONDS --persist")
             return ctl.show_settings(path, args.gpu, args.json)
-        return ctl.configure(path, args.gpu, args.persist, as_json=args.json, tq_s=args.seconds)
-    if args.ctl_cmd in ("mode", "policy", "escalation"):
-        return ctl.configure(path, args.gpu, args.persist, **{args.ctl_cmd: args.value})
+        return ctl.set_config(path, args.gpu, args.persist, {"tq_s": args.tq_s}, args.json)
+    if args.ctl_cmd in ("mode", "policy", "escalation"):  # the node checks the value
+        change = cast(Change, {args.ctl_cmd: args.value})
+        return ctl.set_config(path, args.gpu, args.persist, change)
     if args.ctl_cmd == "end":
         return ctl.end_session(path, args.session, args.reason)
     return ctl.events(path, args.follow, args.since, args.session)

@@ -10,6 +10,7 @@ import msgspec
 
 from gpushare import protocol as p
 from gpushare.errors import GpushareError
+from gpushare.settings import Change
 from gpushare.status import NodeStatus, to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.units import format_size
@@ -75,12 +76,12 @@ def _settings_json(gpus: list[p.GpuConfig], persisted_to: str = "") -> str:
     return json.dumps(out, indent=2)
 
 
-def configure(
-    path: str | None, gpu: int | None, persist: bool, as_json: bool = False, **change: Any
+def set_config(
+    path: str | None, gpu: int | None, persist: bool, change: Change, as_json: bool = False
 ) -> int:
-    """Set one of tq_s, mode, policy, escalation; prints the new values per GPU."""
+    """Set TQ, mode, policy or escalation; prints the new values per GPU."""
     with AdminClient(path) as c:
-        r = c.configure(gpu=gpu, persist=persist, **change)
+        r = c.set_config(change, gpu=gpu, persist=persist)
     if as_json:
         print(_settings_json(r.gpus, r.persisted_to))
         return 0

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from gpushare import protocol as p
-from gpushare.client.session import _make_backend
+from gpushare.client.session import _backend_for
+from gpushare.client.swap.base import NO_HOOKS
 from gpushare.client.swap.torch import (
     check_allocator_settings,
     choose_route,
@@ -43,17 +44,17 @@ def welcome(simulated: bool) -> p.Welcome:
 @pytest.mark.skipif(CUDA, reason="checks the error where CUDA is missing")
 def test_a_real_gpu_without_cuda_pytorch_is_a_clear_error():
     with pytest.raises(GpushareError, match="needs PyTorch with CUDA"):
-        _make_backend(None, welcome(simulated=False))
+        _backend_for(None, welcome(simulated=False))(NO_HOOKS)
 
 
 def test_backends_refuse_the_wrong_kind_of_gpu():
     with pytest.raises(GpushareError, match="backend='sim'"):
-        _make_backend("torch", welcome(simulated=True))
+        _backend_for("torch", welcome(simulated=True))
     with pytest.raises(GpushareError, match="backend='torch'"):
-        _make_backend("sim", welcome(simulated=False))
+        _backend_for("sim", welcome(simulated=False))
     with pytest.raises(GpushareError, match="choose 'torch' or 'sim'"):
-        _make_backend("jax", welcome(simulated=True))
-    assert _make_backend(None, welcome(simulated=True)).name == "sim"
+        _backend_for("jax", welcome(simulated=True))
+    assert _backend_for(None, welcome(simulated=True))(NO_HOOKS).name == "sim"
 
 
 class _Props:

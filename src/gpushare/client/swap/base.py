@@ -12,6 +12,28 @@ from dataclasses import dataclass
 PROGRESS_EVERY_S = 0.002
 
 
+def _nothing() -> None:
+    pass
+
+
+def _no_bound(resident: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class SwapHooks:
+    """What a backend calls in its session, given when it is built (a backend alone, in
+    a test or benchmark, has none: nothing to tell, no lease to check, no room to wait
+    for)."""
+
+    on_change: Callable[[], None] = _nothing  # memory figures changed: report them
+    check_access: Callable[[], None] = _nothing  # raises outside a lease
+    wait_room: Callable[[int], None] = _no_bound  # blocks until that much is allowed
+
+
+NO_HOOKS = SwapHooks()
+
+
 @dataclass(frozen=True)
 class SwapResult:
     bytes: int  # device bytes moved (as the GPU counts them)
@@ -34,10 +56,10 @@ class SwapBackend(ABC):
     name: str
     simulated: bool
 
-    def __init__(self) -> None:
-        self.on_change: Callable[[], None] = lambda: None  # memory figures changed
-        self.check_access: Callable[[], None] = lambda: None  # raises outside a lease
-        self.wait_room: Callable[[int], None] = lambda resident: None  # blocks for room
+    def __init__(self, hooks: SwapHooks = NO_HOOKS) -> None:
+        self.on_change: Callable[[], None] = hooks.on_change
+        self.check_access: Callable[[], None] = hooks.check_access
+        self.wait_room: Callable[[int], None] = hooks.wait_room
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 

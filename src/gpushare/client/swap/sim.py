@@ -29,7 +29,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from gpushare.client.swap.base import SwapBackend, SwapResult
+from gpushare.client.swap.base import NO_HOOKS, SwapBackend, SwapHooks, SwapResult
 from gpushare.errors import OutOfMemoryError, SwapError, SwapIntegrityError
 from gpushare.simlink import IN, OUT, SimLink
 from gpushare.units import format_size
@@ -128,8 +128,9 @@ class SimBackend(SwapBackend):
         chunk_bytes: int = CHUNK_BYTES,
         failure_rate: float = 0.0,
         link: str = "",
+        hooks: SwapHooks = NO_HOOKS,
     ) -> None:
-        super().__init__()
+        super().__init__(hooks)
         self.failure_rate = failure_rate
         self._rng = random.Random()
         self.checksums_verified = 0  # chunks whose CRC-32 matched on the way back

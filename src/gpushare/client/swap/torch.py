@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpushare.client.swap import shim
-from gpushare.client.swap.base import SwapResult
+from gpushare.client.swap.base import NO_HOOKS, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
 from gpushare.client.swap.vmm import PIECE_BYTES, VmmBackend, host_memory_available
 from gpushare.errors import GpushareError
@@ -218,6 +218,7 @@ class TorchBackend(VmmBackend):
         gpu_uuid: str = "",
         gpu_index: int = 0,
         host_bytes: int | None = None,
+        hooks: SwapHooks = NO_HOOKS,
     ) -> None:
         torch = _torch()
         self._torch = torch
@@ -238,6 +239,7 @@ class TorchBackend(VmmBackend):
             lib,
             limit,
             host_bytes=default_host_bytes(limit) if host_bytes is None else host_bytes,
+            hooks=hooks,
         )
         self.lib = lib
         self.pool: Any = None

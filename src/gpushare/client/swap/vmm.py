@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from gpushare.client.swap.base import SwapBackend, SwapResult
+from gpushare.client.swap.base import NO_HOOKS, SwapBackend, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import Driver
 from gpushare.client.swap.shim import Piece
 from gpushare.errors import SwapError
@@ -275,9 +275,14 @@ class VmmBackend(SwapBackend):
     simulated = False
 
     def __init__(
-        self, driver: Driver, store: Store, limit: int, host_bytes: int | None = None
+        self,
+        driver: Driver,
+        store: Store,
+        limit: int,
+        host_bytes: int | None = None,
+        hooks: SwapHooks = NO_HOOKS,
     ) -> None:
-        super().__init__()
+        super().__init__(hooks)
         self.driver = driver
         self.store = store
         self.limit = limit
