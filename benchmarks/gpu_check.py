@@ -617,6 +617,7 @@ def write(out: Path, doc: dict[str, Any]) -> None:
         "",
         f"facts: {_facts_line(doc.get('facts', {}))}",
         "",
+        *([f"error: {doc['error']}", ""] if doc.get("error") else []),
         HEADER,
         *(row(p) for p in doc["parts"]),
         "",
@@ -636,7 +637,7 @@ def write(out: Path, doc: dict[str, Any]) -> None:
 
 def _facts_line(f: dict[str, Any]) -> str:
     keys = ("python", "torch", "torch_cuda", "c_compiler", "glibc", "nvidia_smi")
-    return "; ".join(f"{k} {f.get(k)}" for k in keys if k in f)
+    return "; ".join(f"{k} {' '.join(str(f.get(k)).split())[-200:]}" for k in keys if k in f)
 
 
 def _put(path: Path, text: str) -> None:
@@ -722,7 +723,12 @@ def main(argv: list[str] | None = None) -> int:
     doc["facts"] = facts()
     _put(out / "facts.json", json.dumps(doc["facts"], indent=1, default=str))
     write(out, doc)
-    m = MACHINES["dry"] if args.dry else this_machine(False)
+    try:
+        m = MACHINES["dry"] if args.dry else this_machine(False)
+    except SystemExit as e:  # said in the files that come back, too
+        doc["error"] = str(e)
+        write(out, doc)
+        raise
     planned = plan(m, args.dry, args.pin_gibs)
     doc["machine"] = m.__dict__
     _put(out / "plan.md", plan_table(m, planned, stages) + "\n")
