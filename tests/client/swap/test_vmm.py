@@ -240,6 +240,54 @@ def test_closing_frees_the_host_buffers_with_a_context(gpu: FakeGpu):
     assert gpu.cu.fake_cuda_pinned() == 0
 
 
+def test_closing_gives_back_the_stream_the_events_and_the_context(gpu: FakeGpu):
+    alive = gpu.cu.fake_cuda_alive
+    alive.argtypes = [ctypes.c_char_p]
+    b = gpu.backend()
+    ranges = fill(b, [2 * PIECE])
+    b.swap_out(2 * PIECE)
+    b.swap_in()
+    assert intact(ranges)
+    # the self-test's stream and event went back at once; the backend's are in use
+    assert alive(b"streams") == 1 and alive(b"events") > 1
+    held = alive(b"contexts")  # the allocator library's hold and the driver's
+    assert held == 2
+    for va, _ in ranges:
+        b.free(va)
+    b.close()
+    assert alive(b"streams") == 0 and alive(b"events") == 0
+    gpu.driver.close()
+    gpu.driver.close()  # once only: a second close gives back nothing more
+    assert alive(b"contexts") == held - 1
+    gpu.shim.configure(str(gpu.libcuda), 0, 64 * GRANULE, GRANULE)  # again: not a new hold
+    assert alive(b"contexts") == held - 1
+
+
+@pytest.mark.parametrize(("peers", "granted"), [(True, [0, 1, 2]), (False, [0])])
+def test_mapped_memory_is_reachable_by_the_devices_peers(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, peers: bool, granted: list[int]
+):
+    """As PyTorch's expandable segments: another GPU of the process that can reach this
+    one as a peer (a peer copy, NCCL's P2P) may read and write its memory."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
+    if not peers:
+        monkeypatch.setenv("FAKE_CUDA_NO_PEERS", "1")
+    ids = (ctypes.c_int * 16)()
+
+    def last_access() -> list[int]:
+        return sorted(ids[:n]) if (n := gpu.cu.fake_cuda_access(ids, 16)) else []
+
+    b = gpu.backend()
+    assert gpu.driver.access_devices == granted
+    fill(b, [PIECE])  # mapped by the allocator library, in C
+    assert last_access() == granted
+    b.swap_out(PIECE)
+    ids[:] = [-1] * 16
+    b.swap_in()  # mapped again by the swap-in, in Python
+    assert last_access() == granted
+    b.close()
+
+
 def test_allocation_and_free_are_reported(gpu: FakeGpu):
     b = gpu.backend()
     reports = []

@@ -40,6 +40,7 @@ PyTorch's cache of free blocks is emptied first: cached bytes are freed, not cop
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -51,7 +52,7 @@ from gpushare.client.swap import shim
 from gpushare.client.swap.base import SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
 from gpushare.client.swap.vmm import PIECE_BYTES, VmmBackend, host_memory_available
-from gpushare.errors import GpushareError
+from gpushare.errors import GpushareError, SwapError
 from gpushare.units import parse_size
 
 log = logging.getLogger("gpushare.client.swap")
@@ -323,6 +324,8 @@ class TorchBackend(VmmBackend):
             else:
                 self._route(False)
         super().close()
+        with contextlib.suppress(SwapError):
+            self.driver.close()  # our hold on the primary context: PyTorch keeps its own
 
 
 _patched = False

@@ -491,7 +491,18 @@ class VmmBackend(SwapBackend):
         return self.host.ready.wait(timeout)
 
     def close(self) -> None:
+        """Detach: the host buffers, the stream and the events go back to the driver
+        (a workload that attaches again, or keeps running, holds none of them)."""
         self.store.notify(-1)
         with contextlib.suppress(OSError):
             os.close(self._notify_w)  # the watching thread ends
         self.host.close()
+        with self._lock, contextlib.suppress(SwapError), self.driver.context():
+            if self._stream:
+                self._drain_stream()  # nothing of ours still runs on it
+            for ev in self._events:
+                self.driver.destroy_event(ev)
+            self._events = []
+            if self._stream:
+                self.driver.destroy_stream(self._stream)
+                self._stream = 0
