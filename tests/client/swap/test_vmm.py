@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpushare.client.swap.vmm import (
+    IdleWaiter,
     VmmBackend,
     cgroup_memory_room,
     host_memory_available,
@@ -302,6 +303,41 @@ def test_allocation_and_free_are_reported(gpu: FakeGpu):
     assert reports and reports[-1] == PIECE
     b.free(va)
     b.close()
+
+
+def test_a_swap_out_does_not_hang_behind_gpu_work_that_waits_on_something_else():
+    """The torch backend's wait before a swap-out (``IdleWaiter``): a synchronize stuck
+    behind pending work (an NCCL kernel waiting for its peers) holds the caller, the
+    client's reader thread, no longer than the bound; the one synchronize goes on, and
+    the next wait, once the work is done, returns."""
+    import threading
+    import time
+
+    pending = threading.Event()  # the collective's peers arrive
+    syncs = []
+
+    def synchronize() -> None:
+        syncs.append(threading.current_thread().name)
+        pending.wait(30)
+
+    w = IdleWaiter(synchronize)
+    t0 = time.monotonic()
+    with pytest.raises(SwapError, match="still runs this session's work"):
+        w.wait(0.2)
+    assert time.monotonic() - t0 < 5  # the reader thread is free again
+    with pytest.raises(SwapError):
+        w.wait(0.1)
+    assert w.started == 1 and syncs == ["gpushare-sync"]  # one synchronize, not one a wait
+    pending.set()
+    w.wait(5)
+    w.wait(5)  # a new one, done at once
+    assert w.started == 2
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(SwapError, match="illegal memory access"):
+        IdleWaiter(failing).wait(5)
 
 
 # --- host memory for pinning: the host's and the cgroup's --------------------------------

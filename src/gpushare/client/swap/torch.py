@@ -51,7 +51,12 @@ from typing import Any
 from gpushare.client.swap import shim
 from gpushare.client.swap.base import SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
-from gpushare.client.swap.vmm import PIECE_BYTES, VmmBackend, host_memory_available
+from gpushare.client.swap.vmm import (
+    PIECE_BYTES,
+    IdleWaiter,
+    VmmBackend,
+    host_memory_available,
+)
 from gpushare.errors import GpushareError, SwapError
 from gpushare.units import parse_size
 
@@ -200,6 +205,8 @@ def choose_route(preloaded: bool, environ: Mapping[str, str] | None = None) -> s
     return want or ("preload" if preloaded else "pool")
 
 
+SYNC_WAIT_S = 5.0  # a swap-out waits this long at most for the session's GPU work
+
 POOL_WARNING = (
     "gpushare: this process was not started with gpushare's allocator in LD_PRELOAD, so its"
     " CUDA memory goes through a MemPool: torch.cuda.empty_cache() keeps it, an out-of-memory"
@@ -241,6 +248,7 @@ class TorchBackend(VmmBackend):
             host_bytes=default_host_bytes(limit) if host_bytes is None else host_bytes,
         )
         self.lib = lib
+        self._idle = IdleWaiter(lambda: torch.cuda.synchronize(self.device))
         self.pool: Any = None
         self._routing = False
         _patch_graph_capture(torch)
@@ -305,7 +313,10 @@ class TorchBackend(VmmBackend):
 
     def swap_out(self, nbytes: int) -> SwapResult:
         torch = self._torch
-        torch.cuda.synchronize(self.device)  # no kernel may touch what leaves
+        # No kernel may touch what leaves. Bounded, and off this thread: a swap-out the
+        # node asks of a session with no grant runs on the client's reader thread, which
+        # must not hang behind a pending collective (it reads what frees it).
+        self._idle.wait(SYNC_WAIT_S)
         if nbytes > 0 and self.route == "preload":
             # Blocks PyTorch caches but nothing uses are freed, not copied (a MemPool's
             # cache cannot be emptied: the pool route copies them).
