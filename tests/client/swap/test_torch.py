@@ -82,6 +82,7 @@ def test_the_cuda_device_is_found_by_the_nodes_gpu_uuid():
     assert find_device(t, "GPU-bbbb-2", 0) == 1
     assert find_device(t, "", 2) == 2  # no UUID: the node's index
     assert find_device(_Torch(["zzzz"]), "GPU-bbbb-2", 5) == 0  # the only one visible
+    assert find_device(_Torch(["aaaa-1", "mig-cccc-3"]), "MIG-cccc-3", 0) == 1  # an instance
     with pytest.raises(GpushareError, match="CUDA_VISIBLE_DEVICES"):
         find_device(t, "GPU-dddd", 7)
 

@@ -86,10 +86,10 @@ def find_device(torch: Any, uuid: str, index: int) -> int:
     node's index (which CUDA numbers the same way with CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
     n = torch.cuda.device_count()
     if uuid:
-        want = uuid.removeprefix("GPU-").lower()
+        want = uuid.removeprefix("GPU-").removeprefix("MIG-").lower()  # a MIG instance's too
         for i in range(n):
             got = str(getattr(torch.cuda.get_device_properties(i), "uuid", "")).lower()
-            if got and got.removeprefix("gpu-") == want:
+            if got and got.removeprefix("gpu-").removeprefix("mig-") == want:
                 return i
     if n == 1:
         return 0
