@@ -70,6 +70,22 @@ def test_a_smaller_host_gets_smaller_parts_not_more_pinned_memory() -> None:
     assert skipped and all("too small" in r.skip for r in skipped)
 
 
+@pytest.mark.parametrize("rate", [0.25, 0.5, 2.0])
+def test_a_slower_pinning_rate_plans_smaller_parts_in_the_same_time(rate: float) -> None:
+    """What the check does once ``copy`` has measured the rate: the parts after it pin
+    what they can in the same time, so that the stages still keep to their time."""
+    h200 = MACHINES["h200"]
+    base = {r.part.name: r for r in gpu_check.plan(h200)}
+    rows = gpu_check.plan(h200, pin_gibs=rate)
+    for stage, seconds in gpu_check.STAGE_SECONDS.items():
+        used = sum(r.timeout_s for r in rows if r.part.stage == stage and not r.skip)
+        assert used <= gpu_check.STAGE_FILL * seconds, (rate, stage, used)
+    for r in rows:
+        if rate < 1 and not r.skip:
+            assert r.host_bytes <= base[r.part.name].host_bytes
+        assert not r.skip or "pinning" in r.skip
+
+
 def test_plan_h200_prints_a_row_per_part_and_the_totals() -> None:
     pr = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--plan", "h200"],
