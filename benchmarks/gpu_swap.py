@@ -595,7 +595,12 @@ def check_copy(dry: bool, p: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     b.copy_(a)
     gbs = MiB / (time.perf_counter() - t0) / 1e9
-    return {"bytes": MiB, "d2h_gbs": gbs, "h2d_gbs": gbs, "both_gbs": gbs, "dry": True}
+    out = {"bytes": MiB, "d2h_gbs": gbs, "h2d_gbs": gbs, "both_gbs": gbs, "dry": True}
+    # tests of the harness: a pinning rate as measured, to make the check plan again
+    rate = os.environ.get("GPUSHARE_CHECK_PIN_GIBS")
+    if rate:
+        out["pin_gibs"] = float(rate)
+    return out
 
 
 def check_swap(dry: bool, p: dict[str, Any]) -> dict[str, Any]:

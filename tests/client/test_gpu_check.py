@@ -123,12 +123,13 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
         "DRY": "1",
         "CARRY": str(tmp_path / "no-carry"),  # this Python has what gpushare needs
         "PYTHON": sys.executable,
-        "GPUSHARE_CHECK_HANG": "copy",  # this part never ends: its timeout must end it
+        "GPUSHARE_CHECK_HANG": "swap",  # this part never ends: its timeout must end it
+        "GPUSHARE_CHECK_PIN_GIBS": "0.5",  # copy "measures" slow pinning: planned again
     }
     pr = subprocess.run(
         [
             *("sh", str(REPO / "benchmarks" / "gpu_check.sh"), "--stages", "1,2,3"),
-            *("--timeout", "copy=5", "--work", str(tmp_path / "work")),
+            *("--timeout", "swap=5", "--work", str(tmp_path / "work")),
         ],
         capture_output=True,
         text=True,
@@ -148,13 +149,20 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     assert doc["facts"] == facts and doc["machine"]["name"] == "dry"
     parts = {p["name"]: p for p in doc["parts"]}
     assert [p["name"] for p in doc["parts"]] == [p.name for p in PARTS]  # every one ran
-    hung = parts.pop("copy")
+    hung = parts.pop("swap")
     assert hung["status"] == "timeout" and 5 <= hung["seconds"] < 60, hung
     assert parts.pop("tms")["status"] == "skipped"  # needs CUDA: said, not failed
     bad = {n: p for n, p in parts.items() if p["status"] != "ok"}
     assert not bad, json.dumps(bad, indent=1)
     assert all(p["seconds"] > 0 for p in parts.values())
-    assert parts["selftest"]["result"]["intact"] and parts["swap"]["result"]["intact"]
+    assert parts["selftest"]["result"]["intact"]
+    # The parts after copy ran as planned again for the rate it measured: smaller.
+    assert doc["replanned"] == {"pin_gibs": 0.5, "after": "copy"}
+    before = {r.part.name: r for r in gpu_check.plan(MACHINES["dry"], dry=True)}
+    after = {r.part.name: r for r in gpu_check.plan(MACHINES["dry"], dry=True, pin_gibs=0.5)}
+    for name in ("switch_overlap", "lm_pair_tq10", "prefetch_overlap"):
+        assert parts[name]["planned"]["host_bytes"] == after[name].host_bytes
+        assert after[name].host_bytes < before[name].host_bytes
     assert "skipped" in parts["cuda_tests"]["result"]["summary"]  # pytest -m gpu ran
     assert parts["switch_overlap"]["result"]["switches"] > 0
     assert parts["lm_pair_tq10"]["result"]["switches"] > 0
@@ -163,8 +171,8 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     assert pre["prefetches"] > 0 and pre["steps_while_prefetching"] > 0, pre
     md = (out / "results.md").read_text()
     rows = [x for x in md.splitlines() if re.match(r"\| [123] \|", x)]
-    assert len(rows) == len(PARTS) and "| copy | timeout |" in md
+    assert len(rows) == len(PARTS) and "| swap | timeout |" in md
     logs = (out / "logs.txt").read_text()
-    assert "===== copy (timeout" in logs and "===== lm_pair_tq30 (ok" in logs
+    assert "===== swap (timeout" in logs and "===== lm_pair_tq30 (ok" in logs
     plan_md = (out / "plan.md").read_text()
     assert plan_md.splitlines()[-1].startswith("total: ")
