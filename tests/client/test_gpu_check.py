@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,25 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     assert "===== swap (timeout" in logs and "===== lm_pair_tq30 (ok" in logs
     plan_md = (out / "plan.md").read_text()
     assert plan_md.splitlines()[-1].startswith("total: ")
+
+
+@pytest.fixture(scope="module")
+def carried_shim() -> Iterator[str]:
+    # Module-scoped: set before the client tests' autouse fixture runs for each test.
+    old = os.environ.get("GPUSHARE_SHIM")
+    os.environ["GPUSHARE_SHIM"] = path = "/carried/libgpushare_alloc.so"
+    yield path
+    if old is None:
+        del os.environ["GPUSHARE_SHIM"]
+    else:
+        os.environ["GPUSHARE_SHIM"] = old
+
+
+@pytest.mark.gpu
+def test_a_gpu_test_keeps_the_carried_allocator_library(carried_shim: str) -> None:
+    # The GPU machine may have no C compiler: the check carries the library there.
+    assert os.environ.get("GPUSHARE_SHIM") == carried_shim
+
+
+def test_other_tests_build_their_own_allocator_library(carried_shim: str) -> None:
+    assert "GPUSHARE_SHIM" not in os.environ
