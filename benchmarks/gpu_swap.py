@@ -173,13 +173,13 @@ def vmm_cycles(dry: bool, size: int, cycles: int) -> dict[str, Any]:
     }
 
 
-def check_selftest(dry: bool) -> dict[str, Any]:
+def check_selftest(dry: bool, p: dict[str, Any]) -> dict[str, Any]:
     from gpushare.client.swap.cuda import CudaDriver, self_test
 
     t0 = time.perf_counter()
     self_test(CudaDriver(0, lib=_libcuda(dry)))
     out = {"self_test_s": time.perf_counter() - t0}
-    out.update(vmm_cycles(dry, 8 * MiB if dry else 4 * GiB, 2))
+    out.update(vmm_cycles(dry, int(p["bytes"]), 2))
     if not (out["intact"] and out["addresses_stable"]):
         out["error"] = "swapped memory came back different"
     return out
@@ -340,16 +340,17 @@ def step_rates(
     return inside, outside
 
 
-def prefetch_overlap(tmp: Path, dry: bool, _arg: Any = None) -> dict[str, Any]:
-    """Three sessions of 40% of the GPU in turns (one always in host memory): the next
-    holder swaps in during the quantum (prefetch), on the copy engines, while the holder
-    computes. The holder's step time while another session prefetches against its step
-    time otherwise, in the same run: what hiding a switch costs the holder."""
-    _, limit, fill = _sizes(dry, 0.4, 0.38)
-    seconds = 3.0 if dry else 20.0
-    node = Node(tmp, 0.5 if dry else 3.0, dry=dry)
+def prefetch_overlap(tmp: Path, dry: bool, p: dict[str, Any]) -> dict[str, Any]:
+    """Three sessions in turns on a node that holds two and a half of them (its
+    ``--reserve`` sized from the host's memory by the plan): one is always in host
+    memory, and the next holder swaps in during the quantum (prefetch), on the copy
+    engines, while the holder computes. The holder's step time while another session
+    prefetches against its step time otherwise, in the same run: what hiding a switch
+    costs the holder. Each session pins what it may have to hold: its limit."""
+    limit, fill, seconds = int(p["limit"]), int(p["fill"]), float(p["seconds"])
+    node = Node(tmp, float(p["tq"]), reserve=int(p["reserve"]), dry=dry)
     steppers = [node.stepper(limit, fill, seconds)] * 3
-    outs, ev = node.run(steppers, 2 * limit + 2 * GiB, seconds + 120)
+    outs, ev = node.run(steppers, int(p["host"]), seconds + 120)
     errors = [o["error"] for o in outs if "error" in o]
     if errors:
         return {"error": errors, "dry": dry}
@@ -467,30 +468,20 @@ def part_lm(seconds: float, warmup: float, target: int) -> dict[str, Any]:
 # --- parts with a node ------------------------------------------------------------------
 
 
-def _gpu_bytes(dry: bool) -> int:
-    if dry:
-        return DRY_GPU
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
-    finally:
-        pynvml.nvmlShutdown()
-
-
 class Node:
     """``gpushare node`` on the GPU (dry: a simulated one), in a temporary folder, and
     programs run on it."""
 
-    def __init__(self, tmp: Path, tq: float, *flags: str, dry: bool = False) -> None:
+    def __init__(
+        self, tmp: Path, tq: float, *flags: str, reserve: int = RESERVE, dry: bool = False
+    ) -> None:
         self.dry = dry
         self.sock, self.admin = str(tmp / "w.sock"), str(tmp / "a.sock")
         self.events = tmp / f"events-{time.monotonic_ns()}.jsonl"
         cmd = [sys.executable, "-m", "gpushare", "node", "--socket", self.sock]
         cmd += ["--admin-socket", self.admin, "--metrics-port", "0", "--log-level", "warning"]
         cmd += ["--event-log", str(self.events), "--mode", "exclusive"]
-        cmd += ["--reserve", str(RESERVE), "--tq", str(tq), *flags]
+        cmd += ["--reserve", str(reserve), "--tq", str(tq), *flags]
         if dry:
             cmd += ["--sim-gpus", "1", "--sim-memory", str(DRY_GPU)]
         self.proc = subprocess.Popen(cmd)
@@ -526,14 +517,6 @@ class Node:
         return [*cmd, "--socket", self.sock, "--", sys.executable, str(HERE), "--part", *part]
 
 
-def _sizes(dry: bool, limit: float, fill: float) -> tuple[int, int, int]:
-    """The sessions' usable GPU memory, and a limit and a fill as parts of it, in whole
-    256 MiB units."""
-    cap = _gpu_bytes(dry) - RESERVE
-    unit = 256 * MiB
-    return cap, int(cap * limit) // unit * unit, int(cap * fill) // unit * unit
-
-
 def _last_json(text: str) -> dict[str, Any]:
     lines = text.strip().splitlines()
     try:
@@ -543,13 +526,14 @@ def _last_json(text: str) -> dict[str, Any]:
         return {"error": lines[-3:]}
 
 
-def switch(tmp: Path, dry: bool, sequential: bool) -> dict[str, Any]:
-    seconds = 2.0 if dry else 8.0
-    # Each switch moves fill + limit - cap (about 7% of the GPU) each way.
-    cap, limit, fill = _sizes(dry, 0.54, 0.52)
-    node = Node(tmp, 0.5 if dry else 1.5, *(["--sequential-switches"] * sequential), dry=dry)
+def switch(tmp: Path, dry: bool, p: dict[str, Any], sequential: bool) -> dict[str, Any]:
+    """Two sessions, each over half of the node (its capacity the plan's): each switch
+    moves fill + limit - capacity each way, a few GiB, sized from the host's memory."""
+    seconds, limit, fill = float(p["seconds"]), int(p["limit"]), int(p["fill"])
+    flags = ["--sequential-switches"] * sequential
+    node = Node(tmp, float(p["tq"]), *flags, reserve=int(p["reserve"]), dry=dry)
     holder = node.stepper(limit, fill, seconds)
-    outs, ev = node.run([holder, holder], fill + limit - cap + 2 * GiB, seconds + 120)
+    outs, ev = node.run([holder, holder], int(p["host"]), seconds + 120)
     from gpushare.tools.report import switches
 
     sw = switches(ev).seconds
@@ -567,22 +551,14 @@ def switch(tmp: Path, dry: bool, sequential: bool) -> dict[str, Any]:
     return out
 
 
-def _windows(dry: bool, tq: float = 0) -> tuple[float, float]:
-    """(seconds measured, warm-up) of an LM part."""
-    if dry:
-        return 1.5, 0.5
-    return {0: 10.0, 10: 30.0, 30: 60.0}[int(tq)], 6.0
-
-
-def lm_pair(tmp: Path, dry: bool, tq: float) -> dict[str, Any]:
-    total = _gpu_bytes(dry)
-    secs, warm = _windows(dry, tq)
-    node = Node(tmp, 0.5 if dry else tq, dry=dry)
-    limit = int(total * 0.6)
-    # What one session may be asked to swap out: the other's limit past the free part.
-    host = 2 * limit - (total - RESERVE) + 4 * GiB
-    lm = node.gpushare_run(limit, "lm", str(secs), str(warm), str(limit))
-    outs, ev = node.run([lm, lm], host, secs + warm + 180)
+def lm_pair(tmp: Path, dry: bool, p: dict[str, Any]) -> dict[str, Any]:
+    """Two LMs, each a little over half of the node (its capacity the plan's): what one
+    may be asked to swap out (the other's limit past the free part, a few GiB) is what
+    each pins (``host``)."""
+    secs, warm, tq, limit = float(p["seconds"]), float(p["warmup"]), float(p["tq"]), p["limit"]
+    node = Node(tmp, tq, reserve=int(p["reserve"]), dry=dry)
+    lm = node.gpushare_run(int(limit), "lm", str(secs), str(warm), str(limit))
+    outs, ev = node.run([lm, lm], int(p["host"]), secs + warm + 180)
     if any("error" in o for o in outs):
         return {"tq_s": tq, "error": [o.get("error") for o in outs]}
     return {
@@ -595,66 +571,84 @@ def lm_pair(tmp: Path, dry: bool, tq: float) -> dict[str, Any]:
     }
 
 
-def lm_alone(tmp: Path, dry: bool, gs: bool) -> dict[str, Any]:
-    target = int(_gpu_bytes(dry) * 0.6)
-    secs, warm = _windows(dry)
+def lm_alone(tmp: Path, dry: bool, p: dict[str, Any], gs: bool) -> dict[str, Any]:
+    """One of the pair's LMs alone: bare, or under ``gpushare run`` uncontended."""
+    target, secs, warm = int(p["target"]), float(p["seconds"]), float(p["warmup"])
     args = ["lm", str(secs), str(warm), str(target)]
     if not gs:
         out = subprocess.run(
             [sys.executable, str(HERE), "--part", *args], capture_output=True, text=True
         )
         return _last_json(out.stdout) if out.returncode == 0 else {"error": out.stderr[-2000:]}
-    node = Node(tmp, 30, dry=dry)
+    node = Node(tmp, 30, reserve=int(p["reserve"]), dry=dry)
     # Uncontended: nothing is swapped, so little is pinned (pinning runs at ~1 GiB/s).
-    outs, _ = node.run([node.gpushare_run(target, *args)], GiB, secs + warm + 180)
+    outs, _ = node.run([node.gpushare_run(target, *args)], int(p["host"]), secs + warm + 180)
     return outs[0]
 
 
-def check_copy(dry: bool) -> dict[str, Any]:
+def check_copy(dry: bool, p: dict[str, Any]) -> dict[str, Any]:
     if not dry:
-        return part_copy(2 * GiB)
+        return part_copy(int(p["bytes"]))
     import torch  # the code path on the CPU: no pinning, no streams, no figure
 
     a, b = torch.ones(MiB, dtype=torch.uint8), torch.empty(MiB, dtype=torch.uint8)
     t0 = time.perf_counter()
     b.copy_(a)
     gbs = MiB / (time.perf_counter() - t0) / 1e9
-    return {"bytes": MiB, "d2h_gbs": gbs, "h2d_gbs": gbs, "both_gbs": gbs, "dry": True}
+    out = {"bytes": MiB, "d2h_gbs": gbs, "h2d_gbs": gbs, "both_gbs": gbs, "dry": True}
+    # tests of the harness: a pinning rate as measured, to make the check plan again
+    rate = os.environ.get("GPUSHARE_CHECK_PIN_GIBS")
+    if rate:
+        out["pin_gibs"] = float(rate)
+    return out
 
 
-def check_swap(dry: bool) -> dict[str, Any]:
+def check_swap(dry: bool, p: dict[str, Any]) -> dict[str, Any]:
     if dry:
-        return vmm_cycles(True, 8 * MiB, 3)
-    return part_swap(4 * GiB, 4)
+        return vmm_cycles(True, int(p["bytes"]), int(p["cycles"]))
+    return part_swap(int(p["bytes"]), int(p["cycles"]))
 
 
-def check_tms(dry: bool) -> dict[str, Any]:
+def check_tms(dry: bool, p: dict[str, Any]) -> dict[str, Any]:
     if dry:
         return {"skipped": "dry run: torch-memory-saver needs CUDA"}
-    return part_tms(2 * GiB, 3)
+    return part_tms(int(p["bytes"]), 3)
 
 
+# Each part with the plan's parameters for it (gpu_check.plan: sizes and windows).
 CHECKS: dict[str, Any] = {
-    "env": check_env,
-    "build": check_build,
+    "env": lambda dry, p: check_env(dry),
+    "build": lambda dry, p: check_build(dry),
     "selftest": check_selftest,
     "copy": check_copy,
     "swap": check_swap,
     "tms": check_tms,
-    "switch_overlap": lambda dry: _with_tmp(switch, dry, False),
-    "switch_sequential": lambda dry: _with_tmp(switch, dry, True),
-    "lm_bare": lambda dry: _with_tmp(lm_alone, dry, False),
-    "lm_gpushare": lambda dry: _with_tmp(lm_alone, dry, True),
-    "lm_pair_tq10": lambda dry: _with_tmp(lm_pair, dry, 10),
-    "lm_pair_tq30": lambda dry: _with_tmp(lm_pair, dry, 30),
-    "prefetch_overlap": lambda dry: _with_tmp(prefetch_overlap, dry, None),
+    "switch_overlap": lambda dry, p: _with_tmp(switch, dry, p, False),
+    "switch_sequential": lambda dry, p: _with_tmp(switch, dry, p, True),
+    "lm_bare": lambda dry, p: _with_tmp(lm_alone, dry, p, False),
+    "lm_gpushare": lambda dry, p: _with_tmp(lm_alone, dry, p, True),
+    "lm_pair_tq10": lambda dry, p: _with_tmp(lm_pair, dry, p),
+    "lm_pair_tq30": lambda dry, p: _with_tmp(lm_pair, dry, p),
+    "prefetch_overlap": lambda dry, p: _with_tmp(prefetch_overlap, dry, p),
 }
 
 
-def _with_tmp(fn: Any, dry: bool, arg: Any) -> dict[str, Any]:
+def _with_tmp(fn: Any, dry: bool, *args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gsb-") as d:
-        out: dict[str, Any] = fn(Path(d), dry, arg)
+        out: dict[str, Any] = fn(Path(d), dry, *args)
         return out
+
+
+def planned_params(name: str, dry: bool) -> dict[str, Any]:
+    """A part's parameters where none were passed: this machine's plan."""
+    sys.path.insert(0, str(HERE.parent))
+    import gpu_check
+
+    m = gpu_check.MACHINES["dry"] if dry else gpu_check.this_machine(False)
+    row = next(r for r in gpu_check.plan(m, dry) if r.part.name == name)
+    if row.skip:
+        raise SystemExit(f"gpu_swap: {name} is planned out here: {row.skip}")
+    return row.params
 
 
 def _part(argv: list[str]) -> None:
@@ -674,6 +668,7 @@ def main() -> None:
     ap.add_argument("--check", choices=sorted(CHECKS), help="run one part")
     ap.add_argument("--json", metavar="PATH", help="where the part's JSON goes")
     ap.add_argument("--dry", action="store_true", help="tiny, without a GPU")
+    ap.add_argument("--params", default="", help="the part's sizes as JSON (gpu_check's plan)")
     args, rest = ap.parse_known_args()
     if args.check is None:  # the benchmark's parts, through the staged check
         sys.path.insert(0, str(HERE.parent))
@@ -684,7 +679,8 @@ def main() -> None:
     hang = os.environ.get("GPUSHARE_CHECK_HANG", "")
     if hang == args.check:  # tests of the harness: this part never ends
         time.sleep(10**6)
-    out = CHECKS[args.check](args.dry)
+    params = json.loads(args.params) if args.params else planned_params(args.check, args.dry)
+    out = CHECKS[args.check](args.dry, params)
     text = json.dumps(out, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)

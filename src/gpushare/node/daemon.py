@@ -166,7 +166,11 @@ class Node:
             gpus,
             self.arbiters,
             self.utilization,
-            {g.index: NvmlUtilization(nvml, g.index) for g in gpus if nvml and not g.simulated},
+            {
+                g.index: NvmlUtilization(nvml, max(g.nvml_index, 0), g.mig_index)
+                for g in gpus
+                if nvml and not g.simulated
+            },
             self.conns,
             self.clock,
             self.decisions,

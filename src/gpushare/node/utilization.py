@@ -30,12 +30,19 @@ log = logging.getLogger("gpushare.node.utilization")
 class NvmlUtilization:
     """Device and per-process utilization through a module with pynvml's API."""
 
-    def __init__(self, nvml: Any, index: int) -> None:
+    def __init__(self, nvml: Any, index: int, mig_index: int = -1) -> None:
         self.nvml = nvml
         self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.mig = mig_index >= 0
+        if self.mig:  # a MIG instance: its own handle, its own processes
+            self.handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(self.handle, mig_index)
         self._last_ts = 0
 
-    def device(self) -> float:
+    def device(self) -> float | None:
+        """The device's utilization (0-1); None where NVML does not give it (a MIG
+        instance: the lease's model then, as for a simulated GPU)."""
+        if self.mig:
+            return None
         return float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu) / 100.0
 
     def memory(self) -> dict[int, int]:
@@ -95,7 +102,8 @@ class Sampler:
                 if sampler is None:  # the simulated GPU's model: busy while leased
                     ratio, procs = (1.0 if arb.holders else 0.0), None
                 else:
-                    ratio = sampler.device()
+                    measured = sampler.device()
+                    ratio = (1.0 if arb.holders else 0.0) if measured is None else measured
                     procs = sampler.processes() if len(arb.holders) > 1 else None
                     used = sampler.memory()
             except Exception as e:  # a flaky driver must not stop the node

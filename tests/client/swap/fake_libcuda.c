@@ -10,9 +10,13 @@
  *
  * Environment: FAKE_CUDA_CAPACITY (bytes) bounds the physical memory (cuMemCreate past
  * it returns CUDA_ERROR_OUT_OF_MEMORY); FAKE_CUDA_GRANULARITY (bytes, default 2 MiB, an
- * H200's); FAKE_CUDA_CORRUPT=1 flips the first byte of every device-to-host copy.
+ * H200's); FAKE_CUDA_CORRUPT=1 flips the first byte of every device-to-host copy;
+ * FAKE_CUDA_DEVICES (default 1) devices, peers of each other unless FAKE_CUDA_NO_PEERS=1
+ * (memory lives on device 0 alone; the others can be granted access to it).
  * For tests: fake_cuda_fail(name, code, skip) makes the call after `skip` more calls of
- * `name` fail once; fake_cuda_calls(name) counts calls; fake_cuda_log() lists them.
+ * `name` fail once; fake_cuda_calls(name) counts calls; fake_cuda_log() lists them;
+ * fake_cuda_alive("streams"|"events"|"contexts") counts what was made and not given
+ * back; fake_cuda_access(ids, max) the devices the last cuMemSetAccess granted.
  * Built by the tests with: cc -shared -fPIC -o X.so this.c
  */
 #define _GNU_SOURCE
@@ -46,6 +50,8 @@ typedef struct CUmemAccessDesc_st { CUmemLocation location; int flags; } CUmemAc
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_CONTEXT = 201 };
 static int initialized;
 static size_t created, pinned; /* physical bytes, pinned host bytes */
+static int streams_alive, events_alive, ctx_refs; /* made and not yet destroyed/released */
+static int access_n, access_ids[16];               /* the last cuMemSetAccess's devices */
 static char ctx_token, foreign_token, stream_token;
 static __thread CUcontext stack[16];
 static __thread int depth;
@@ -103,11 +109,29 @@ const char *fake_cuda_log(void) { return calls_log; }
 void fake_cuda_log_clear(void) { calls_log[0] = 0; }
 size_t fake_cuda_created(void) { return created; }
 size_t fake_cuda_pinned(void) { return pinned; }
+/* "streams", "events" or "contexts" (primary-context retains) not yet given back. */
+int fake_cuda_alive(const char *what) {
+    if (!strcmp(what, "streams")) return streams_alive;
+    if (!strcmp(what, "events")) return events_alive;
+    if (!strcmp(what, "contexts")) return ctx_refs;
+    return -1;
+}
+/* The devices the last cuMemSetAccess granted access to; their count. */
+int fake_cuda_access(int *ids, int max) {
+    for (int i = 0; i < access_n && i < max; i++) ids[i] = access_ids[i];
+    return access_n;
+}
 /* Another context (a workload's own) current on this thread: gpushare must push and
  * pop its own around its calls and leave this one current. */
 void fake_cuda_push_foreign(void) { stack[depth++] = &foreign_token; }
 int fake_cuda_foreign_current(void) { return depth && stack[depth - 1] == &foreign_token; }
 
+/* FAKE_CUDA_DEVICES devices (default 1), every one a peer of every other unless
+ * FAKE_CUDA_NO_PEERS=1; only device 0 holds memory. */
+static int devices(void) {
+    const char *s = getenv("FAKE_CUDA_DEVICES");
+    return s ? atoi(s) : 1;
+}
 static size_t granularity(void) {
     const char *s = getenv("FAKE_CUDA_GRANULARITY");
     return s ? strtoull(s, NULL, 10) : (size_t)2 << 20;
@@ -125,13 +149,34 @@ static int good_prop(const CUmemAllocationProp *p) {
 CUresult cuInit(unsigned flags) { initialized = 1; return flags ? INVALID_VALUE : OK; }
 CUresult cuDeviceGet(CUdevice *d, int ordinal) {
     if (!initialized) return NOT_INITIALIZED;
-    if (ordinal != 0) return INVALID_VALUE;
-    *d = 0;
+    if (ordinal < 0 || ordinal >= devices()) return INVALID_VALUE;
+    *d = ordinal;
     return OK;
+}
+CUresult cuDeviceGetCount(int *n) {
+    if (!initialized) return NOT_INITIALIZED;
+    *n = devices();
+    return OK;
+}
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
+    CALLED("cuDeviceCanAccessPeer");
+    if (d < 0 || d >= devices() || peer < 0 || peer >= devices()) return INVALID_VALUE;
+    const char *s = getenv("FAKE_CUDA_NO_PEERS");
+    *can = d != peer && !(s && *s == '1');
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    CALLED("cuDevicePrimaryCtxRelease_v2");
+    pthread_mutex_lock(&mu);
+    int ok = d == 0 && ctx_refs > 0;
+    if (ok) ctx_refs--;
+    pthread_mutex_unlock(&mu);
+    return ok ? OK : INVALID_VALUE;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
     if (d != 0) return INVALID_VALUE;
     *c = &ctx_token;
+    __atomic_add_fetch(&ctx_refs, 1, __ATOMIC_SEQ_CST);
     return OK;
 }
 CUresult cuCtxGetCurrent(CUcontext *c) { *c = depth ? stack[depth - 1] : NULL; return OK; }
@@ -210,8 +255,21 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
 }
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *d, size_t count) {
     CALLED("cuMemSetAccess");
-    if (count != 1 || d->location.type != 1 || d->location.id != 0 || d->flags != 3)
-        return INVALID_VALUE;
+    /* The owning device among them, each device once, every one read-write. */
+    int own = 0;
+    if (count < 1 || count > 16) return INVALID_VALUE;
+    for (size_t i = 0; i < count; i++) {
+        if (d[i].location.type != 1 || d[i].flags != 3) return INVALID_VALUE;
+        if (d[i].location.id < 0 || d[i].location.id >= devices()) return INVALID_VALUE;
+        for (size_t j = 0; j < i; j++)
+            if (d[j].location.id == d[i].location.id) return INVALID_VALUE;
+        own |= d[i].location.id == 0;
+    }
+    if (!own) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    access_n = (int)count;
+    for (size_t i = 0; i < count; i++) access_ids[i] = d[i].location.id;
+    pthread_mutex_unlock(&mu);
     return mprotect((void *)ptr, size, PROT_READ | PROT_WRITE) ? INVALID_VALUE : OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
@@ -248,6 +306,13 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags) {
     NEEDS_CONTEXT();
     if (flags != 1 /* NON_BLOCKING */) return INVALID_VALUE;
     *s = &stream_token;
+    __atomic_add_fetch(&streams_alive, 1, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+    CALLED("cuStreamDestroy_v2");
+    if (s != &stream_token || streams_alive <= 0) return INVALID_VALUE;
+    __atomic_sub_fetch(&streams_alive, 1, __ATOMIC_SEQ_CST);
     return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
@@ -271,6 +336,7 @@ CUresult cuEventCreate(CUevent *e, unsigned flags) {
     NEEDS_CONTEXT();
     if (flags != 2 /* DISABLE_TIMING */) return INVALID_VALUE;
     *e = malloc(8);
+    if (*e) __atomic_add_fetch(&events_alive, 1, __ATOMIC_SEQ_CST);
     return *e ? OK : OUT_OF_MEMORY;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
@@ -283,6 +349,8 @@ CUresult cuEventSynchronize(CUevent e) {
 }
 CUresult cuEventDestroy_v2(CUevent e) {
     CALLED("cuEventDestroy_v2");
+    if (!e) return INVALID_VALUE;
+    __atomic_sub_fetch(&events_alive, 1, __ATOMIC_SEQ_CST);
     free(e);
     return OK;
 }

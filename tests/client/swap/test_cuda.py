@@ -5,6 +5,8 @@ without a GPU."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from gpushare.client.swap.cuda import CudaDriver, CudaError, self_test
@@ -38,6 +40,8 @@ def test_the_self_test_passes_and_leaves_nothing_behind(gpu: FakeGpu):
         assert call in log
     assert log.count("cuMemCreate") == 4 and log.count("cuMemRelease") == 4  # remapped
     assert gpu.physical_bytes == 0 and gpu.cu.fake_cuda_pinned() == 0
+    gpu.cu.fake_cuda_alive.argtypes = [ctypes.c_char_p]
+    assert gpu.cu.fake_cuda_alive(b"streams") == gpu.cu.fake_cuda_alive(b"events") == 0
 
 
 @pytest.mark.parametrize(

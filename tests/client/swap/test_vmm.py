@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpushare.client.swap.vmm import (
+    IdleWaiter,
     VmmBackend,
     cgroup_memory_room,
     host_memory_available,
@@ -240,6 +241,54 @@ def test_closing_frees_the_host_buffers_with_a_context(gpu: FakeGpu):
     assert gpu.cu.fake_cuda_pinned() == 0
 
 
+def test_closing_gives_back_the_stream_the_events_and_the_context(gpu: FakeGpu):
+    alive = gpu.cu.fake_cuda_alive
+    alive.argtypes = [ctypes.c_char_p]
+    b = gpu.backend()
+    ranges = fill(b, [2 * PIECE])
+    b.swap_out(2 * PIECE)
+    b.swap_in()
+    assert intact(ranges)
+    # the self-test's stream and event went back at once; the backend's are in use
+    assert alive(b"streams") == 1 and alive(b"events") > 1
+    held = alive(b"contexts")  # the allocator library's hold and the driver's
+    assert held == 2
+    for va, _ in ranges:
+        b.free(va)
+    b.close()
+    assert alive(b"streams") == 0 and alive(b"events") == 0
+    gpu.driver.close()
+    gpu.driver.close()  # once only: a second close gives back nothing more
+    assert alive(b"contexts") == held - 1
+    gpu.shim.configure(str(gpu.libcuda), 0, 64 * GRANULE, GRANULE)  # again: not a new hold
+    assert alive(b"contexts") == held - 1
+
+
+@pytest.mark.parametrize(("peers", "granted"), [(True, [0, 1, 2]), (False, [0])])
+def test_mapped_memory_is_reachable_by_the_devices_peers(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, peers: bool, granted: list[int]
+):
+    """As PyTorch's expandable segments: another GPU of the process that can reach this
+    one as a peer (a peer copy, NCCL's P2P) may read and write its memory."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
+    if not peers:
+        monkeypatch.setenv("FAKE_CUDA_NO_PEERS", "1")
+    ids = (ctypes.c_int * 16)()
+
+    def last_access() -> list[int]:
+        return sorted(ids[:n]) if (n := gpu.cu.fake_cuda_access(ids, 16)) else []
+
+    b = gpu.backend()
+    assert gpu.driver.access_devices == granted
+    fill(b, [PIECE])  # mapped by the allocator library, in C
+    assert last_access() == granted
+    b.swap_out(PIECE)
+    ids[:] = [-1] * 16
+    b.swap_in()  # mapped again by the swap-in, in Python
+    assert last_access() == granted
+    b.close()
+
+
 def test_allocation_and_free_are_reported(gpu: FakeGpu):
     b = gpu.backend()
     reports = []
@@ -254,6 +303,41 @@ def test_allocation_and_free_are_reported(gpu: FakeGpu):
     assert reports and reports[-1] == PIECE
     b.free(va)
     b.close()
+
+
+def test_a_swap_out_does_not_hang_behind_gpu_work_that_waits_on_something_else():
+    """The torch backend's wait before a swap-out (``IdleWaiter``): a synchronize stuck
+    behind pending work (an NCCL kernel waiting for its peers) holds the caller, the
+    client's reader thread, no longer than the bound; the one synchronize goes on, and
+    the next wait, once the work is done, returns."""
+    import threading
+    import time
+
+    pending = threading.Event()  # the collective's peers arrive
+    syncs = []
+
+    def synchronize() -> None:
+        syncs.append(threading.current_thread().name)
+        pending.wait(30)
+
+    w = IdleWaiter(synchronize)
+    t0 = time.monotonic()
+    with pytest.raises(SwapError, match="still runs this session's work"):
+        w.wait(0.2)
+    assert time.monotonic() - t0 < 5  # the reader thread is free again
+    with pytest.raises(SwapError):
+        w.wait(0.1)
+    assert w.started == 1 and syncs == ["gpushare-sync"]  # one synchronize, not one a wait
+    pending.set()
+    w.wait(5)
+    w.wait(5)  # a new one, done at once
+    assert w.started == 2
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(SwapError, match="illegal memory access"):
+        IdleWaiter(failing).wait(5)
 
 
 # --- host memory for pinning: the host's and the cgroup's --------------------------------

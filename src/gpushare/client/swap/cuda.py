@@ -45,10 +45,13 @@ class Driver(Protocol):
     def host_free(self, ptr: int) -> None: ...
     def new_stream(self) -> int: ...
     def new_event(self) -> int: ...
+    def destroy_stream(self, stream: int) -> None: ...
+    def destroy_event(self, event: int) -> None: ...
     def copy_dtoh(self, dst: int, src: int, size: int, stream: int) -> None: ...
     def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None: ...
     def record(self, event: int, stream: int) -> None: ...
     def wait(self, event: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class CudaError(SwapError):
@@ -113,12 +116,22 @@ class CudaDriver:
             "cuDevicePrimaryCtxRetain", self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
         )
         self._ctx = ctx
+        self._dev = dev
         self._prop = _AllocationProp()
         self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device)
-        self._access = _AccessDesc(
-            _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        )
+        # Mapped memory is readable and writable by this device and by every other that
+        # can reach it as a peer, as PyTorch's own expandable segments grant: without it
+        # a kernel of another GPU of the process (a peer copy, NCCL's P2P) faults on it.
+        self.access_devices = [device, *self._peers(device, dev)]
+        descs = [
+            _AccessDesc(
+                _Location(_CU_MEM_LOCATION_TYPE_DEVICE, d), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            )
+            for d in self.access_devices
+        ]
+        self._access = (_AccessDesc * len(descs))(*descs)
+        self._closed = False
         with self.context():
             self._granularity = self._query_granularity()
 
@@ -128,6 +141,10 @@ class CudaDriver:
             "cuInit": [ctypes.c_uint],
             "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+            "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+            "cuDeviceCanAccessPeer": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+            "cuStreamDestroy_v2": [_ptr],
             "cuCtxGetCurrent": [ctypes.POINTER(_ptr)],
             "cuCtxPushCurrent_v2": [_ptr],
             "cuCtxPopCurrent_v2": [ctypes.POINTER(_ptr)],
@@ -158,6 +175,22 @@ class CudaDriver:
             fn = getattr(cu, name)
             fn.argtypes = args
             fn.restype = ctypes.c_int
+
+    def _peers(self, ordinal: int, dev: ctypes.c_int) -> list[int]:
+        """The other devices that can access this one's memory as peers."""
+        n = ctypes.c_int()
+        self._check("cuDeviceGetCount", self._cu.cuDeviceGetCount(ctypes.byref(n)))
+        out = []
+        for i in range(n.value):
+            if i == ordinal:
+                continue
+            other, can = ctypes.c_int(), ctypes.c_int()
+            self._check("cuDeviceGet", self._cu.cuDeviceGet(ctypes.byref(other), i))
+            rc = self._cu.cuDeviceCanAccessPeer(ctypes.byref(can), other, dev)
+            self._check("cuDeviceCanAccessPeer", rc)
+            if can.value:
+                out.append(i)
+        return out
 
     def _check(self, call: str, rc: int) -> None:
         if rc:
@@ -217,9 +250,8 @@ class CudaDriver:
 
     def map(self, va: int, size: int, handle: int) -> None:
         self._check("cuMemMap", self._cu.cuMemMap(va, size, 0, handle, 0))
-        self._check(
-            "cuMemSetAccess", self._cu.cuMemSetAccess(va, size, ctypes.byref(self._access), 1)
-        )
+        rc = self._cu.cuMemSetAccess(va, size, self._access, len(self._access))
+        self._check("cuMemSetAccess", rc)
 
     def unmap(self, va: int, size: int) -> None:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(va, size))
@@ -252,6 +284,20 @@ class CudaDriver:
         )
         return int(e.value or 0)
 
+    def destroy_stream(self, stream: int) -> None:
+        self._check("cuStreamDestroy", self._cu.cuStreamDestroy_v2(stream))
+
+    def destroy_event(self, event: int) -> None:
+        self._check("cuEventDestroy", self._cu.cuEventDestroy_v2(event))
+
+    def close(self) -> None:
+        """Give back this driver's hold on the primary context (once): the context goes
+        when its last holder, PyTorch's included, lets it go."""
+        if not self._closed:
+            self._closed = True
+            rc = self._cu.cuDevicePrimaryCtxRelease_v2(self._dev)
+            self._check("cuDevicePrimaryCtxRelease", rc)
+
     def record(self, event: int, stream: int) -> None:
         self._check("cuEventRecord", self._cu.cuEventRecord(event, stream))
 
@@ -272,7 +318,7 @@ def self_test(driver: Driver) -> None:
     pattern = os.urandom(size)
     mapped: list[tuple[int, int]] = []  # (va, handle)
     host: list[int] = []
-    va = 0
+    va = stream = event = 0
     try:
         with driver.context():
             va = driver.reserve(size)
@@ -328,3 +374,7 @@ def self_test(driver: Driver) -> None:
                 driver.unreserve(va, size)
             for buf in host:
                 driver.host_free(buf)
+            if event:
+                driver.destroy_event(event)
+            if stream:
+                driver.destroy_stream(stream)

@@ -67,6 +67,9 @@ static struct {
     CUresult (*Init)(unsigned);
     CUresult (*DeviceGet)(CUdevice *, int);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
     CUresult (*CtxGetCurrent)(CUcontext *);
     CUresult (*CtxPushCurrent)(CUcontext);
     CUresult (*CtxPopCurrent)(CUcontext *);
@@ -107,7 +110,12 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int configured, device_index;
 static CUcontext ctx;
 static CUmemAllocationProp prop;
-static CUmemAccessDesc access_desc;
+/* Read-write for this device and every device that can reach it as a peer (as PyTorch's
+ * expandable segments grant): a kernel of another GPU of the process may touch it. */
+#define MAX_ACCESS 64
+static CUmemAccessDesc access_desc[MAX_ACCESS];
+static int naccess;
+static CUdevice ctx_dev;
 static size_t gran, piece_bytes, limit, resident, swapped;
 static struct seg *head, *tail;
 static uint64_t *returned;
@@ -168,6 +176,9 @@ static int load(const char *lib) {
     SYM(Init, "cuInit");
     SYM(DeviceGet, "cuDeviceGet");
     SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    SYM(DeviceGetCount, "cuDeviceGetCount");
+    SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer");
     SYM(CtxGetCurrent, "cuCtxGetCurrent");
     SYM(CtxPushCurrent, "cuCtxPushCurrent_v2");
     SYM(CtxPopCurrent, "cuCtxPopCurrent_v2");
@@ -207,13 +218,32 @@ int gs_configure(const char *lib, int device, unsigned long long lim, unsigned l
     CUdevice dev;
     CHECK("cuInit", cu.Init(0));
     CHECK("cuDeviceGet", cu.DeviceGet(&dev, device));
+    if (ctx) { /* configured before: one hold on the primary context, not one a call */
+        cu.DevicePrimaryCtxRelease(ctx_dev);
+        ctx = NULL;
+    }
     CHECK("cuDevicePrimaryCtxRetain", cu.DevicePrimaryCtxRetain(&ctx, dev));
+    ctx_dev = dev;
+    int count = 0;
+    CHECK("cuDeviceGetCount", cu.DeviceGetCount(&count));
     memset(&prop, 0, sizeof prop);
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = device;
-    access_desc.location = prop.location;
-    access_desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    naccess = 0;
+    access_desc[naccess].location = prop.location;
+    access_desc[naccess++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    for (int i = 0; i < count && naccess < MAX_ACCESS; i++) {
+        CUdevice other;
+        int can = 0;
+        if (i == device) continue;
+        CHECK("cuDeviceGet", cu.DeviceGet(&other, i));
+        CHECK("cuDeviceCanAccessPeer", cu.DeviceCanAccessPeer(&can, other, dev));
+        if (!can) continue;
+        access_desc[naccess].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        access_desc[naccess].location.id = i;
+        access_desc[naccess++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
     int pushed = enter();
     CUresult rc = cu.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
     leave(pushed);
@@ -231,6 +261,7 @@ int gs_configure(const char *lib, int device, unsigned long long lim, unsigned l
 }
 
 unsigned long long gs_granularity(void) { return gran; }
+int gs_access_devices(void) { return naccess; }
 unsigned long long gs_piece_bytes(void) { return piece_bytes; }
 void gs_set_limit(unsigned long long lim) { limit = lim; }
 void gs_route(int on) { routing = on; }
@@ -307,7 +338,7 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
             cu.MemRelease(p->handle);
             break;
         }
-        if ((rc = cu.MemSetAccess(p->va, p->size, &access_desc, 1))) {
+        if ((rc = cu.MemSetAccess(p->va, p->size, access_desc, (size_t)naccess))) {
             fail("cuMemSetAccess", rc);
             made++; /* mapped: undone below with the others */
             break;

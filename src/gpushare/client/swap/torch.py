@@ -40,6 +40,7 @@ PyTorch's cache of free blocks is emptied first: cached bytes are freed, not cop
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -50,8 +51,13 @@ from typing import Any
 from gpushare.client.swap import shim
 from gpushare.client.swap.base import NO_HOOKS, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
-from gpushare.client.swap.vmm import PIECE_BYTES, VmmBackend, host_memory_available
-from gpushare.errors import GpushareError
+from gpushare.client.swap.vmm import (
+    PIECE_BYTES,
+    IdleWaiter,
+    VmmBackend,
+    host_memory_available,
+)
+from gpushare.errors import GpushareError, SwapError
 from gpushare.units import parse_size
 
 log = logging.getLogger("gpushare.client.swap")
@@ -80,10 +86,10 @@ def find_device(torch: Any, uuid: str, index: int) -> int:
     node's index (which CUDA numbers the same way with CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
     n = torch.cuda.device_count()
     if uuid:
-        want = uuid.removeprefix("GPU-").lower()
+        want = uuid.removeprefix("GPU-").removeprefix("MIG-").lower()  # a MIG instance's too
         for i in range(n):
             got = str(getattr(torch.cuda.get_device_properties(i), "uuid", "")).lower()
-            if got and got.removeprefix("gpu-") == want:
+            if got and got.removeprefix("gpu-").removeprefix("mig-") == want:
                 return i
     if n == 1:
         return 0
@@ -199,6 +205,8 @@ def choose_route(preloaded: bool, environ: Mapping[str, str] | None = None) -> s
     return want or ("preload" if preloaded else "pool")
 
 
+SYNC_WAIT_S = 5.0  # a swap-out waits this long at most for the session's GPU work
+
 POOL_WARNING = (
     "gpushare: this process was not started with gpushare's allocator in LD_PRELOAD, so its"
     " CUDA memory goes through a MemPool: torch.cuda.empty_cache() keeps it, an out-of-memory"
@@ -242,6 +250,7 @@ class TorchBackend(VmmBackend):
             hooks=hooks,
         )
         self.lib = lib
+        self._idle = IdleWaiter(lambda: torch.cuda.synchronize(self.device))
         self.pool: Any = None
         self._routing = False
         _patch_graph_capture(torch)
@@ -306,7 +315,10 @@ class TorchBackend(VmmBackend):
 
     def swap_out(self, nbytes: int) -> SwapResult:
         torch = self._torch
-        torch.cuda.synchronize(self.device)  # no kernel may touch what leaves
+        # No kernel may touch what leaves. Bounded, and off this thread: a swap-out the
+        # node asks of a session with no grant runs on the client's reader thread, which
+        # must not hang behind a pending collective (it reads what frees it).
+        self._idle.wait(SYNC_WAIT_S)
         if nbytes > 0 and self.route == "preload":
             # Blocks PyTorch caches but nothing uses are freed, not copied (a MemPool's
             # cache cannot be emptied: the pool route copies them).
@@ -325,6 +337,8 @@ class TorchBackend(VmmBackend):
             else:
                 self._route(False)
         super().close()
+        with contextlib.suppress(SwapError):
+            self.driver.close()  # our hold on the primary context: PyTorch keeps its own
 
 
 _patched = False

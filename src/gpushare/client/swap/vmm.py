@@ -152,6 +152,53 @@ def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -
     return min(avail, room) if avail else room
 
 
+# --- waiting for the GPU's work, bounded ---------------------------------------------------
+
+
+class IdleWaiter:
+    """Waits for a device's queued work (``sync``: e.g. ``torch.cuda.synchronize``) for
+    at most a bound, from any thread: the synchronize runs on a helper thread of its
+    own, one at a time, so that a caller (the client's reader thread, asked to swap out
+    a session that holds no grant) is never stuck behind work that waits on something
+    else, such as an NCCL collective waiting for its peers, which only the messages that
+    thread reads can bring."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self._sync = sync
+        self._lock = threading.Lock()
+        self._done: threading.Event | None = None
+        self._error: BaseException | None = None
+        self.started = 0  # helper threads started: one while one is pending
+
+    def _run(self, done: threading.Event) -> None:
+        try:
+            self._sync()
+        except BaseException as e:  # told to the waiter, not lost on the helper
+            self._error = e
+        finally:
+            done.set()
+
+    def wait(self, timeout: float) -> None:
+        """Return once the device is idle; :class:`SwapError` if it is not within
+        ``timeout`` seconds (the synchronize goes on: a later wait waits on it)."""
+        with self._lock:
+            done = self._done
+            if done is None or done.is_set():
+                done = self._done = threading.Event()
+                self._error = None
+                self.started += 1
+                threading.Thread(
+                    target=self._run, args=(done,), name="gpushare-sync", daemon=True
+                ).start()
+        if not done.wait(timeout):
+            raise SwapError(
+                f"the GPU still runs this session's work after {timeout:g} s (a collective"
+                " waiting for its peers?): its memory stays on the GPU for now"
+            )
+        if self._error is not None:
+            raise SwapError(f"waiting for the GPU's work failed: {self._error}")
+
+
 # --- pinned host memory --------------------------------------------------------------------
 
 
@@ -496,7 +543,18 @@ class VmmBackend(SwapBackend):
         return self.host.ready.wait(timeout)
 
     def close(self) -> None:
+        """Detach: the host buffers, the stream and the events go back to the driver
+        (a workload that attaches again, or keeps running, holds none of them)."""
         self.store.notify(-1)
         with contextlib.suppress(OSError):
             os.close(self._notify_w)  # the watching thread ends
         self.host.close()
+        with self._lock, contextlib.suppress(SwapError), self.driver.context():
+            if self._stream:
+                self._drain_stream()  # nothing of ours still runs on it
+            for ev in self._events:
+                self.driver.destroy_event(ev)
+            self._events = []
+            if self._stream:
+                self.driver.destroy_stream(self._stream)
+                self._stream = 0
