@@ -430,8 +430,8 @@ class NodeObject:
         self.uid = str(meta.get("uid") or self.uid)
         generation = int(meta.get("generation") or 0)
         spec = obj.get("spec") or {}
-        if spec == self._spec and generation == self.generation:
-            return
+        if generation < self.generation or (spec == self._spec and generation == self.generation):
+            return  # an older view (a list that crossed a watch event), or no change
         self._spec, self.generation = spec, generation
         try:
             self.desired = desired(spec, len(self.arbiters))
@@ -711,6 +711,7 @@ class NodeObject:
                     elif kind == "DELETED":
                         loop.call_soon_threadsafe(self._dirty.set)
                 delay = 0.5
+                self._stop.wait(0.5)  # a watch the server ends at once does not spin
             except Absent:
                 return  # the writer says so and starts a watch again when it is back
             except Exception as e:
