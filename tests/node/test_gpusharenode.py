@@ -76,10 +76,14 @@ class FakeApi:
         return self.obj
 
     def create(self, name: str) -> dict[str, Any]:
-        self.obj = {"metadata": {"name": name, "uid": "u1", "generation": 1}, "spec": {}}
+        self.made = getattr(self, "made", 0) + 1
+        uid = f"u{self.made}"
+        self.obj = {"metadata": {"name": name, "uid": uid, "generation": 1}, "spec": {}}
         return self.obj
 
     def patch_status(self, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        if self.obj is None:
+            raise LookupError(name)  # deleted (kubectl delete gsn)
         self.writes.append(dict(status))
         return {}
 
@@ -230,6 +234,29 @@ def test_without_the_crd_the_node_says_so_once_and_runs_on(folder, caplog):
         api.absent = False  # the CRD installed meanwhile: it publishes from then on
         await until(lambda: api.writes)
         assert api.writes[-1]["gpus"][0]["tq"] == 4.0
+        await o.stop()
+
+    run(body())
+
+
+def test_a_deleted_object_is_made_again_and_its_old_spec_let_go(folder):
+    node = make_node(folder, gpus=1)
+
+    async def body() -> None:
+        api = FakeApi()
+        o = await _with_object(node, api, min_interval=0.05)
+        await until(lambda: api.writes)
+        for _ in range(3):
+            api.edit(o, {"tq": 9})  # generation 4
+        await until(lambda: node.arbiters[0].settings.tq_s == 9.0)
+        api.obj = None  # kubectl delete gsn: the next write finds it gone
+        node.admin.set_config(p.SetConfig(mode="exclusive"))
+        await until(lambda: getattr(api, "made", 0) == 2 and api.writes[-1]["pid"])
+        await until(lambda: api.writes[-1]["gpus"][0]["mode"] == "exclusive")
+        assert o.uid == "u2" and o.generation == 1 and o.desired == [{}]
+        node.admin.set_config(p.SetConfig(tq_s=4.0))  # the old spec (tq 9) no longer holds
+        await asyncio.sleep(0.3)
+        assert node.arbiters[0].settings.tq_s == 4.0
         await o.stop()
 
     run(body())

@@ -427,7 +427,9 @@ class NodeObject:
         """The object as the API has it (a list, a watch event): its spec applied if it
         changed; on the loop."""
         meta = obj.get("metadata") or {}
-        self.uid = str(meta.get("uid") or self.uid)
+        uid = str(meta.get("uid") or "")
+        if uid and uid != self.uid:  # another object (deleted, made again): from scratch
+            self.uid, self.generation, self._spec = uid, 0, None
         generation = int(meta.get("generation") or 0)
         spec = obj.get("spec") or {}
         if generation < self.generation or (spec == self._spec and generation == self.generation):
