@@ -184,6 +184,25 @@ def test_gpusharenode_status_published_and_kubectl_get(two: Two):
     assert two.kubectl("get", "gsn", other.name, "-o", "jsonpath={.status.summary.holders}")
 
 
+def test_plugin_status_top_and_events(two: Two):
+    one, other = two.nodes
+    r = two.show("gpushare", "status")
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["NODE", "GPU", "MODEL"]
+    mine = [ln.split() for ln in lines[1:] if ln.split()[0] in (one.name, other.name)]
+    assert sorted((x[0], x[1]) for x in mine) == [(one.name, "0"), (one.name, "1"),
+                                                  (other.name, "0")]  # fmt: skip
+    r = two.show("gpushare", "top", "--once", "--node", one.name)
+    assert f"{two.ns}/train" in r.stdout and "trainer" in r.stdout
+    assert f"{two.ns}/infer" not in r.stdout
+    r = two.show("gpushare", "top", "--once")
+    assert f"{two.ns}/infer" in r.stdout and f"{two.ns}/train" in r.stdout
+    r = two.show("gpushare", "events", "--pod", f"{two.ns}/train")
+    assert "GPUShareAttached" in r.stdout and one.name in r.stdout
+    r = two.show("gpushare", "status", "-o", "json")
+    assert {n["node"] for n in json.loads(r.stdout)} >= {one.name, other.name}
+
+
 def test_plugin_tq_by_pod_changes_only_its_node_and_survives_its_restart(two: Two):
     one, other = two.nodes
     before = other.tqs()
@@ -205,6 +224,8 @@ def test_plugin_tq_by_pod_changes_only_its_node_and_survives_its_restart(two: Tw
         what="the restarted node's status",
     )
     two.show("gpushare", "status")
+    r = two.show("gpushare", "events", "--node", one.name)
+    assert "SettingsApplied" in r.stdout and "tq_s=20.0" in r.stdout
     # per GPU: only GPU 1 of that node
     two.show("gpushare", "tq", "7", "--node", one.name, "--gpu", "1")
     assert one.tqs() == [20.0, 7.0] and other.tqs() == before
@@ -239,27 +260,6 @@ def test_gpusharenode_bad_spec_value_refused_and_settings_kept(two: Two):
                 '[{"op": "remove", "path": "/spec/mode"}]')  # fmt: skip
     r = two.show("gpushare", "tq", "5", "--node", one.name, "--gpu", "1")
     assert r.returncode == 0 and one.tqs()[1] == 5.0
-
-
-def test_plugin_status_top_and_events(two: Two):
-    one, other = two.nodes
-    r = two.show("gpushare", "status")
-    lines = r.stdout.splitlines()
-    assert lines[0].split()[:3] == ["NODE", "GPU", "MODEL"]
-    mine = [ln.split() for ln in lines[1:] if ln.split()[0] in (one.name, other.name)]
-    assert sorted((x[0], x[1]) for x in mine) == [(one.name, "0"), (one.name, "1"),
-                                                  (other.name, "0")]  # fmt: skip
-    r = two.show("gpushare", "top", "--once", "--node", one.name)
-    assert f"{two.ns}/train" in r.stdout and "trainer" in r.stdout
-    assert f"{two.ns}/infer" not in r.stdout
-    r = two.show("gpushare", "top", "--once")
-    assert f"{two.ns}/infer" in r.stdout and f"{two.ns}/train" in r.stdout
-    r = two.show("gpushare", "events", "--pod", f"{two.ns}/train")
-    assert "GPUShareAttached" in r.stdout and one.name in r.stdout
-    r = two.show("gpushare", "events", "--node", one.name)
-    assert "SettingsApplied" in r.stdout
-    r = two.show("gpushare", "status", "-o", "json")
-    assert {n["node"] for n in json.loads(r.stdout)} >= {one.name, other.name}
 
 
 def test_plugin_errors_name_the_fix(two: Two, deployed: Cluster):
