@@ -181,6 +181,9 @@ def test_spec_applies_through_the_admin_path_and_a_bad_one_is_refused(folder):
         assert ev["type"] == "Warning" and ev["involvedObject"]["kind"] == "GPUShareNode"
         assert ev["involvedObject"]["uid"] == "u1" and "mode must be" in ev["message"]
         assert ns == "default"  # as a Node's: a cluster-scoped object's Events
+        # what stays in force is the last spec that held: still set back after a ctl change
+        node.admin.set_config(p.SetConfig(tq_s=3.0))
+        await until(lambda: [a.settings.tq_s for a in node.arbiters] == [20.0, 20.0])
         # the spec wins over a change made another way (ctl), once it holds again
         api.edit(o, {"tq": 12})
         await until(lambda: node.arbiters[0].settings.tq_s == 12.0)

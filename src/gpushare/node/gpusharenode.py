@@ -437,8 +437,7 @@ class NodeObject:
         self._spec, self.generation = spec, generation
         try:
             self.desired = desired(spec, len(self.arbiters))
-        except SettingsError as e:
-            self.desired = []  # nothing enforced until a spec that holds
+        except SettingsError as e:  # the last spec that held is what stays in force
             self._refuse(str(e))
             return
         self.reconcile(changed=True)
@@ -464,7 +463,8 @@ class NodeObject:
                     diff,
                 )
             reply = self.set_config(p.SetConfig(gpu=arb.gpu, **diff))  # type: ignore[arg-type]
-            if isinstance(reply, p.Error):
+            if isinstance(reply, p.Error):  # refused by the node's path: not tried again
+                self.desired = []
                 self._refuse(reply.message)
                 return
             applied.append(f"GPU {arb.gpu} {', '.join(f'{k}={v}' for k, v in diff.items())}")
