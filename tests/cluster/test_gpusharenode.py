@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,7 @@ class Two:
     def show(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """kubectl, its command and output printed (the transcripts of the docs)."""
         r = self.kubectl(*args, check=check)
-        print(f"\n$ kubectl {' '.join(args)}\n{r.stdout}{r.stderr}", end="")
+        print(f"\n$ kubectl {shlex.join(args)}\n{r.stdout}{r.stderr}", end="")
         return r
 
     def obj(self, name: str) -> dict[str, Any]:
@@ -224,6 +225,8 @@ def test_plugin_tq_by_pod_changes_only_its_node_and_survives_its_restart(two: Tw
         timeout=30,
         what="the restarted node's status",
     )
+    print("\n# (gpu-node-1's process restarted: a new pid, its TQ from its spec again)")
+    two.show("get", "gsn")
     two.show("gpushare", "status")
     r = two.show("gpushare", "events", "--node", one.name)
     assert "SettingsApplied" in r.stdout and "tq_s=20.0" in r.stdout

@@ -88,7 +88,7 @@ def session_entry(gpu: int, s: SessionStatus) -> dict[str, Any]:
         "leaseSeconds": round(s.lease_seconds_total, 3),
         "waitSeconds": round(s.wait_seconds_total, 3),
     }
-    if s.weight_source:  # the pod's GPU request: its fraction (KAI's, or the annotation)
+    if s.weight_source not in ("", "default"):  # the pod's GPU request: its fraction
         out["fraction"] = s.weight
         out["fractionSource"] = s.weight_source
     if s.pod_uid:
