@@ -2,7 +2,8 @@
 server, with the manifests' service account's token: a session whose cgroup names a pod
 gets that pod's namespace, name and container, in status and in metrics; the names
 survive a broken watch and an API server restart; a pod deleted mid-session is handled;
-the node makes only the calls its ClusterRole allows, and uses all it allows."""
+the node makes only the calls its ClusterRole allows, and uses all it allows (its
+GPUShareNode's included: tests/cluster/test_gpusharenode.py tests the object itself)."""
 
 from __future__ import annotations
 
@@ -153,7 +154,6 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
     pod2, uid2, cid2 = k.pod(ns)  # after the node's list: it comes through the watch
     sid2 = k.session_in(ns, pod2, uid2, cid2)
     wait_until(lambda: k.names(sid2)[3] == "kubernetes", timeout=30, what="the watched pod")
-    k.node.stop()  # a watch is audited when it ends
 
     def mine() -> list[dict[str, Any]]:  # this node's requests: its token's pod says so
         pod_name = "authentication.kubernetes.io/pod-name"
@@ -163,6 +163,16 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
             if e["user"].get("extra", {}).get(pod_name) == [k.daemon_pod]
         ]
 
+    # its GPUShareNode made and its status written; an Event for each pod's session
+    wait_until(
+        lambda: (
+            {e["verb"] for e in mine()} >= {"create", "patch"}
+            and sum(e["objectRef"]["resource"] == "events" for e in mine()) >= 2
+        ),
+        timeout=30,
+        what="the node's object, status and Events",
+    )
+    k.node.stop()  # a watch is audited when it ends
     try:
         wait_until(lambda: {e["verb"] for e in mine()} >= {"list", "watch"}, timeout=30)
     except AssertionError:
@@ -172,12 +182,28 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
         ) from None
     denied = [e for e in mine() if e["responseStatus"]["code"] >= 400]
     assert not denied, denied
-    # Each names its node: the node never lists or watches the whole cluster's pods.
+    # Each names its node: the node never lists or watches the whole cluster's pods, nor
+    # reads or writes another node's GPUShareNode.
     selector = f"fieldSelector=spec.nodeName%3D{k.name}"
-    assert all(selector in e["requestURI"] for e in mine()), [e["requestURI"] for e in mine()]
-    used = {(e["verb"], e["objectRef"]["resource"]) for e in mine()}
+    pods = [e for e in mine() if e["objectRef"]["resource"] == "pods"]
+    assert pods and all(selector in e["requestURI"] for e in pods), [e["requestURI"] for e in pods]
+    gsn = [e for e in mine() if e["objectRef"]["resource"] == "gpusharenodes"]
+    for e in gsn:
+        if e["verb"] in ("list", "watch"):
+            assert f"fieldSelector=metadata.name%3D{k.name}" in e["requestURI"], e["requestURI"]
+        else:  # create (its name is in the body, not the URI), patch of its status
+            assert e["objectRef"].get("name") == k.name, e
+    used = {
+        (e["verb"], e["objectRef"]["resource"] + ("/" + e["objectRef"]["subresource"]
+                                                  if e["objectRef"].get("subresource") else ""))
+        for e in mine()
+    }  # fmt: skip
     plain = deployed.kubectl("kustomize", str(K8S / "overlays" / "plain")).stdout
-    (role,) = [o for o in yaml.safe_load_all(plain) if o and o["kind"] == "ClusterRole"]
+    (role,) = [
+        o
+        for o in yaml.safe_load_all(plain)
+        if o and o["kind"] == "ClusterRole" and o["metadata"]["name"] == "gpushare-node"
+    ]
     granted = {(v, r) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert used == granted, f"the node used {sorted(used)}; its role grants {sorted(granted)}"
 

@@ -1,5 +1,6 @@
 """The node's service account, by its own token (as kubelet projects it into the
-DaemonSet's pods): it may list and watch pods, cluster-wide, and nothing else that
+DaemonSet's pods): it may list and watch pods, cluster-wide, read GPUShareNodes, create
+one, write their status (not their spec), create Events, and nothing else that
 matters. What the node actually calls is checked against the audit log in test_node."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ ALLOWED = [
     ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"),
     ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1&watch=1&timeoutSeconds=1"),
     ("GET", "/api/v1/namespaces/default/pods"),
+    ("GET", "/apis/gpushare.io/v1alpha1/gpusharenodes?fieldSelector=metadata.name%3Dgpu-node-1"),
 ]
-DENIED = [
+DENIED = [  # 403, each
     ("GET", "/api/v1/namespaces/default/pods/anything"),  # get: the node never needs it
     ("GET", "/api/v1/secrets"),
     ("GET", "/api/v1/namespaces/gpushare-system/configmaps/gpushare-config"),  # mounted
@@ -29,6 +31,13 @@ DENIED = [
     ("POST", "/api/v1/namespaces/default/pods/anything/exec"),
     ("GET", "/api/v1/events"),
     ("POST", "/api/v1/namespaces/gpushare-system/serviceaccounts/gpushare-node/token"),
+    # its GPUShareNode's spec is the administrator's: the node reads it, never writes it
+    ("PATCH", "/apis/gpushare.io/v1alpha1/gpusharenodes/gpu-node-1"),
+    ("PUT", "/apis/gpushare.io/v1alpha1/gpusharenodes/gpu-node-1"),
+    ("DELETE", "/apis/gpushare.io/v1alpha1/gpusharenodes/gpu-node-1"),
+    ("GET", "/apis/gpushare.io/v1alpha1/gpusharenodes/gpu-node-1"),  # list by name instead
+    ("GET", "/api/v1/namespaces/default/events"),  # it writes Events, never reads them
+    ("PATCH", "/api/v1/namespaces/default/events/anything"),
 ]
 
 
@@ -39,14 +48,14 @@ def test_node_token_may(deployed: Cluster, node_token: str, method: str, path: s
 
 @pytest.mark.parametrize(("method", "path"), DENIED)
 def test_node_token_may_not(deployed: Cluster, node_token: str, method: str, path: str):
-    body = {} if method in ("POST", "PATCH") else None
+    body = {} if method in ("POST", "PATCH", "PUT") else None
     ct = "application/merge-patch+json" if method == "PATCH" else "application/json"
     with pytest.raises(urllib.error.HTTPError) as e:
         deployed.request(method, path, body, token=node_token, content_type=ct)
     assert e.value.code == 403, e.value.read()
 
 
-def test_node_token_rules_are_list_and_watch_pods(deployed: Cluster, node_token: str):
+def test_node_token_rules_are_pods_read_and_its_gpusharenode(deployed: Cluster, node_token: str):
     review = deployed.request(
         "POST",
         "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
@@ -62,4 +71,12 @@ def test_node_token_rules_are_list_and_watch_pods(deployed: Cluster, node_token:
         # what every authenticated user may do (ask the server what it may do)
         if not r.startswith("selfsubject")
     }
-    assert rules == {("list", "pods"), ("watch", "pods")}
+    assert rules == {
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("list", "gpusharenodes"),
+        ("watch", "gpusharenodes"),
+        ("create", "gpusharenodes"),
+        ("patch", "gpusharenodes/status"),
+        ("create", "events"),
+    }

@@ -70,9 +70,50 @@ def test_daemonset_has_what_a_node_agent_needs():
     assert "--kubernetes" in c["args"] and any(a.startswith("--state=/var/lib") for a in c["args"])
 
 
-def test_rbac_is_read_pods_only():
-    role = by_kind(render("plain"))["ClusterRole"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+def test_rbac_is_read_pods_and_its_gpusharenode():
+    (role,) = [
+        o
+        for o in render("plain")
+        if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "gpushare-node"
+    ]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["gpushare.io"], "resources": ["gpusharenodes"],
+         "verbs": ["list", "watch", "create"]},
+        {"apiGroups": ["gpushare.io"], "resources": ["gpusharenodes/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]  # fmt: skip
+    # the people's roles: read; and patch (the spec), never the status
+    roles = {o["metadata"]["name"]: o for o in render("plain") if o["kind"] == "ClusterRole"}
+    assert {"gpushare-viewer", "gpushare-editor"} <= set(roles)
+    editor = {(r, v) for rule in roles["gpushare-editor"]["rules"] for r in rule["resources"]
+              for v in rule["verbs"]}  # fmt: skip
+    assert ("gpusharenodes", "patch") in editor and not any(
+        r == "gpusharenodes/status" for r, _ in editor
+    )
+
+
+def test_gpusharenode_crd_printer_columns_name_status_fields():
+    (crd,) = [o for o in render("plain") if o["kind"] == "CustomResourceDefinition"]
+    assert crd["spec"]["scope"] == "Cluster" and crd["spec"]["names"]["shortNames"] == ["gsn"]
+    (v,) = crd["spec"]["versions"]
+    cols = {c["name"]: c for c in v["additionalPrinterColumns"]}
+    default = [n for n, c in cols.items() if not c.get("priority")]
+    assert default == ["GPUs", "TQ", "Mode", "Holders", "Waiting", "Swapped", "Age"]
+    # every column reads a field the node writes (gpushare.node.gpusharenode.status_body)
+    from gpushare.node.gpusharenode import status_body
+    from gpushare.status import NodeInfo, NodeStatus
+
+    body = {"status": status_body("n", NodeStatus(node=NodeInfo(pid=1, started=0, config=""),
+                                                  gpus=[]), [], 0, 0)}  # fmt: skip
+    for c in cols.values():
+        path = c["jsonPath"].split("[")[0].strip(".").split(".")
+        if path[0] == "metadata":
+            continue
+        obj: object = body
+        for part in path:
+            assert isinstance(obj, dict) and part in obj, (c["name"], c["jsonPath"])
+            obj = obj[part]
 
 
 @pytest.mark.parametrize("overlay", ["plain", "kai"])

@@ -44,6 +44,7 @@ from gpushare.node.decisions import Decisions
 from gpushare.node.dispatch import Dispatch, Signaller
 from gpushare.node.events import EventBus
 from gpushare.node.gpus import GpuInfo
+from gpushare.node.gpusharenode import NodeObject
 from gpushare.node.guard import Conn, Guard, admin_gid
 from gpushare.node.k8s import PodCache, PodWatcher
 from gpushare.node.live_config import LiveConfig
@@ -182,6 +183,7 @@ class Node:
         self._tasks: set[asyncio.Task[None]] = set()
         self.exporter: Exporter | None = None
         self._pod_watcher: PodWatcher | None = None
+        self.k8s_object: NodeObject | None = None  # its GPUShareNode, with --kubernetes
         self._recovery_timer: asyncio.TimerHandle | None = None
         self._loop_errors: dict[str, tuple[float, int]] = {}
 
@@ -362,6 +364,16 @@ class Node:
             self.pods = PodCache()
             self._pod_watcher = PodWatcher(self.pods, node).start()
             log.info("pod names from the Kubernetes API, pods of node %s", node)
+            # Its GPUShareNode: status written, spec applied as the admin socket's SetConfig.
+            self.k8s_object = NodeObject(
+                node,
+                arbiters=self.arbiters,
+                status=self.status,
+                set_config=self.admin.set_config,
+                refused=self.live.refused,
+                events=self.events,
+                wall=self.clock.wall,
+            ).start()
         if self.live.path:
             self._spawn(self.live.watch())
 
@@ -419,6 +431,9 @@ class Node:
             self.exporter = None
         if self._pod_watcher:
             self._pod_watcher.stop()
+        if self.k8s_object is not None:
+            await self.k8s_object.stop()
+            self.k8s_object = None
         if self._recovery_timer is not None:
             self._recovery_timer.cancel()
             self._recovery_timer = None

@@ -1,0 +1,75 @@
+"""The kubectl plugin without a server: its tables from a real node's status body, its
+arguments checked before any call (the same check as the node's), and its one-line
+errors. Against a real API server and real kubectl: tests/cluster/test_gpusharenode.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpushare.node.config import load
+from gpushare.node.daemon import Node
+from gpushare.node.gpus import simulated_gpus
+from gpushare.node.gpusharenode import status_body
+from gpushare.tools.kubectl_gpushare import PluginError, age, pod_ref, status_table, top_table
+
+
+def obj(name: str, gpus: int, tq: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gs-") as d:
+        cfg = load(None, None, {"socket": f"{d}/w.sock", "admin_socket": f"{d}/a.sock", "tq": tq})
+        node = Node(cfg, simulated_gpus(gpus, 8 * 2**30))
+        return {"metadata": {"name": name}, "status": status_body(name, node.status(), [], 1, 1e9)}
+
+
+def test_status_table_has_a_row_per_gpu_of_every_node():
+    out = status_table([obj("a", 2, 20.0), obj("b", 1, 5.0)], 1e9 + 3).splitlines()
+    assert out[0].split()[:5] == ["NODE", "GPU", "MODEL", "MEMORY", "TQ"]
+    rows = [r.split() for r in out[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("a", "0"), ("a", "1"), ("b", "0")]
+    assert all(r[2] == "[simulated]" for r in rows)
+    assert "20s" in rows[0] and "5s" in rows[2] and rows[0][-1] == "3s"  # updated 3 s ago
+    empty = status_table([{"metadata": {"name": "c"}}], 0)
+    assert "(no status yet)" in empty
+
+
+def test_top_table_without_sessions_says_so():
+    out = top_table([obj("a", 1, 20.0)], 1e9)
+    assert out.startswith("a: 1 GPU, TQ 20s, mode auto") and "no sessions" in out
+
+
+def test_age_and_pod_ref():
+    assert age("", 0) == "never" and age("1970-01-01T00:02:00Z", 150) == "30s"
+    assert age("1970-01-01T00:00:00Z", 3 * 3600) == "3h"
+    assert pod_ref("ns/train") == ("ns", "train") and pod_ref("train") == ("default", "train")
+    with pytest.raises(PluginError, match="NAMESPACE/NAME"):
+        pod_ref("ns/")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["tq", "0", "--node", "x"], "TQ must be positive"),
+        (["tq", "abc", "--node", "x"], "tq abc"),
+        (["mode", "fastest", "--pod", "ns/p"], "mode must be one of auto, exclusive"),
+        (["escalation", "nuke", "--node", "x"], "escalation must be one of log, freeze, kill"),
+    ],
+)
+def test_a_bad_value_is_one_line_before_any_call(args, words):
+    r = subprocess.run(
+        [sys.executable, "-m", "gpushare.tools.kubectl_gpushare", "--kubeconfig", "/nonexistent",
+         *args], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and words in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_no_kubeconfig_names_the_fix(tmp_path: Path):
+    r = subprocess.run(
+        [sys.executable, "-m", "gpushare.tools.kubectl_gpushare", "--kubeconfig",
+         str(tmp_path / "none"), "status"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and "set KUBECONFIG, or --kubeconfig FILE" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
