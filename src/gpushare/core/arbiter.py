@@ -21,7 +21,8 @@ import math
 from collections import deque
 from typing import Any, Literal
 
-from gpushare.core.actions import Action, GrantAction, Outbox, RevokeAction, RoomAction
+from gpushare.core.actions import Action, Outbox
+from gpushare.core.admission import Admission
 from gpushare.core.checks import (
     MAX_COUNT,
     ArbiterError,
@@ -35,8 +36,8 @@ from gpushare.core.claims import Claims
 from gpushare.core.clock import Clock
 from gpushare.core.escalation import Escalation
 from gpushare.core.gangs import Gangs
-from gpushare.core.ledger import Ledger, released
-from gpushare.core.planner import MemoryView, plan_grant
+from gpushare.core.leases import Leases
+from gpushare.core.ledger import Ledger
 from gpushare.core.prefetch import plan_prefetch
 from gpushare.core.sessions import Memory, SessionState, State
 from gpushare.core.shares import Shares
@@ -48,9 +49,6 @@ from gpushare.units import format_size
 
 __all__ = ["Arbiter", "ArbiterError", "FieldError"]
 
-# A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
-# (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
-SWAP_FLOOR_BPS = 1e9
 EWMA = 0.3  # weight of the newest sample in a session's gap and burst averages
 
 
@@ -93,8 +91,12 @@ class Arbiter:
         self.escalation = Escalation(self.st)
         self.claims = Claims(self.st, self.escalation)
         self.gangs = Gangs(self.st)
-        self._lease_seq = lease_base  # leases are numbered on from the last node's
-        self.grants_total = 0  # on this GPU since the node started, sessions gone included
+        self.leases = Leases(
+            self.st, self.shares, self.turns, self.gangs, self.claims, self.escalation, lease_base
+        )
+        self.admission = Admission(
+            self.st, self.leases, self.gangs, self.claims, self.window, self.escalation
+        )
 
     # --- what the rest of the node reads ----------------------------------------------
 
@@ -121,7 +123,12 @@ class Arbiter:
     @property
     def last_lease(self) -> int:
         """The number of the last lease granted (leases are numbered on across restarts)."""
-        return self._lease_seq
+        return self.leases.last_lease
+
+    @property
+    def grants_total(self) -> int:
+        """Grants on this GPU since the node started, sessions gone included."""
+        return self.leases.grants_total
 
     def used_bytes(self) -> int:
         """Bytes the GPU must be able to hold now (holders at their limits, or at their
@@ -229,13 +236,13 @@ class Arbiter:
         )
         if holding:  # it was working when the node went away
             s.totals.bursts += 1
-            self._enqueue(s)
+            self.leases.enqueue(s)
             if not (verified and lease):
                 self.claims.tell_to_yield(s, lease, verified=False)
             elif self.claims.recovering:
                 s.esc.claim = lease  # granted back at the window's end, if the rules allow
             else:
-                self._resume_or_yield(s, lease)
+                self.admission.resume_or_yield(s, lease)
         return self._decide()
 
     def begin_recovery(self) -> None:
@@ -249,7 +256,7 @@ class Arbiter:
         if not self.claims.recovering:
             return []
         for s, lease in self.claims.end():
-            self._resume_or_yield(s, lease)
+            self.admission.resume_or_yield(s, lease)
         return self._decide()
 
     def detach(self, sid: int, *, reason: str = "closed") -> list[Action]:
@@ -292,17 +299,19 @@ class Arbiter:
         if sh.window:  # back within its window: the rest of its quantum, at once
             self.window.close(s)
             sh.continued = True
-            self._enqueue(s, front=True)
+            self.leases.enqueue(s, front=True)
             return self._decide()
         self.turns.accrue(s, idle)
         if sh.resume_s and now < sh.front_until:  # its quantum was paused by a turn
-            self._enqueue(s, front=True)
-        elif self.turns.may_take(s, idle, now, taken=self._taken(), kept=self.gangs.claimed()):
+            self.leases.enqueue(s, front=True)
+        elif self.turns.may_take(
+            s, idle, now, taken=self.admission.taken(), kept=self.gangs.claimed()
+        ):
             sh.turn = True
-            self._enqueue(s, front=True)
+            self.leases.enqueue(s, front=True)
         else:
             sh.resume_s = 0.0
-            self._enqueue(s)
+            self.leases.enqueue(s)
         g = self.gangs.of(s)
         if g is not None and g.revoked:
             # Its gang is yielding: a new ask waits as a parked member does (until the gang
@@ -510,7 +519,7 @@ class Arbiter:
         s.esc.escalated = False
         window = 0.0
         if again:
-            self._enqueue(s, front=s.share.resume_s > 0)  # paused by a turn: it goes on next
+            self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused by a turn: it goes on next
             if revoked and s.rank.gang:  # its gang holds the GPU until every member yields
                 self.gangs.park(s, now)
         else:
@@ -602,19 +611,19 @@ class Arbiter:
         self.window.expire(now)
         if self.window.holder is not None and self.turns.due():
             self.window.pause(now)
-        self._grant_what_fits()
+        self.admission.grant_what_fits()
         if self.turns.due():  # a turn first in line that cannot join the holders
             for sid in list(st.holders):
                 h = st.sessions[sid]
                 if self.turns.preempts(h):
                     h.share.resume_s = max(0.0, h.lease.quantum_end - now)
-                    self._revoke(h, now, reason="turn")
-        self._fill_rooms()
+                    self.leases.revoke(h, now, reason="turn")
+        self.leases.fill_rooms()
         for sid in list(st.holders):
             s = st.sessions[sid]
             if s.state is State.HOLDING and s.lease.quantum_end <= now:
                 if self.gangs.others_wait(s):
-                    self._revoke(s, now)
+                    self.leases.revoke(s, now)
                 else:  # nobody waits: a new quantum, no needless switch
                     Turns.over(s)
                     s.lease.quantum_len = self.quantum(s)
@@ -623,7 +632,7 @@ class Arbiter:
                 s.state is State.YIELDING and not s.esc.escalated and s.lease.revoke_deadline <= now
             ):
                 self._escalate_holder(s, now)
-        plan_prefetch(st, now, taken=self._taken())
+        plan_prefetch(st, now, taken=self.admission.taken())
         out = st.out.take()
         if self.check_every_input:
             self.verify()
@@ -638,293 +647,8 @@ class Arbiter:
             g.escalated = True
             fields["gang"] = g.key
         if self.escalation.escalate(s, "no_yield_within_grace", fields) == "freeze":
-            self._freeze(s, now)
-            self._grant_what_fits()
-
-    def _taken(self) -> bool:
-        """The GPU is held, or its quantum waits for its holder."""
-        return bool(self.st.holders) or self.window.holder is not None
-
-    def _may_join_holders(self) -> bool:
-        st = self.st
-        if self.claims.holds_grants():
-            return False  # nothing granted until the sessions it knew are back / yielded
-        if self.gangs.claimed():
-            return False  # kept for a gang on several GPUs: its ranks only (grant_joining)
-        if not self._taken():
-            return True
-        if self.settings.mode == "exclusive":
-            return False
-        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
-        # included; a gang's ranks all, as they may all ask at any time)? Stop at the
-        # first that does not: the queue is long only when they do not.
-        total = 0
-        w = self.window.holder
-        gangs: set[str] = set()
-        for i in (*st.holders, *(() if w is None else (w,)), *st.queue):
-            s = st.sessions[i]
-            if not s.rank.gang:
-                total += s.memory.limit
-            elif s.rank.gang not in gangs:
-                gangs.add(s.rank.gang)
-                total += self.gangs.limits(s.rank.gang)
-            if total > self.capacity:
-                return False
-        return True
-
-    def _grant_what_fits(self) -> None:
-        st = self.st
-        now = self.clock.monotonic()
-        if self.gangs.revoked:
-            self.gangs.settle()
-        if self.gangs:
-            self.gangs.hold_all()
-            self.gangs.grant_joining(now, self._grant)
-        while st.queue and self._may_join_holders():
-            head = self.gangs.head()
-            if head is None or head.rank.parked:  # (parked: its gang yields, not free yet)
-                return
-            granted = self._grant_head(head)
-            if not granted:
-                return
-            if head.rank.gang:  # its peers that ask join it
-                self.gangs.grant_joining(now, self._grant)
-
-    def _grant_head(self, head: SessionState) -> bool:
-        """Grant the queue's head if it fits, or as it fills what swap-outs free; else
-        ask for the swap-outs that make room. False: it waits."""
-        st = self.st
-        # Fast path (the common case, on every handoff): it fits as things are. A
-        # filling holder counts at its limit: a holder joining in mode auto may not
-        # take what its room is to grow into (it could never fill).
-        filling = 0
-        for h in st.holders:
-            x = st.sessions[h].memory
-            if x.room:
-                filling += x.limit - x.room
-        # A rank's grant makes its gang hold: its peers then count at their limits.
-        peers = self.gangs.peers_to_count(head)
-        others = self.used_bytes() - head.used + filling + peers
-        if others + head.memory.limit <= self.capacity:
-            self._grant(head)
-            return True
-        plan = plan_grant(self.capacity, self.gangs.views(head, peers), head.id)
-        if plan.fits:
-            self._grant(head)
-            return True
-        for sid, n in plan.swap_outs:
-            st.ask_swap_out(sid, n)
-        room = self.capacity - others
-        m = head.memory
-        overlap = self.settings.overlap and m.fills and m.swapped and not plan.shortfall
-        if overlap and room > m.resident:
-            # Enough is on its way out: the head swaps in now, into what is free and then
-            # into what the swap-outs free (RoomActions), at once.
-            self._grant(head, room)
-            return True
-        if plan.shortfall and not plan.swap_outs and not st.holders:
-            self.escalation.kill_frozen_blockers()
-        return False
-
-    def _resume_or_yield(self, s: SessionState, lease: int) -> None:
-        """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
-        else a revoke."""
-        others = self.used_bytes() - s.used
-        if self._may_join_holders() and others + s.memory.limit <= self.capacity:
-            self.st.queue.remove(s.id)
-            self.st.queue.appendleft(s.id)
-            self._grant(s, resume=True)
-        else:
-            self.claims.tell_to_yield(s, lease, verified=True)
-
-    def _freeze(self, s: SessionState, now: float) -> None:
-        """The freeze escalation: the process is stopped; its lease goes to the next, and
-        it waits for its turn (its memory stays where it is: a stopped process cannot
-        swap)."""
-        st = self.st
-        s.totals.lease_s += now - s.lease.start
-        st.holders.remove(s.id)
-        held = now - s.lease.start
-        st.out.event("release", s.id, lease=s.lease.number, seconds=held, reason="frozen")
-        s.lease.number = 0
-        s.esc.frozen = True
-        s.esc.escalated = False
-        s.memory.pending_out = 0
-        st.deadlines.set_swap_out(s, math.inf)
-        s.memory.room = 0
-        s.share.turn, s.share.resume_s = False, 0.0
-        self._enqueue(s)
-
-    def _grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
-        st = self.st
-        now = self.clock.monotonic()
-        if st.queue[0] == s.id:
-            st.queue.popleft()
-        else:  # a gang member joining its gang's lease, ahead of the queue
-            st.queue.remove(s.id)
-        regroup, s.rank.parked = s.rank.parked, False
-        waited = st.end_wait(s, now)
-        self.shares.collect_credit(s)
-        shared = bool(st.holders)
-        self._lease_seq += 1
-        ls = s.lease
-        ls.number = self._lease_seq
-        s.state = State.HOLDING
-        s.totals.grants += 1
-        self.grants_total += 1
-        ls.start = now
-        q, kind = self._quantum_of_grant(s, now)
-        g = self.gangs.of(s)
-        if g is not None:  # the gang's quantum is its first holder's: no more than what is left
-            self.gangs.hold(g, True)
-            left = self.gangs.quantum_left(g, s, now)
-            if left is not None:
-                q = min(q, left)
-            kind["gang"] = g.key
-            if regroup:  # parked, its peers still holding: on to its next safe point
-                kind["regroup"] = True
-        m = s.memory
-        ls.quantum_len = q
-        m.room = room
-        m.swapping_in = bool(m.swapped)
-        ls.gpu_since = math.inf if m.swapping_in or room else now
-        # A prefetch in flight is moot: the holder counts at its limit (or its room).
-        s.prefetch.moot()
-        # The quantum starts when the swap-in is done (swap_done); a filling holder's
-        # bound waits for its room too.
-        ls.quantum_end = math.inf if room else self._quantum_end(s)
-        ls.last_served = now
-        st.holders.append(s.id)
-        thaw, s.esc.frozen = s.esc.frozen, False
-        s.esc.escalated = False
-        st.deadlines.set_swap_out(s, math.inf)  # a holder's memory is not asked for
-        s.esc.swap_escalated = False
-        self.claims.clear(s)
-        self.escalation.thaw_idle()
-        st.ledger.recount(s)
-        st.out.event(
-            "grant",
-            s.id,
-            lease=ls.number,
-            wait_seconds=waited,
-            swap_in_bytes=m.swapped,
-            quantum_s=q,
-            shared=shared,
-            **({"room_bytes": room} if room else {}),
-            **kind,
-        )
-        st.out.act(GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume))
-        # Its gang is on its way out: it goes on to its next safe point only.
-        if g is not None and self.gangs.yielding(g):
-            self._revoke(s, now, g.reason or "quantum")
-
-    def _quantum_of_grant(self, s: SessionState, now: float) -> tuple[float, dict[str, Any]]:
-        """This grant's quantum, and what kind of grant it is (the event's flags)."""
-        sh = s.share
-        if sh.continued:  # asked again within its window: what is left of its quantum
-            sh.continued = False
-            s.totals.continues += 1
-            return max(0.0, s.lease.quantum_end - now), {"continued": True}
-        if sh.turn:
-            return self.turns.length(s), {"turn": True}
-        if sh.resume_s:  # paused by a turn: the rest of it
-            q, sh.resume_s = sh.resume_s, 0.0
-            return q, {"resumed": True}
-        return self.shares.next_quantum(s), {}
-
-    def _quantum_end(self, s: SessionState) -> float:
-        """A quantum from now, after the swap-in at no less than the floor rate."""
-        return self.clock.monotonic() + s.lease.quantum_len + s.memory.swapped / SWAP_FLOOR_BPS
-
-    def _fill_rooms(self) -> None:
-        """Grow each filling holder's room into what swap-outs have freed, and ask for
-        more swap-outs where those under way will not do (one failed, say)."""
-        st = self.st
-        for sid in st.holders:
-            s = st.sessions[sid]
-            m = s.memory
-            if not m.room:
-                continue
-            free = self.capacity - (self.used_bytes() - m.room)
-            if free >= m.limit:
-                m.room = 0
-                st.ledger.recount(s)
-                st.out.act(RoomAction(s.id, m.limit))
-                if math.isinf(s.lease.quantum_end):  # bounded again, even if it never reports
-                    s.lease.quantum_end = self._quantum_end(s)
-                continue
-            if free > m.room:
-                m.room = free
-                st.ledger.recount(s)
-                st.out.act(RoomAction(s.id, free))
-            for vid, n in plan_grant(self.capacity, self._views_released(s), s.id).swap_outs:
-                st.ask_swap_out(vid, n)
-
-    def _revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
-        st = self.st
-        g = self.gangs.of(s)
-        if g is not None:
-            self.gangs.revoke(g, now, reason)
-            return
-        s.state = State.YIELDING
-        s.lease.revoke_deadline = now + self.settings.grace_s
-        s.lease.revoked_at = now
-        s.totals.revokes += 1
-        # Plan the next grant as if this holder had already yielded, so that its swap-out
-        # and everyone else's start now, in parallel with its wind-down.
-        swap_out = 0
-        head = st.queue[0]
-        if self._fits_after_release(s, st.sessions[head]):
-            asks: list[tuple[int, int]] = []  # what the planner would say, without it
-        else:
-            asks = plan_grant(self.capacity, self._views_released(s), head).swap_outs
-        if self.settings.mode == "exclusive" or len(st.holders) == 1:
-            for sid, n in asks:
-                if sid == s.id:  # its own share goes with its answer to the revoke
-                    s.memory.pending_out += n
-                    swap_out = n
-                else:
-                    st.ask_swap_out(sid, n)
-        lease = s.lease.number
-        st.out.event("revoke", s.id, lease=lease, reason=reason, swap_out_bytes=swap_out)
-        st.out.act(RevokeAction(s.id, lease, swap_out, self.settings.grace_s))
-
-    def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
-        """Would the planner find that ``head`` fits with holder ``s`` counted as if
-        released (:meth:`_views_released`)? Its sum without scanning: holders count at
-        their limits there (rooms here), ``s`` at what it has."""
-        planned = self.used_bytes() - head.used - s.used + s.memory.resident + head.memory.limit
-        for h in self.st.holders:
-            if h != s.id:
-                v = self.st.sessions[h]
-                planned += v.memory.limit - v.used
-        return planned <= self.capacity
-
-    def _views_released(self, s: SessionState) -> list[MemoryView]:
-        """The planner's view with holder ``s`` counted as if it had released: at what
-        it has, and a possible victim (the revoked holder; a filling one, for itself)."""
-        views = self.gangs.views(s, 0)
-        return [released(s) if v.id == s.id else v for v in views]
-
-    def _enqueue(self, s: SessionState, front: bool = False) -> None:
-        """Join the queue: at its back, or (``front``) at its front, behind the sessions
-        there already that go first: turns before paused quanta (docs/scheduling.md)."""
-        st = self.st
-        s.state = State.WAITING
-        s.lease.wait_start = self.clock.monotonic()
-        self.shares.joined_queue(s)
-        st.ledger.recount(s)
-        if not front:
-            st.queue.append(s.id)
-            return
-        i = 0
-        for i, sid in enumerate(st.queue):  # noqa: B007  the place to insert at
-            q = st.sessions[sid].share
-            if not (q.turn or (q.resume_s and not s.share.turn)):
-                break
-        else:
-            i = len(st.queue)
-        st.queue.insert(i, s.id)
+            self.leases.freeze(s, now)
+            self.admission.grant_what_fits()
 
 
 def _ewma(old: float, sample: float) -> float:

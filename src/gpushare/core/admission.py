@@ -1,0 +1,131 @@
+"""Admission: who joins the holders, and when.
+
+In mode ``exclusive`` the GPU is one session's (or one gang's) at a time; in mode
+``auto`` sessions hold together while the memory limits of all who want the GPU fit. A
+grant is made only when the grantee's limit fits beside everyone's count (core/planner.py's
+rule); when it does not, the planner asks for swap-outs, and a client that can fill is
+granted at once into what is free and what those swap-outs free. Nothing is granted
+during a node's recovery window, while a verified claim has not yielded, or while the
+GPU is kept for a gang on several GPUs (core/coordinator.py).
+"""
+
+from __future__ import annotations
+
+from gpushare.core.claims import Claims
+from gpushare.core.escalation import Escalation
+from gpushare.core.gangs import Gangs
+from gpushare.core.leases import Leases
+from gpushare.core.planner import plan_grant
+from gpushare.core.sessions import SessionState
+from gpushare.core.state import GpuState
+from gpushare.core.window import Window
+
+
+class Admission:
+    def __init__(
+        self,
+        st: GpuState,
+        leases: Leases,
+        gangs: Gangs,
+        claims: Claims,
+        window: Window,
+        escalation: Escalation,
+    ) -> None:
+        self.st, self.leases, self.gangs = st, leases, gangs
+        self.claims, self.window, self.escalation = claims, window, escalation
+
+    def taken(self) -> bool:
+        """The GPU is held, or its quantum waits for its holder."""
+        return bool(self.st.holders) or self.window.holder is not None
+
+    def may_join(self) -> bool:
+        st = self.st
+        if self.claims.holds_grants():
+            return False  # nothing granted until the sessions it knew are back / yielded
+        if self.gangs.claimed():
+            return False  # kept for a gang on several GPUs: its ranks only (grant_joining)
+        if not self.taken():
+            return True
+        if self.st.settings.mode == "exclusive":
+            return False
+        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
+        # included; a gang's ranks all, as they may all ask at any time)? Stop at the
+        # first that does not: the queue is long only when they do not.
+        total = 0
+        w = self.window.holder
+        gangs: set[str] = set()
+        for i in (*st.holders, *(() if w is None else (w,)), *st.queue):
+            s = st.sessions[i]
+            if not s.rank.gang:
+                total += s.memory.limit
+            elif s.rank.gang not in gangs:
+                gangs.add(s.rank.gang)
+                total += self.gangs.limits(s.rank.gang)
+            if total > self.st.capacity:
+                return False
+        return True
+
+    def grant_what_fits(self) -> None:
+        st = self.st
+        now = self.st.now()
+        if self.gangs.revoked:
+            self.gangs.settle()
+        if self.gangs:
+            self.gangs.hold_all()
+            self.gangs.grant_joining(now, self.leases.grant)
+        while st.queue and self.may_join():
+            head = self.gangs.head()
+            if head is None or head.rank.parked:  # (parked: its gang yields, not free yet)
+                return
+            granted = self._grant_head(head)
+            if not granted:
+                return
+            if head.rank.gang:  # its peers that ask join it
+                self.gangs.grant_joining(now, self.leases.grant)
+
+    def _grant_head(self, head: SessionState) -> bool:
+        """Grant the queue's head if it fits, or as it fills what swap-outs free; else
+        ask for the swap-outs that make room. False: it waits."""
+        st = self.st
+        # Fast path (the common case, on every handoff): it fits as things are. A
+        # filling holder counts at its limit: a holder joining in mode auto may not
+        # take what its room is to grow into (it could never fill).
+        filling = 0
+        for h in st.holders:
+            x = st.sessions[h].memory
+            if x.room:
+                filling += x.limit - x.room
+        # A rank's grant makes its gang hold: its peers then count at their limits.
+        peers = self.gangs.peers_to_count(head)
+        others = self.st.used_bytes() - head.used + filling + peers
+        if others + head.memory.limit <= self.st.capacity:
+            self.leases.grant(head)
+            return True
+        plan = plan_grant(self.st.capacity, self.gangs.views(head, peers), head.id)
+        if plan.fits:
+            self.leases.grant(head)
+            return True
+        for sid, n in plan.swap_outs:
+            st.ask_swap_out(sid, n)
+        room = self.st.capacity - others
+        m = head.memory
+        overlap = self.st.settings.overlap and m.fills and m.swapped and not plan.shortfall
+        if overlap and room > m.resident:
+            # Enough is on its way out: the head swaps in now, into what is free and then
+            # into what the swap-outs free (RoomActions), at once.
+            self.leases.grant(head, room)
+            return True
+        if plan.shortfall and not plan.swap_outs and not st.holders:
+            self.escalation.kill_frozen_blockers()
+        return False
+
+    def resume_or_yield(self, s: SessionState, lease: int) -> None:
+        """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
+        else a revoke."""
+        others = self.st.used_bytes() - s.used
+        if self.may_join() and others + s.memory.limit <= self.st.capacity:
+            self.st.queue.remove(s.id)
+            self.st.queue.appendleft(s.id)
+            self.leases.grant(s, resume=True)
+        else:
+            self.claims.tell_to_yield(s, lease, verified=True)
