@@ -17,6 +17,7 @@ from gpushare.core.arbiter import ANTICIPATE_FLOOR_S, SWAP_RETRY_S, Arbiter, Arb
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
+from tests.profiles import examples
 
 
 def arb(clock, capacity=80 * GiB, **kw):
@@ -332,7 +333,7 @@ sessions_st = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sessions=sessions_st,
     mode=st.sampled_from(["auto", "exclusive"]),

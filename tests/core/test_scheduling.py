@@ -21,6 +21,7 @@ from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
+from tests.profiles import examples
 
 
 def arb(clock, capacity=80 * GiB, **kw):
@@ -427,7 +428,7 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     assert a.sessions[2].debt == 0
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sessions=st.lists(
         st.tuples(

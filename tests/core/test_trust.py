@@ -29,6 +29,7 @@ from gpushare.core.arbiter import (
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
+from tests.profiles import examples
 
 GiB = 2**30
 
@@ -199,7 +200,7 @@ inputs = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(inputs, max_size=40),
     mode=st.sampled_from(["auto", "exclusive"]),
