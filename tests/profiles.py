@@ -21,7 +21,9 @@ settings.register_profile("ci", max_examples=FULL_EXAMPLES, derandomize=True, pr
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-def examples(full: int) -> int:
-    """``full`` examples in the ci profile; the dev profile's few (at most ``full``) else.
-    Read when a test module is imported, after pytest has loaded the profile asked for."""
-    return min(full, settings.default.max_examples)
+def examples(full: int, dev: int = DEV_EXAMPLES) -> int:
+    """``full`` examples in the ci profile; in the dev profile at most ``dev`` (fewer for
+    a property whose every example simulates a minute of many sessions: its loop would
+    be minutes). Read when a test module is imported, after pytest loaded the profile."""
+    ceiling = settings.default.max_examples
+    return min(full, ceiling if ceiling > DEV_EXAMPLES else min(dev, ceiling))

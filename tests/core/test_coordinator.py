@@ -221,7 +221,9 @@ class MultiModel:
         )
 
 
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(60, dev=4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     gpus=st.integers(2, 3),
     jobs=st.lists(

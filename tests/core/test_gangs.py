@@ -199,7 +199,9 @@ ddp_st = st.lists(
 )
 
 
-@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(100, dev=10), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     jobs=ddp_st,
     solo=st.lists(st.integers(1, 30), max_size=3),

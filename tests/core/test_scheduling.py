@@ -428,7 +428,9 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     assert a.sessions[2].debt == 0
 
 
-@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(30, dev=4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     sessions=st.lists(
         st.tuples(
