@@ -58,7 +58,8 @@ system-deps:
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "make: installing$$missing (Debian packages)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	    apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "make: missing$$missing (needs root and apt-get): the tests that use them will be skipped"; fi; \
 	fi
 
@@ -80,6 +81,7 @@ unit: $(STAMP)
 # Debian's `kubernetes` source package (minutes) and etcd; and the node's image built from
 # deploy/Dockerfile with buildah on a Debian base. Both cached in ~/.cache/gpushare; where
 # they cannot be built (not root, no apt-get) the script says why and the tests skip.
+# Each prints a line at least every 30 s through its long steps.
 .PHONY: cluster-deps image
 cluster-deps:
 	@bash tests/cluster/build-apiserver.sh >/dev/null || [ $$? = 3 ]
@@ -87,9 +89,12 @@ cluster-deps:
 image: $(STAMP)
 	@PYTHON=$(BIN)/python bash deploy/build-image.sh >/dev/null || [ $$? = 3 ]
 
-# unit's tests once the system tools are there (those tests skip without them).
-test: lint typecheck system-deps cluster-deps image
-	$(PYTEST)
+# lint, typecheck, then unit's tests once the system tools are there (those tests skip
+# without them): tests/make-test.sh builds cluster-deps' and image's servers in the
+# background meanwhile, runs the tests that need neither, then, once both are built, the
+# cluster tests; a failed build fails it.
+test: $(STAMP) system-deps
+	@BIN=$(BIN) PYTEST="$(PYTEST)" bash tests/make-test.sh
 
 # The same checks before each commit: `make pre-commit` once per clone installs the hook.
 pre-commit: $(STAMP)

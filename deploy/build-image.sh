@@ -21,7 +21,27 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE="${GPUSHARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpushare}/image"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"  # whose pip fetches the wheels
-log() { echo "build-image: $*" >&2; }
+exec 8>&2  # where log() writes, even in a step whose stderr goes to a log file
+log() { echo "build-image: $*" >&8; }
+# One long step: says what it is, then every ${GPUSHARE_PROGRESS_S:-30} s that it still
+# runs and for how long (a build of many minutes is never silent); the command's status.
+step() {
+  local what=$1 t0 ticker status=0
+  shift
+  t0=$(date +%s)
+  log "$what"
+  # the ticker's sleep holds no pipe open, and the ticker ends with this script
+  (while sleep "${GPUSHARE_PROGRESS_S:-30}" </dev/null >/dev/null 2>&1 && kill -0 $$ 2>/dev/null; do
+    e=$(($(date +%s) - t0))
+    log "  ... $what: $((e / 60)) min $((e % 60)) s so far"
+  done) &
+  ticker=$!
+  "$@" || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$status" = 0 ] && log "  $what: done in $(($(date +%s) - t0)) s"
+  return "$status"
+}
 B=(buildah --root "$CACHE/storage" --runroot "$CACHE/run" --storage-driver vfs)
 if [ "${1:-}" = --buildah-options ]; then
   printf '%s\n' "${B[@]:1}"
@@ -58,9 +78,9 @@ for p in buildah debootstrap; do
 done
 if [ ${#need[@]} -gt 0 ]; then
   $cached && not_built
-  log "installing ${need[*]} (Debian packages)"
-  apt-get -o DPkg::Lock::Timeout=600 update -qq
-  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  step "apt-get update" apt-get -o DPkg::Lock::Timeout=600 update -qq
+  step "installing ${need[*]} (Debian packages)" \
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 WORK=$(mktemp -d "$CACHE/work.XXXXXX")
@@ -81,9 +101,9 @@ if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
     mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' |
       awk -v s="$SUITE" '$2 == s { print $1; exit }')
     [ -n "$mirror" ] || { log "apt knows no mirror for $SUITE (run apt-get update)"; exit 1; }
-    log "debootstrap $SUITE ($PKGS) from $mirror"
     t=$(date +%s)
-    debootstrap --variant=minbase --include="$PKGS" "$SUITE" "$WORK/rootfs" "$mirror" \
+    step "debootstrap $SUITE ($PKGS) from $mirror" \
+      debootstrap --variant=minbase --include="$PKGS" "$SUITE" "$WORK/rootfs" "$mirror" \
       >"$WORK/debootstrap.log" 2>&1 || { tail -n 30 "$WORK/debootstrap.log" >&2; exit 1; }
     r="$WORK/rootfs"
     # As python:3.11-slim: pip installs into the system, `python` and `pip` exist, no caches.
@@ -96,7 +116,7 @@ if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
     log "base root filesystem in $(($(date +%s) - t)) s: $ROOTFS ($(du -m "$ROOTFS" | cut -f1) MiB)"
   fi
   c=$("${B[@]}" from scratch)
-  "${B[@]}" add "$c" "$ROOTFS" / >/dev/null
+  step "the base image from $(basename "$ROOTFS")" "${B[@]}" add "$c" "$ROOTFS" / >/dev/null
   "${B[@]}" config --env LANG=C.UTF-8 --env PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --cmd python3 "$c"
   "${B[@]}" commit -q --rm "$c" "$BASE" >/dev/null
@@ -129,12 +149,13 @@ for r in [*p["build-system"]["requires"], *p["project"]["dependencies"],
           *extras["node"], *extras["nvml"], *extras["k8s"], "wheel"]:
     print(r)
 EOF
-  "$PYTHON" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+  step "fetching the image's wheels (Python $pyver)" \
+    "$PYTHON" -m pip download -q --disable-pip-version-check --only-binary=:all: \
     --python-version "$pyver" -d "$WORK/wheels" -r "$WORK/requirements.txt" \
     >"$WORK/pip.log" 2>&1 || { tail -n 30 "$WORK/pip.log" >&2; exit 1; }
   printf '[global]\nno-index = true\nfind-links = /wheels\n' >"$WORK/pip.conf"
-  log "building $IMAGE from deploy/Dockerfile on $BASE"
-  "${B[@]}" build -q --isolation chroot --from "$BASE" \
+  step "building $IMAGE from deploy/Dockerfile on $BASE" \
+    "${B[@]}" build -q --isolation chroot --from "$BASE" \
     --volume "$WORK/wheels:/wheels:ro" --volume "$WORK/pip.conf:/etc/pip.conf:ro" \
     -f "$REPO/deploy/Dockerfile" -t "$IMAGE" "$REPO" >"$WORK/build.log" 2>&1 ||
     { tail -n 40 "$WORK/build.log" >&2; exit 1; }

@@ -7,20 +7,18 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import is_hypothesis_test
 
-from gpushare.core.arbiter import Arbiter
+from tests import profiles  # noqa: F401  (the hypothesis profile: dev here, ci in CI)
 from tests.support import NodeProcess
 
-# Every arbiter in the tests (the model's, the in-process nodes') checks its running
-# totals and deadline structures against scans of every session after every input.
-Arbiter.check_every_input = True
 
-# In CI the property tests draw the same examples every run (reproducible verdicts);
-# elsewhere they explore new ones each time.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every property test is ``slow`` (``-m "not slow"`` leaves them out); they run by
+    default, with the dev profile's few examples outside CI."""
+    for item in items:
+        if is_hypothesis_test(getattr(item, "obj", None)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

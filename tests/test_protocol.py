@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushare import protocol as p
+from tests.profiles import examples
 
 
 def test_round_trip_every_field():
@@ -43,7 +44,7 @@ def test_malformed_bodies_raise_protocol_error(body):
         p.decode(body)
 
 
-@settings(max_examples=10_000, deadline=None)
+@settings(max_examples=examples(10_000), deadline=None)
 @given(st.binary(max_size=256))
 def test_decoder_never_fails_other_than_protocol_error(data):
     with contextlib.suppress(p.ProtocolError):
@@ -74,7 +75,7 @@ lies = st.one_of(
 )  # fmt: skip
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(lies)
 def test_lies_in_well_formed_messages_reach_the_node_as_sent(msg):
     frame = p.encode(msg)

@@ -14,7 +14,27 @@ set -euo pipefail
 
 CACHE="${GPUSHARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpushare}/k8s"
 mkdir -p "$CACHE"
-log() { echo "build-apiserver: $*" >&2; }
+exec 8>&2  # where log() writes, even in a step whose stderr goes to a log file
+log() { echo "build-apiserver: $*" >&8; }
+# One long step: says what it is, then every ${GPUSHARE_PROGRESS_S:-30} s that it still
+# runs and for how long (a build of many minutes is never silent); the command's status.
+step() {
+  local what=$1 t0 ticker status=0
+  shift
+  t0=$(date +%s)
+  log "$what"
+  # the ticker's sleep holds no pipe open, and the ticker ends with this script
+  (while sleep "${GPUSHARE_PROGRESS_S:-30}" </dev/null >/dev/null 2>&1 && kill -0 $$ 2>/dev/null; do
+    e=$(($(date +%s) - t0))
+    log "  ... $what: $((e / 60)) min $((e % 60)) s so far"
+  done) &
+  ticker=$!
+  "$@" || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$status" = 0 ] && log "  $what: done in $(($(date +%s) - t0)) s"
+  return "$status"
+}
 
 exec 9>"$CACHE/lock"
 flock 9  # one build at a time on this machine; the second finds the first's binary
@@ -41,9 +61,9 @@ for p in golang-go golang-github-modern-go-reflect2-dev etcd-server rsync dpkg-d
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
-  log "installing ${need[*]} (Debian packages)"
-  apt-get "${APT[@]}" update -qq
-  apt-get "${APT[@]}" install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  step "apt-get update" apt-get "${APT[@]}" update -qq
+  step "installing ${need[*]} (Debian packages)" \
+    apt-get "${APT[@]}" install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 if [ -n "$existing" ] && [ -x "$existing" ]; then echo "$existing"; exit 0; fi
 
@@ -63,12 +83,15 @@ apt-get indextargets --format '$(REPO_URI) $(RELEASE) $(COMPONENT)' 'Created-By:
 [ -s "$A/sources.list" ] || { log "apt knows no mirror (run apt-get update first)"; exit 1; }
 APTSRC=(-o "Dir::Etc::SourceList=$A/sources.list" -o "Dir::Etc::SourceParts=$A/sources.list.d"
   -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache" -o "APT::Sandbox::User=root")
-log "fetching the kubernetes source package"
-apt-get "${APTSRC[@]}" update -qq
-(cd "$WORK" && apt-get "${APTSRC[@]}" source --download-only -qq kubernetes >/dev/null)
+fetch_source() {  # && throughout: set -e does not reach into a step
+  apt-get "${APTSRC[@]}" update -qq &&
+    (cd "$WORK" && apt-get "${APTSRC[@]}" source --download-only -qq kubernetes >/dev/null)
+}
+step "fetching the kubernetes source package" fetch_source
 dsc=$(ls "$WORK"/kubernetes_*.dsc)
 version=$(sed -n 's/^Version: //p' "$dsc")
-(cd "$WORK" && dpkg-source --no-check -x "$dsc" src >/dev/null)
+step "unpacking $(basename "$dsc")" sh -c 'cd "$1" && dpkg-source --no-check -x "$2" src >/dev/null' \
+  _ "$WORK" "$dsc"
 
 # GOPATH mode: the vendored tree as k8s.io/kubernetes.
 GOPATH="$WORK/gopath"
@@ -81,8 +104,8 @@ rm -rf "$K/vendor/github.com/modern-go/reflect2"
 cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$K/vendor/github.com/modern-go/reflect2"
 
 export GOPATH GO111MODULE=off CGO_ENABLED=0 GOFLAGS= GOCACHE="$WORK/gocache" GOTOOLCHAIN=local
-log "generating OpenAPI definitions"
-(cd "$K" && make gen_openapi >"$WORK/gen.log" 2>&1) || { tail -n 30 "$WORK/gen.log" >&2; exit 1; }
+gen_openapi() { (cd "$K" && make gen_openapi >"$WORK/gen.log" 2>&1); }
+step "generating OpenAPI definitions" gen_openapi || { tail -n 30 "$WORK/gen.log" >&2; exit 1; }
 upstream=$(echo "$version" | sed -E 's/^([0-9.]+\+really)?([0-9.]+).*/\2/')
 minor=$(echo "$upstream" | cut -d. -f2)
 # The version the server reports (/version, kubectl's skew check), as upstream's
@@ -93,8 +116,10 @@ for V in k8s.io/kubernetes/vendor/k8s.io/component-base/version \
   ldflags="$ldflags -X $V.gitVersion=v$upstream -X $V.gitMajor=1 -X $V.gitMinor=$minor"
   ldflags="$ldflags -X $V.gitTreeState=clean -X $V.buildDate=1970-01-01T00:00:00Z"
 done
-log "building kube-apiserver $upstream (Debian $version) with $(go version | cut -d' ' -f3)"
-(cd "$K" && go build -tags selinux,notest -ldflags "$ldflags" -o "$WORK/kube-apiserver" ./cmd/kube-apiserver)
+go_build() {
+  (cd "$K" && go build -tags selinux,notest -ldflags "$ldflags" -o "$WORK/kube-apiserver" ./cmd/kube-apiserver)
+}
+step "building kube-apiserver $upstream (Debian $version) with $(go version | cut -d' ' -f3)" go_build
 out="$CACHE/kube-apiserver-$upstream-r$REV"
 rm -f "$CACHE"/kube-apiserver-*  # earlier recipes' binaries
 mv "$WORK/kube-apiserver" "$out"

@@ -19,6 +19,7 @@ from gpushare.core.sessions import State
 from gpushare.core.window import ANTICIPATE_FLOOR_S
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
+from tests.profiles import examples
 
 
 def arb(clock, capacity=80 * GiB, **kw):
@@ -337,7 +338,7 @@ sessions_st = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sessions=sessions_st,
     mode=st.sampled_from(["auto", "exclusive"]),

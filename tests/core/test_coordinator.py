@@ -16,6 +16,7 @@ from gpushare.core.clock import ManualClock
 from gpushare.core.coordinator import Coordinator
 from gpushare.settings import GpuSettings
 from tests.core.model import GiB, drive
+from tests.profiles import examples
 
 
 class Node:
@@ -233,7 +234,9 @@ class MultiModel:
         )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(60, dev=4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     gpus=st.integers(2, 3),
     jobs=st.lists(

@@ -13,6 +13,7 @@ from gpushare.core.gangs import REGROUP_S
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model
+from tests.profiles import examples
 
 
 def of(actions, kind):
@@ -198,7 +199,9 @@ ddp_st = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(100, dev=10), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     jobs=ddp_st,
     solo=st.lists(st.integers(1, 30), max_size=3),

@@ -1,7 +1,8 @@
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushare.core.planner import MemoryView, plan_grant, used_total
+from tests.profiles import examples
 
 G = 2**30
 
@@ -42,6 +43,7 @@ views_st = st.lists(
 )
 
 
+@settings(max_examples=examples(100))
 @given(views_st)
 def test_plan_covers_the_need_when_possible(raw):
     views = []

@@ -14,6 +14,7 @@ from gpushare.core.actions import SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
+from tests.profiles import examples
 
 G = 2**30
 CAPACITY = 16 * G
@@ -138,7 +139,7 @@ def scanned_deadline(a: Arbiter) -> float | None:
     return min(times, default=None)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     first=st.lists(ATTACH, min_size=2, max_size=6),
     ops=st.lists(inputs, min_size=20, max_size=100),

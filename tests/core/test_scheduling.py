@@ -19,6 +19,7 @@ from gpushare.core.shares import PAYBACK
 from gpushare.core.window import ANTICIPATE_FLOOR_S
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of, events_of
+from tests.profiles import examples
 
 
 def arb(clock, capacity=80 * GiB, **kw):
@@ -435,7 +436,9 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     assert a.sessions[2].share.debt == 0
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(30, dev=4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     sessions=st.lists(
         st.tuples(

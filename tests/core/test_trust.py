@@ -24,6 +24,7 @@ from gpushare.core.checks import MAX_WEIGHT, MIN_WEIGHT, ArbiterError, FieldErro
 from gpushare.core.clock import ManualClock
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
+from tests.profiles import examples
 
 GiB = 2**30
 
@@ -194,7 +195,7 @@ inputs = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(inputs, max_size=40),
     mode=st.sampled_from(["auto", "exclusive"]),

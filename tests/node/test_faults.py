@@ -119,8 +119,10 @@ def finished_intact(procs: list[subprocess.Popen[str]]) -> None:
 def test_node_killed_and_restarted_loses_nothing(node_factory):
     node = node_factory(*sim("10GiB", mode="exclusive", tq="0.3", sim_bandwidth="1e12"))
     procs = two_batch_jobs(node, 6)
-    wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 2, what="two sessions")
-    time.sleep(1.0)
+    # killed mid-run: once each session has been swapped out at least once (12 GiB on a
+    # 10 GiB GPU), so that both hold memory on the GPU and on the host to lose
+    wait_until(lambda: {e["session"] for e in events(node, "swap_out")} >= {1, 2},
+               timeout=60, what="both sessions swapped out")  # fmt: skip
     kill_and_restart(node, 1.0)
     finished_intact(procs)
     resumed = [e for e in events(node, "attach") if e.get("resumed")]

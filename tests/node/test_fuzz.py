@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import gpushare
 from gpushare import protocol as p
 from tests.node.harness import Peer, in_process
+from tests.profiles import examples
 from tests.support import NodeProcess, sim
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -126,7 +127,7 @@ def _still_serving(node: NodeProcess, bystander: gpushare.Session) -> None:
 
 
 fuzz = settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -188,7 +189,7 @@ hellos = st.builds(
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @given(hello=hellos, msgs=st.lists(lies, max_size=12))
 @in_process(memory="16GiB", mode="exclusive", tq=1, grace=1, escalation="kill")
 async def test_lies_in_well_formed_messages_harm_no_one(node, hello, msgs):

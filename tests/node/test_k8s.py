@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import pytest
 
@@ -40,7 +39,7 @@ def test_cache_resolves_and_forgets():
 
 class FlakyApi:
     """A PodSource whose server is away for the first calls, then serves a list and a
-    watch with one event."""
+    watch with one event, then goes away for good (every list after the watch fails)."""
 
     def __init__(self, fail: int) -> None:
         self.fail = fail
@@ -49,7 +48,7 @@ class FlakyApi:
 
     def list(self, node: str):
         self.calls += 1
-        if self.calls <= self.fail:
+        if self.calls <= self.fail or self.done.is_set():
             raise ConnectionRefusedError("dial tcp 10.96.0.1:443: connection refused")
         return [pod("pod-pending")], "100"
 
@@ -57,7 +56,6 @@ class FlakyApi:
         assert rv == "100"
         yield "ADDED", pod("pod-kai-training")
         self.done.set()
-        time.sleep(0.05)
         raise ConnectionResetError("the API server went away")
 
 
@@ -68,8 +66,8 @@ def test_watcher_rides_out_an_unreachable_api():
     try:
         assert api.done.wait(10)
         assert cache.resolve(UID, CID) == ("research", "train-half-gpu", "trainer")
-        wait_until(lambda: w.failures >= 3, what="the watch to fail again")
-        # the API is away again: the cache still answers
+        # the watch fails, then a list: the API is away again, and the cache still answers
+        wait_until(lambda: w.failures >= 4, what="the watch and a list to fail")
         assert cache.resolve(UID, CID) == ("research", "train-half-gpu", "trainer")
     finally:
         w.stop()

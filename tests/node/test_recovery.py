@@ -74,11 +74,14 @@ def test_a_node_killed_again_and_again_under_oversubscribed_load_keeps_every_inv
     poller = Poller(node.admin)
     poller.start()
     try:
-        for away in (0.2, 0.5, 0.1, 0.3):
-            time.sleep(1.5)
+        for restarts, away in enumerate((0.2, 0.5, 0.1, 0.3)):
+            # killed under load: once it has recovered from the last kill and granted
+            # again since (not at a fixed time, which a loaded machine may not have reached)
+            wait_until(lambda n=restarts: granting_since_recovery(node, n), timeout=60,
+                       what=f"grants after recovery {restarts}")  # fmt: skip
             node.proc.send_signal(signal.SIGKILL)
             node.proc.wait()
-            time.sleep(away)  # the workloads go on (or wait) without it
+            time.sleep(away)  # the node away this long: the workloads go on (or wait)
             node.start()
         outs = [pr.communicate(timeout=120) for pr in procs]
     finally:
@@ -96,6 +99,16 @@ def test_a_node_killed_again_and_again_under_oversubscribed_load_keeps_every_inv
     assert len(recovered) == 4 and all(e["missing"] == 0 for e in recovered), recovered
     # every workload kept its id through every restart
     assert sorted(f["session"] for f in figures) == [1, 2, 3, 4]
+
+
+def granting_since_recovery(node, restarts: int) -> bool:
+    """The node has ended ``restarts`` recoveries and granted twice since the last."""
+    evs = node.event_list()
+    ends = [i for i, e in enumerate(evs) if e["event"] == "recovery" and e["phase"] == "end"]
+    if len(ends) < restarts:
+        return False
+    since = evs[ends[-1] + 1 :] if ends else evs
+    return sum(e["event"] == "grant" for e in since) >= 2
 
 
 REGISTER = """

@@ -15,7 +15,8 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.config import NodeConfig
 from gpushare.node.daemon import Node
 from gpushare.node.gpus import simulated_gpus
-from gpushare.tools.top import ShareTracker, render
+from gpushare.tools.top import render
+from gpushare.tools.top_model import ShareTracker
 from tests.support import sim, wait_until
 
 G = 2**30

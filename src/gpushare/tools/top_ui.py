@@ -18,7 +18,7 @@ import urwid
 from gpushare.errors import GpushareError
 from gpushare.status import NodeStatus, SessionStatus
 from gpushare.tools.admin import AdminClient
-from gpushare.tools.top import (
+from gpushare.tools.top_model import (
     BAR,
     SORTS,
     Row,
