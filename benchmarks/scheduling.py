@@ -70,7 +70,7 @@ PARTS = ("short", "long", "interactive", "weighted")
 # --- a workload process -----------------------------------------------------------------
 
 
-def worker(spec: dict[str, Any]) -> None:
+def worker(spec: dict[str, Any]) -> None:  # noqa: C901
     """One session: allocate, wait for the go file, work as ``kind`` says, record steps
     (merged into intervals) and each burst's wait, check the memory's pattern; write them
     as JSON."""

@@ -52,7 +52,7 @@ def work(tmp_path: Path) -> Path:
 def test_the_contracts_hold_on_the_tree(work: Path) -> None:
     r = lint_imports(PACKAGE.parent, work)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4 kept, 0 broken" in r.stdout
+    assert "5 kept, 0 broken" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -72,6 +72,11 @@ def test_the_contracts_hold_on_the_tree(work: Path) -> None:
         ("client/env.py", "import prometheus_client", "a workload needs only msgspec"),
         # top's live view and its command importing each other again (a cycle)
         ("tools/top_ui.py", "import gpushare.tools.top", "the command over its live view"),
+        # inside the core: a rule reaching up into the decision loop, a rule into another
+        # of its own layer, the running totals into a rule
+        ("core/turns.py", "import gpushare.core.arbiter", "core-layers"),
+        ("core/gangs.py", "import gpushare.core.turns", "core-layers"),
+        ("core/ledger.py", "import gpushare.core.shares", "core-layers"),
     ],
 )
 def test_a_broken_layer_fails_the_contracts(work: Path, module: str, line: str, broken: str):
@@ -129,3 +134,44 @@ def test_every_module_of_the_tree_is_mapped_in_the_architecture_doc() -> None:
     )
     gone = sorted(mapped - tree)
     assert not gone, f"docs/architecture.md maps modules that are not in the tree: {gone}"
+
+
+# The functions over the complexity ceiling (ruff's C901, max-complexity in
+# pyproject.toml) when it came in, each marked `noqa: C901`. The list may only shrink:
+# a new function over the ceiling is split instead, and one brought under it leaves the
+# list (and loses its mark).
+GRANDFATHERED = {
+    "benchmarks/gpu_check.py::main",
+    "benchmarks/scheduling.py::worker",
+    "benchmarks/soak.py::main",
+    "src/gpushare/client/hooks.py::install",
+    "src/gpushare/client/runner.py::child_env",
+    "src/gpushare/client/swap/cuda.py::self_test",
+    "src/gpushare/node/dispatch.py::deliver",
+    "src/gpushare/node/gpusharenode.py::_publish",
+    "src/gpushare/node/metrics.py::_gpu_text",
+    "src/gpushare/node/workload_server.py::handle",
+    "src/gpushare/tools/cli.py::_command",
+    "src/gpushare/tools/timeline.py::lanes",
+    "src/gpushare/tools/top_ui.py::draw",
+    "src/gpushare/tools/top_ui.py::key",
+    "tests/core/model.py::apply",
+    "tests/core/model.py::_on_grant",
+    "tests/core/model.py::swap_in",
+    "tests/core/test_running_totals.py::apply",
+    "tests/node/exporter_before.py::collect",
+}
+
+
+def test_only_the_grandfathered_functions_pass_the_complexity_ceiling() -> None:
+    root = PACKAGE.parent.parent
+    marked = set()
+    for folder in ("src", "tests", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for line in path.read_text().splitlines():
+                if "noqa: C901" in line and line.lstrip().startswith(("def ", "async def ")):
+                    name = line.split("def ", 1)[1].split("(", 1)[0]
+                    marked.add(f"{path.relative_to(root)}::{name}")
+    assert marked <= GRANDFATHERED, f"over the ceiling, not grandfathered: {marked - GRANDFATHERED}"
+    # none of the core's rules is over it
+    assert not any(m.startswith("src/gpushare/core/") for m in marked)

@@ -59,7 +59,7 @@ inputs = st.one_of(
 )
 
 
-def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
+def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:  # noqa: C901
     kind, *args = op
     # mostly those there
     if kind not in ("attach", "set_config", "tick", "recovery") and a.sessions:

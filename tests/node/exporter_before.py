@@ -62,7 +62,7 @@ class NodeCollector(Collector):
     def __init__(self, snapshot: Callable[[], NodeStatus]) -> None:
         self.snapshot = snapshot
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Metric]:  # noqa: C901
         st = self.snapshot()
         info = InfoMetricFamily("gpushare_build", "gpushare version and Python.")
         info.add_metric([], {"version": __version__, "python": platform.python_version()})

@@ -82,7 +82,7 @@ def _apply_skips() -> None:
         skip_code(_skip.pop())
 
 
-def install(session: Session) -> list[Any]:
+def install(session: Session) -> list[Any]:  # noqa: C901
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
     import torch
     from torch.nn.modules.module import (

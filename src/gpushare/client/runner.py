@@ -43,7 +43,7 @@ STOP_GRACE_S = 10.0  # after SIGTERM, a program whose session was ended is kille
 SESSION: Session | None = None  # this process's session, once attached
 
 
-def child_env(
+def child_env(  # noqa: C901
     environ: dict[str, str],
     memory: str | None,
     weight: float | None,

@@ -186,30 +186,8 @@ class Arbiter:
         (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
         ranks elsewhere too)."""
         st = self.st
-        if sid in st.sessions:
-            raise ArbiterError(f"session {sid} is already attached")
         limit = memory_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
-        if limit > self.capacity:
-            raise FieldError(
-                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
-                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
-            )
-        weight = check_weight(weight)
-        count("resident", resident, limit)
-        count("swapped", swapped, limit)
-        if resident + swapped > limit:
-            raise FieldError(
-                f"resident + swapped ({resident} + {swapped} bytes) exceed the memory limit"
-                f" of {limit} bytes"
-            )
-        count("lease", lease, MAX_COUNT)
-        if self.used_bytes() + resident > self.capacity:
-            raise FieldError(
-                f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
-                f" in use on GPU {self.gpu} ({self.capacity} usable)"
-            )
+        weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
         if gang:
             self.gangs.check(gang, limit, spans_nodes)
         now = self.clock.monotonic()
@@ -244,6 +222,35 @@ class Arbiter:
             else:
                 self.admission.resume_or_yield(s, lease)
         return self._decide()
+
+    def _check_attach(
+        self, sid: int, limit: int, weight: float, resident: int, swapped: int, lease: int
+    ) -> float:
+        """An attach's figures, each bounded by what the node knows; the weight checked."""
+        if sid in self.st.sessions:
+            raise ArbiterError(f"session {sid} is already attached")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
+        if limit > self.capacity:
+            raise FieldError(
+                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
+                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
+            )
+        weight = check_weight(weight)
+        count("resident", resident, limit)
+        count("swapped", swapped, limit)
+        if resident + swapped > limit:
+            raise FieldError(
+                f"resident + swapped ({resident} + {swapped} bytes) exceed the memory limit"
+                f" of {limit} bytes"
+            )
+        count("lease", lease, MAX_COUNT)
+        if self.used_bytes() + resident > self.capacity:
+            raise FieldError(
+                f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
+                f" in use on GPU {self.gpu} ({self.capacity} usable)"
+            )
+        return weight
 
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
@@ -619,6 +626,17 @@ class Arbiter:
                     h.share.resume_s = max(0.0, h.lease.quantum_end - now)
                     self.leases.revoke(h, now, reason="turn")
         self.leases.fill_rooms()
+        self._end_quanta(now)
+        plan_prefetch(st, now, taken=self.admission.taken())
+        out = st.out.take()
+        if self.check_every_input:
+            self.verify()
+        return out
+
+    def _end_quanta(self, now: float) -> None:
+        """Quanta that ended: revoked where someone waits, else renewed (no needless
+        switch); holders past their grace period escalated."""
+        st = self.st
         for sid in list(st.holders):
             s = st.sessions[sid]
             if s.state is State.HOLDING and s.lease.quantum_end <= now:
@@ -632,11 +650,6 @@ class Arbiter:
                 s.state is State.YIELDING and not s.esc.escalated and s.lease.revoke_deadline <= now
             ):
                 self._escalate_holder(s, now)
-        plan_prefetch(st, now, taken=self.admission.taken())
-        out = st.out.take()
-        if self.check_every_input:
-            self.verify()
-        return out
 
     def _escalate_holder(self, s: SessionState, now: float) -> None:
         """A holder that did not yield within its grace period."""

@@ -316,7 +316,6 @@ class Gangs(Mapping[str, Gang]):
         their memory fits (else the planner makes room, as for any grant). A parked
         member waits for its peers to yield, until the regroup: then it goes on to its
         next safe point (a peer may be blocked in a collective, waiting for it)."""
-        st = self.st
         for g in list(self._gangs.values()):
             if not self.active(g) and not self.may_start(g):
                 continue
@@ -324,23 +323,28 @@ class Gangs(Mapping[str, Gang]):
                 self.revoke(g, now, "quantum")  # revoked on its other GPUs
             regroup = g.revoked and now >= g.regroup_at
             before = g.regroups
-            for m in map(st.sessions.__getitem__, sorted(g.members)):
-                if m.state is not State.WAITING or m.esc.frozen or (m.rank.parked and not regroup):
-                    continue
-                if not self.active(g) and not self.may_start(g):
-                    break
-                peers = self.peers_to_count(m)
-                if st.used_bytes() - m.used + peers + m.memory.limit > st.capacity:
-                    plan = plan_grant(st.capacity, self.views(m, peers), m.id)
-                    if not plan.fits:
-                        for sid, n in plan.swap_outs:
-                            st.ask_swap_out(sid, n)
-                        continue
-                if m.rank.parked:
-                    g.regroups += 1
-                grant(m)
+            self._join(g, regroup, grant)
             if regroup:  # until a member parks again (or, none went on, a while)
                 g.regroup_at = math.inf if g.regroups > before else now + REGROUP_S
+
+    def _join(self, g: Gang, regroup: bool, grant: Callable[[SessionState], None]) -> None:
+        """``g``'s waiting members granted, in rank order, as far as memory allows."""
+        st = self.st
+        for m in map(st.sessions.__getitem__, sorted(g.members)):
+            if m.state is not State.WAITING or m.esc.frozen or (m.rank.parked and not regroup):
+                continue
+            if not self.active(g) and not self.may_start(g):
+                break
+            peers = self.peers_to_count(m)
+            if st.used_bytes() - m.used + peers + m.memory.limit > st.capacity:
+                plan = plan_grant(st.capacity, self.views(m, peers), m.id)
+                if not plan.fits:
+                    for sid, n in plan.swap_outs:
+                        st.ask_swap_out(sid, n)
+                    continue
+            if m.rank.parked:
+                g.regroups += 1
+            grant(m)
 
     def deadlines(self) -> list[float]:
         """Parked members go on to their next safe point at their gang's regroup."""

@@ -78,7 +78,7 @@ class Dispatch:
         self.refuse = refuse
         self.write_limit = WRITE_LIMIT
 
-    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:
+    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:  # noqa: C901
         """``arb``'s actions, each where it belongs (a batch's frames for a connection in
         one write)."""
         frames: dict[int, tuple[Conn, list[bytes]]] = {}  # per session, in order

@@ -615,7 +615,7 @@ class NodeObject:
             log.info("GPUShareNode %s: created", self.name)
         self.on_object(obj)
 
-    async def _publish(self) -> None:
+    async def _publish(self) -> None:  # noqa: C901
         api = self.api = await self._connect()
         watching = False
         last_shape, last_body, last_write = "", "", -1e9

@@ -415,7 +415,7 @@ class Exposition:
                     out.extend([r[i] for r in rows])
             return b"".join(out)  # one copy (joining per family first took 10x as long)
 
-    def _gpu_text(self, gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:
+    def _gpu_text(self, gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:  # noqa: C901
         yield _BUILD
         yield _header("gpushare_gpu_info", "gauge", "Each GPU the node arbitrates.")
         for g, lab in gpus:

@@ -112,7 +112,7 @@ class WorkloadServer:
     def socket_path(self) -> str:
         return self._config().socket
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: C901
         try:
             conn = self.guard.accept(writer)
         except OSError:  # gone before the kernel could say who it was

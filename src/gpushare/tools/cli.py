@@ -509,7 +509,7 @@ def _admin(args: argparse.Namespace) -> str | None:
     return getattr(args, "admin_socket", None) or getattr(args, "socket", None)
 
 
-def _command(args: argparse.Namespace) -> int:
+def _command(args: argparse.Namespace) -> int:  # noqa: C901
     if args.cmd == "node":
         return _node(args)
     if args.cmd == "ctl":

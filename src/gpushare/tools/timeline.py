@@ -37,7 +37,7 @@ class Lane:
         return f"GPU {self.gpu}  {self.name} #{self.session}"
 
 
-def lanes(
+def lanes(  # noqa: C901
     events: Iterable[dict[str, Any]], window_s: float = 0.0
 ) -> tuple[list[Lane], float, float]:
     """Leases and swaps per session, from events sorted by time; with ``window_s``, only

@@ -201,7 +201,7 @@ class TopView:
                 return (w.row.gpu, w.row.id)
         return None
 
-    def draw(self) -> None:
+    def draw(self) -> None:  # noqa: C901
         st = self.status
         if st is None:
             return
@@ -267,7 +267,7 @@ class TopView:
 
     # --- keys ---------------------------------------------------------------------
 
-    def key(self, key: str | tuple[str, int, int, int]) -> bool | None:
+    def key(self, key: str | tuple[str, int, int, int]) -> bool | None:  # noqa: C901
         if not isinstance(key, str):
             return None
         if key in ("q", "Q"):
