@@ -409,9 +409,18 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
         (["--memory", "lots"], {}, "lots"),
         ([], {"GPUSHARE_MEMORY": "lots"}, "GPUSHARE_MEMORY"),
         ([], {"GPU_PORTION": "2"}, "GPU_PORTION"),
+        # Issue 25: 1e30 overflowed in the program's sitecustomize, which then ran ungated
+        (["--memory", "1e30"], {}, "more than any GPU has"),
+        (["--memory", "1e400"], {}, "more than any GPU has"),
+        ([], {"GPUSHARE_MEMORY": "1e30"}, "GPUSHARE_MEMORY: size 1e30 is more than any GPU"),
+        (["--memory", "0"], {}, "--memory: a memory limit must be more than 0"),
+        # ... and a wrong weight was said to be fixed with --memory
+        (["--weight", "0"], {}, "argument --weight: weight '0' is not a number from 0.001"),
+        (["--weight", "-1"], {}, "argument --weight: weight '-1' is not a number from 0.001"),
+        (["--weight", "nan"], {}, "argument --weight: weight 'nan'"),
     ],
 )
-def test_a_wrong_memory_or_portion_is_a_usage_error_wherever_it_is_given(
+def test_a_wrong_size_weight_or_portion_is_a_usage_error_wherever_it_is_given(
     node_factory, args, env, said
 ):
     # GPUSHARE_MEMORY was read only by the program's attach: exit 3 (a refusal), where

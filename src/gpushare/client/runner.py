@@ -173,6 +173,21 @@ def _stop_program(reason: str) -> None:
     os.kill(pid, signal.SIGTERM)
 
 
+def _attach_error(e: Exception) -> str:
+    """An attach that failed, in one line naming the flag that fixes it."""
+    from gpushare.errors import AttachRefusedError, GpushareError
+
+    text = str(e)
+    if isinstance(e, AttachRefusedError) and e.code == "attach":
+        if text.startswith("weight"):
+            return f"{text} (gpushare run --weight W)"
+        if "memory" in text and "mode auto" not in text:
+            return f"{text} (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
+    if isinstance(e, GpushareError | ValueError):
+        return text
+    return f"could not attach ({type(e).__name__}: {text}): the program was not started"
+
+
 def child_start() -> None:
     """In the command's Python: attach, hook, limit. Called by the sitecustomize."""
     if launchers.launcher(getattr(sys, "orig_argv", sys.argv)):
@@ -181,7 +196,6 @@ def child_start() -> None:
     # tools) are not the session.
     os.environ.pop(ENV_FLAG, None)
     from gpushare.client.session import attach
-    from gpushare.errors import AttachRefusedError, GpushareError
 
     weight = os.environ.get("GPUSHARE_WEIGHT")
     gpu = os.environ.get("GPUSHARE_GPU")
@@ -191,12 +205,9 @@ def child_start() -> None:
             weight=float(weight) if weight else None,
             gpu=int(gpu) if gpu else None,
         )
-    except (GpushareError, ValueError) as e:
+    except Exception as e:  # whatever it is, the program must not run ungated
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
-        hint = ""
-        if isinstance(e, AttachRefusedError) and e.code == "attach" and "mode auto" not in str(e):
-            hint = " (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
-        print(f"gpushare run: error: {e}{hint}", file=sys.stderr, flush=True)
+        print(f"gpushare run: error: {_attach_error(e)}", file=sys.stderr, flush=True)
         os._exit(3)
     session._link.on_ended = _stop_program
     tq = f", TQ {session.tq_s:g} s" if session.tq_s else ""

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from gpushare._version import __version__
 from gpushare.errors import GpushareError
 from gpushare.settings import ESCALATIONS, MODES, POLICIES, RANGES, SettingsError, check
-from gpushare.units import parse_duration, parse_size
+from gpushare.units import parse_duration, parse_size, parse_weight
 
 log = logging.getLogger("gpushare")
 
@@ -22,6 +22,13 @@ log = logging.getLogger("gpushare")
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _weight(text: str) -> float:
+    try:
+        return parse_weight(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -324,7 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory limit (default GPUSHARE_MEMORY, else KAI's GPU_PORTION of the GPU)",
     )
-    r.add_argument("--weight", type=float, metavar="W", help="weight under policy weighted")
+    r.add_argument(
+        "--weight",
+        type=_weight,
+        metavar="W",
+        help="weight under policy weighted, from 0.001 to 1000 (default 1, or KAI's GPU_PORTION)",
+    )
     r.add_argument("--name", help="the session's name (default the program's)")
     r.add_argument(
         "--socket",
@@ -512,7 +524,8 @@ def _command(args: argparse.Namespace) -> int:
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
         if args.memory is not None:
             try:
-                parse_size(args.memory)  # a clear error before anything starts
+                if parse_size(args.memory) == 0:  # a clear error before anything starts
+                    raise ValueError("a memory limit must be more than 0: like --memory 10GiB")
             except ValueError as e:
                 print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
                 return 2
