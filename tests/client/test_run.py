@@ -4,6 +4,7 @@ PyTorch's global hooks, against a real node on a simulated GPU."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -430,3 +431,46 @@ def test_a_wrong_size_weight_or_portion_is_a_usage_error_wherever_it_is_given(
     out, err = pr.communicate(timeout=60)
     assert pr.returncode == 2 and "ran" not in out, (pr.returncode, err)
     assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def states(node) -> dict[str, str]:
+    return {s["name"]: s["state"] for s in node.status()["gpus"][0]["sessions"]}
+
+
+def test_ctrl_c_while_waiting_for_the_lease_is_one_line_and_exit_130(node_factory, short_tmp):
+    # issue 25: Ctrl-C in the wait printed a 25-line traceback through gpushare's frames
+    import signal
+
+    slow = short_tmp / "slow.py"  # a forward pass every 50 ms: the holder leaves CPU free
+    slow.write_text(
+        "import time, torch\nm = torch.nn.Linear(4, 4)\n"
+        "while True:\n    m(torch.zeros(1, 4))\n    time.sleep(0.05)\n"
+    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="600", idle_release="5"))
+    holder = gs_run(node, "--memory", "6GiB", "--name", "a", "--", sys.executable, str(slow))
+    try:
+        wait_until(lambda: states(node).get("a") == "holding", timeout=120, what="a to hold")
+        waiter = gs_run(node, "--memory", "6GiB", "--name", "b", "--", sys.executable, str(slow))
+        wait_until(lambda: states(node).get("b") == "waiting", timeout=120, what="b to wait")
+        waiter.send_signal(signal.SIGINT)
+        _, err = waiter.communicate(timeout=60)
+    finally:
+        holder.kill()
+        holder.communicate()
+    said = [line for line in err.splitlines() if not line.startswith("gpushare run: attached")]
+    assert len(said) == 1 and re.fullmatch(
+        r"gpushare run: interrupted \(Ctrl-C\) while session 2 \(b\) waited [0-9.]+ s for"
+        r" the GPU: stopped",
+        said[0],
+    ), err
+    # killed by its SIGINT, as Python does it: a shell shows 130
+    assert waiter.returncode in (-signal.SIGINT, 130), waiter.returncode
+
+
+@pytest.mark.parametrize("code", ["raise ValueError('boom')", "raise KeyboardInterrupt('boom')"])
+def test_an_error_of_the_programs_own_keeps_its_traceback(node_factory, code):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    _, err = pr.communicate(timeout=60)
+    assert "Traceback (most recent call last)" in err and "boom" in err, err
+    assert "interrupted" not in err

@@ -105,7 +105,7 @@ def test_durations_are_read_in_the_file_as_the_flags_and_ctl_read_them(tmp_path)
     c = load(f)
     assert (c.tq, c.grace, c.idle_release, c.gpu["1"].tq) == (30, 0.5, 2, 120)
     f.write_text('tq = "2d"\n')  # read, then checked against the range as a flag is
-    with pytest.raises(ConfigError, match="TQ must be a number of seconds from 0.05 s"):
+    with pytest.raises(ConfigError, match=r"TQ must be a number of seconds from 0\.05 s"):
         load(f)
 
 
@@ -121,12 +121,25 @@ def test_persist_keeps_a_duration_written_as_text(tmp_path):
     ("text", "said"),
     [
         ('tq = "soon"', "tq: cannot read duration 'soon': write it like 30s"),
-        ("tq = [1]", 'tq takes a number of seconds or a duration in quotes, not a list: write it like tq = 30 or tq = "30s"'),
+        (
+            "tq = [1]",
+            "tq takes a number of seconds or a duration in quotes, not a list:"
+            ' write it like tq = 30 or tq = "30s"',
+        ),
         ("tq = true", "tq takes a number of seconds or a duration in quotes, not true"),
-        ('kubernetes = "yes"', 'kubernetes takes true or false, not "yes": write it like kubernetes = true'),
-        ("metrics_port = 1.5", "metrics_port takes a whole number, not 1.5: write it like metrics_port = 3"),
+        (
+            'kubernetes = "yes"',
+            'kubernetes takes true or false, not "yes": write it like kubernetes = true',
+        ),
+        (
+            "metrics_port = 1.5",
+            "metrics_port takes a whole number, not 1.5: write it like metrics_port = 3",
+        ),
         ("socket = 3", "socket takes a text in quotes, not 3"),
-        ("reserve = [1]", 'reserve takes a size in quotes (like "2GiB") or a number of bytes, not a list'),
+        (
+            "reserve = [1]",
+            'reserve takes a size in quotes (like "2GiB") or a number of bytes, not a list',
+        ),
         ('mode = "fast"', "mode = 'fast' is not a choice: write one of 'auto', 'exclusive'"),
         ('[gpu.0]\ntq = 1\n[gpu.3]\nmode = "x"', "[gpu.3] mode = 'x' is not a choice"),
         ("[gpu.2]\ntq = [2]", "[gpu.2] tq takes a number of seconds or a duration in quotes"),
@@ -134,7 +147,7 @@ def test_persist_keeps_a_duration_written_as_text(tmp_path):
         ("[gpu.1]\nbogus = 1", "[gpu.1] unknown key 'bogus': a [gpu.N] table takes tq, mode"),
         ("gpu = 3", "gpu must be tables, one per GPU: [gpu.0] then its keys"),
     ],
-)  # fmt: skip
+)
 def test_a_wrong_type_is_said_in_our_words_naming_the_key_and_the_fix(tmp_path, text, said):
     # issue 25: "Expected `float`, got `str` - at `$.tq`" (the parser's words)
     f = tmp_path / "node.toml"

@@ -27,8 +27,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from gpushare.client import launchers
 from gpushare.client.env import read_env
@@ -173,6 +174,38 @@ def _stop_program(reason: str) -> None:
     os.kill(pid, signal.SIGTERM)
 
 
+_CLIENT = os.path.dirname(os.path.abspath(__file__))  # gpushare's client package
+
+
+def _interrupted_hook(session: Session, previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``sys.excepthook``: a Ctrl-C that stops the program inside gpushare's hooks (most
+    often while it waits for the lease) is one line, not a traceback through gpushare's
+    frames; Python then ends the program by SIGINT (a shell shows 130) as it would have.
+    Any other exception is the previous hook's."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        frames, at = [], tb
+        while at is not None:
+            frames.append(at.tb_frame)
+            at = at.tb_next
+        ours = [f for f in frames if f.f_code.co_filename.startswith(_CLIENT + os.sep)]
+        if not issubclass(kind, KeyboardInterrupt) or not ours:
+            previous(kind, value, tb)
+            return
+        who = f"session {session.id} ({session.name})"
+        waiting = [f for f in ours if f.f_code.co_name == "_await"]
+        if waiting:
+            t0 = waiting[-1].f_locals.get("t0")
+            after = f" {time.monotonic() - t0:.1f} s" if isinstance(t0, float) else ""
+            what = f"while {who} waited{after} for the GPU"
+        else:
+            what = f"in gpushare's hooks ({who})"
+        sys.stderr.write(f"gpushare run: interrupted (Ctrl-C) {what}: stopped\n")
+        sys.stderr.flush()
+
+    return hook
+
+
 def _attach_error(e: Exception) -> str:
     """An attach that failed, in one line naming the flag that fixes it."""
     from gpushare.errors import AttachRefusedError, GpushareError
@@ -219,6 +252,7 @@ def child_start() -> None:
         flush=True,
     )
     atexit.register(session.close)
+    sys.excepthook = _interrupted_hook(session, sys.excepthook)
     try:
         from gpushare.client import hooks
 
