@@ -146,7 +146,36 @@ def install(session: Session) -> list[Any]:
         *_gate_factories(gate, compiling),
         *_hold_through_backward(session, ours, compiling),
         _gate_compiled_in_place(forward_pre, forward_post),
+        *_say_spawned_ranks_run_ungated(),
     ]
+
+
+def _say_spawned_ranks_run_ungated() -> list[_Unpatch]:
+    """``torch.multiprocessing.spawn`` (DDP without a launcher) starts processes that are
+    not sessions, while this one, a session, does no GPU work: said once, in one line
+    naming the fix, where they ran ungated without a word."""
+    import torch.multiprocessing
+
+    module = sys.modules.get("torch.multiprocessing.spawn")
+    said = [False]
+
+    def wrap(original: Any) -> Callable[..., Any]:
+        def start_processes(fn: Any, args: Any = (), nprocs: int = 1, *a: Any, **kw: Any) -> Any:
+            if not said[0] and _forks == 0:
+                said[0] = True
+                sys.stderr.write(
+                    f"gpushare run: torch.multiprocessing starts {nprocs} processes that run"
+                    f" ungated: only this one (pid {os.getpid()}) is a session; start the"
+                    f" ranks with a launcher instead, each then a session: gpushare run --"
+                    f" torchrun --nproc-per-node {nprocs} train.py (docs/run.md)\n"
+                )
+                sys.stderr.flush()
+            return original(fn, args, nprocs, *a, **kw)
+
+        return start_processes
+
+    owners = [o for o in (torch.multiprocessing, module) if hasattr(o, "start_processes")]
+    return [_patch(o, "start_processes", wrap) for o in owners]
 
 
 def _compiling() -> Callable[[], bool]:

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from gpushare.client import launchers
-from gpushare.client.env import read_env
+from gpushare.client.env import rank_gpu, read_env
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -116,6 +116,19 @@ def skipped_site(command: Sequence[str]) -> str:
     return ""
 
 
+def is_python(exe: str) -> bool:
+    """Whether the file ``exe`` is a Python interpreter or a script run by one (its
+    ``#!`` line names Python): what gpushare's start-up hook runs in."""
+    if re.fullmatch(r"python[0-9.]*", os.path.basename(exe)):
+        return True
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
 def run(
     command: Sequence[str],
     memory: str | None = None,
@@ -147,6 +160,11 @@ def run(
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
+    if not is_python(exe):
+        notes.append(
+            f"{command[0]} is not a Python program: only the Python programs it starts are"
+            " gated (each a session of its own); the rest runs ungated"
+        )
     for note in notes:
         print(f"gpushare run: {note}", file=sys.stderr)
     sys.stderr.flush()
@@ -225,19 +243,31 @@ def child_start() -> None:
     """In the command's Python: attach, hook, limit. Called by the sitecustomize."""
     if launchers.launcher(getattr(sys, "orig_argv", sys.argv)):
         return  # a launcher: its workers are the sessions (they inherit the flag)
-    # Consumed here: Python processes this one starts (spawned DataLoader workers,
-    # tools) are not the session.
-    os.environ.pop(ENV_FLAG, None)
+    # This pid's: Python processes this one starts (spawned DataLoader workers, tools)
+    # are not the session, while an exec of this process (os.execv: the same pid) is.
+    os.environ[ENV_FLAG] = str(os.getpid())
     from gpushare.client.session import attach
+    from gpushare.errors import AttachRefusedError
 
     weight = os.environ.get("GPUSHARE_WEIGHT")
-    gpu = os.environ.get("GPUSHARE_GPU")
+    given = os.environ.get("GPUSHARE_GPU")
+    # --gpu, else a launcher's rank on its own GPU (LOCAL_RANK), else the environment's
+    gpu = int(given) if given else rank_gpu()
     try:
-        session = attach(
-            name=os.environ.get("GPUSHARE_NAME") or None,
-            weight=float(weight) if weight else None,
-            gpu=int(gpu) if gpu else None,
-        )
+        name, w = os.environ.get("GPUSHARE_NAME") or None, float(weight) if weight else None
+        try:
+            session = attach(name=name, weight=w, gpu=gpu)
+        except AttachRefusedError as e:
+            if given or gpu is None or not str(e).startswith(f"no GPU {gpu} "):
+                raise
+            # More ranks than GPUs (ranks sharing one GPU, or ranks on CPU): the default
+            print(
+                f"gpushare run: LOCAL_RANK {os.environ.get('LOCAL_RANK')} would be GPU {gpu},"
+                f" which the node does not have ({e}): attached to the default GPU instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            session = attach(name=name, weight=w)
     except Exception as e:  # whatever it is, the program must not run ungated
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
         print(f"gpushare run: error: {_attach_error(e)}", file=sys.stderr, flush=True)
