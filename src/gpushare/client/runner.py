@@ -212,8 +212,8 @@ def _interrupted_hook(session: Session, previous: Callable[..., Any]) -> Callabl
             return
         who = f"session {session.id} ({session.name})"
         waiting = [f for f in ours if f.f_code.co_name == "_await"]
-        if waiting:
-            t0 = waiting[-1].f_locals.get("t0")
+        if waiting or not session.holding:  # in the wait, or on its way to it
+            t0 = waiting[-1].f_locals.get("t0") if waiting else None
             after = f" {time.monotonic() - t0:.1f} s" if isinstance(t0, float) else ""
             what = f"while {who} waited{after} for the GPU"
         else:
