@@ -183,6 +183,8 @@ def _compile_start(args: Any) -> None:
     if trigger not in COMPILE_TRIGGERS or not _compile_session or _forks:
         return
     session = _compile_session[0]
+    if session.gang:  # a rank: its gang is granted and revoked as one, not rank by rank
+        return
     if session._lease.pause_work():
         _compiles.paused += 1
         if not _said_compiling[0]:
