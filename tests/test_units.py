@@ -1,6 +1,6 @@
 import pytest
 
-from gpushare.units import format_size, parse_duration, parse_size
+from gpushare.units import MAX_SIZE, format_size, parse_duration, parse_size, parse_weight
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,26 @@ def test_parse_duration(text, seconds):
 def test_parse_duration_refuses_with_the_fix():
     with pytest.raises(ValueError, match="30s, 5m"):
         parse_duration("soon")
+
+
+@pytest.mark.parametrize("big", ["1e30", "1e400", "2000TiB", 2**64])
+def test_a_size_beyond_any_gpu_is_refused_in_our_words_not_overflowed(big):
+    # issue 25: 1e30 was read, then overflowed the wire's 64-bit integer in the program
+    with pytest.raises(ValueError, match=r"more than any GPU has.*write it like 80GiB"):
+        parse_size(big)
+    assert parse_size(MAX_SIZE) == MAX_SIZE
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "heavy", 1e4])
+def test_a_weight_out_of_the_nodes_range_is_refused_naming_the_range(bad):
+    with pytest.raises(ValueError, match=r"from 0\.001 to 1000"):
+        parse_weight(bad)
+
+
+def test_the_weight_range_is_the_nodes():
+    from gpushare import units
+    from gpushare.core import arbiter
+
+    assert (units.MIN_WEIGHT, units.MAX_WEIGHT) == (arbiter.MIN_WEIGHT, arbiter.MAX_WEIGHT)
+    assert parse_weight(str(arbiter.MIN_WEIGHT)) == arbiter.MIN_WEIGHT
+    assert parse_weight(arbiter.MAX_WEIGHT) == arbiter.MAX_WEIGHT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -23,6 +24,12 @@ _UNITS = {
 # A number as people and programs write it: 80, 1.5, 1e9 (the same as 1000000000).
 _NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?"
 _SIZE = re.compile(rf"^\s*(-?(?:{_NUMBER}))\s*([a-zA-Z]*)\s*$")
+# The largest size read: more than any GPU or host has, and within what the wire carries
+# (an unsigned 64-bit integer), so that ``1e30`` is a usage error, not an overflow later.
+MAX_SIZE = 2**50  # 1024 TiB
+# A session's weight, as the node bounds it (gpushare.core.arbiter's MIN_WEIGHT and
+# MAX_WEIGHT; a test keeps the two the same): checked here too, before a program runs.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 
 
 def parse_size(text: str | int) -> int:
@@ -34,6 +41,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
+        if text > MAX_SIZE:
+            raise ValueError(_too_large(str(text)))
         return text
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else ""
@@ -43,7 +52,35 @@ def parse_size(text: str | int) -> int:
         )
     if m.group(1).startswith("-"):
         raise ValueError(f"size must not be negative: {text.strip()}")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(_too_large(text.strip()))
+    return int(value)
+
+
+def _too_large(text: str) -> str:
+    return (
+        f"size {text} is more than any GPU has (the most gpushare reads is 1024 TiB):"
+        " write it like 80GiB"
+    )
+
+
+def parse_weight(text: str | float) -> float:
+    """A session's weight (policy ``weighted``): a number in [MIN_WEIGHT, MAX_WEIGHT].
+
+    >>> parse_weight("0.5")
+    0.5
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_WEIGHT <= value <= MAX_WEIGHT:  # NaN fails too
+        raise ValueError(
+            f"weight {str(text).strip()!r} is not a number from {MIN_WEIGHT:g} to"
+            f" {MAX_WEIGHT:g}: a weight is a share, like 1 (the default), 0.5 or 2"
+        )
+    return value
 
 
 def format_size(n: float) -> str:

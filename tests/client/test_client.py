@@ -54,6 +54,13 @@ def test_memory_from_environment(node, monkeypatch):
         assert s.memory_limit == 3 * G
 
 
+@pytest.mark.parametrize("memory", ["1e30", 10**30])
+def test_a_limit_beyond_any_gpu_is_a_value_error_naming_memory(node, memory):
+    # issue 25: the encoder's OverflowError came out of attach, as a traceback
+    with pytest.raises(ValueError, match=r"^memory=.*more than any GPU has"):
+        gpushare.attach(memory, socket=node.socket)
+
+
 def test_bad_gpu_portion_is_refused(monkeypatch):
     monkeypatch.setenv("GPU_PORTION", "1.5")
     with pytest.raises(ValueError, match="GPU_PORTION"):

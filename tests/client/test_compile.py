@@ -78,3 +78,97 @@ def test_gpushare_adds_no_dynamo_frames_graphs_or_breaks(node_factory, short_tmp
     assert got["grants"] >= 2, got  # the rival took turns: revokes came, at the hooks
     keys = ("frames", "graphs", "breaks")
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, (got, want)
+
+
+NESTED = textwrap.dedent("""
+    import json, torch
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) + x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(2)])
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    compiled = torch.compile(Net(), backend="eager")  # dynamo is loaded only now
+    x = torch.randn(8, 16)
+    for _ in range(4):
+        compiled(x).sum().backward()
+    print(json.dumps({"frames": counters["frames"]["total"],
+                      "graphs": counters["stats"]["unique_graphs"]}))
+""")
+
+
+def test_torch_compile_of_a_model_with_submodules_compiles_what_bare_does(node_factory, short_tmp):
+    # issue 25: the skip marks were applied only when dynamo was loaded at attach or by
+    # Module.compile(): torch.compile(model) traced the hooks (3 frames against 1 bare)
+    prog = short_tmp / "nested.py"
+    prog.write_text(NESTED)
+    bare = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=240)
+    assert bare.returncode == 0, bare.stderr
+    want = json.loads(bare.stdout.splitlines()[-1])
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--memory", "1GiB", "--", sys.executable, str(prog))
+    out, err = pr.communicate(timeout=240)
+    assert pr.returncode == 0, err
+    assert json.loads(out.splitlines()[-1]) == want
+    # PyTorch's warning about global hooks (they fire once more for the OptimizedModule:
+    # gpushare's are made for it) came at every call; at most once now
+    assert err.count("when there are global hooks") <= 1, err
+
+
+SLOW_COMPILE = textwrap.dedent("""
+    import json, sys, time, torch
+
+    def slow(gm, example_inputs):  # a backend that compiles for seconds, as inductor does
+        time.sleep(float(sys.argv[1]))
+        return gm.forward
+
+    m = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), backend=slow)
+    x = torch.randn(4, 8)
+    for _ in range(20):
+        m(x).sum().backward()
+        time.sleep(0.01)
+    print(json.dumps({"done": True}))
+""")
+
+
+def test_a_program_compiling_gives_the_gpu_back_and_is_not_escalated(node_factory, short_tmp):
+    # issue 25: torch.compile compiles inside the first forward, where no safe point comes:
+    # compiles of 11-21 s against a 5 s grace were escalated (SIGKILL with --escalation kill)
+    prog = short_tmp / "slow_compile.py"
+    prog.write_text(SLOW_COMPILE)
+    node = node_factory(
+        *sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.2", grace="1", escalation="kill")
+    )
+    rival = gs_run(
+        node, "--memory", "4GiB", "--name", "rival", "--", sys.executable, "-c", RIVAL, "60"
+    )
+    try:
+        pr = gs_run(
+            node, "--memory", "4GiB", "--name", "compiles", "--", sys.executable, str(prog), "4"
+        )
+        out, err = pr.communicate(timeout=240)
+    finally:
+        rival.kill()
+        rival.communicate()
+    assert pr.returncode == 0 and json.loads(out.splitlines()[-1]) == {"done": True}, err
+    events = node.event_list()
+    sid = next(
+        e["session"] for e in events if e["event"] == "attach" and e.get("name") == "compiles"
+    )
+    assert not [e for e in events if e["event"] == "escalate" and e.get("session") == sid]
+    assert err.count("gives the GPU back while torch.compile compiles") == 1, err

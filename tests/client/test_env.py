@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpushare.client.env import program_name, read_annotations, read_env
+from gpushare.client.env import program_name, rank_gpu, read_annotations, read_env
 from tests.support import FIXTURES
 
 FIX = FIXTURES
@@ -74,3 +74,19 @@ def test_bad_fraction_names_the_fix(key, value):
 )
 def test_a_sessions_default_name_is_its_program(argv0, orig, name):
     assert program_name(argv0, orig) == name
+
+
+@pytest.mark.parametrize(
+    ("env", "gpu"),
+    [
+        ({}, None),  # not a rank
+        ({"LOCAL_RANK": "1"}, 1),
+        ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, 3),
+        ({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "1", "NVIDIA_VISIBLE_DEVICES": "4,6"}, 6),
+        ({"LOCAL_RANK": "1", "NVIDIA_VISIBLE_DEVICES": "all"}, 1),
+        ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0"}, None),  # fewer than ranks
+        ({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "GPU-1a2b"}, None),  # a UUID: unknown
+    ],
+)
+def test_a_ranks_gpu_is_its_local_rank_through_the_visible_devices(env, gpu):
+    assert rank_gpu(env) == gpu

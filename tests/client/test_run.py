@@ -4,6 +4,7 @@ PyTorch's global hooks, against a real node on a simulated GPU."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -309,14 +310,16 @@ WORKER = textwrap.dedent("""
     dist.all_reduce(t)
     s = runner.SESSION
     out = {"pid": os.getpid(), "session": s.id if s else None, "grants": s.grants if s else 0,
-           "gang": gang_fields(), "sum": t.item()}
+           "gang": gang_fields(), "sum": t.item(), "gpu": s.gpu_index if s else None,
+           "local_rank": int(os.environ["LOCAL_RANK"])}
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)  # a file each: the ranks' stdout is one, their lines interleave
     dist.destroy_process_group()
 """)
 
 
-def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factory, short_tmp):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factory, short_tmp, gpus):
     import os
     from pathlib import Path
 
@@ -325,7 +328,7 @@ def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factor
         pytest.skip("torchrun is not installed beside this Python")
     script = short_tmp / "worker.py"
     script.write_text(WORKER)
-    node = node_factory(*sim("16GiB", idle_release="0.3"))
+    node = node_factory(*sim("16GiB", gpus=gpus, idle_release="0.3"))
     pr = gs_run(
         node,
         "--memory",
@@ -350,6 +353,14 @@ def test_torchruns_workers_become_sessions_and_the_launcher_does_not(node_factor
     assert gangs[0]["gang"].startswith("torchelastic:") and gangs[0]["gang"] == gangs[1]["gang"]
     assert sorted(g["rank"] for g in gangs) == [0, 1] and {g["gang_size"] for g in gangs} == {2}
     assert {r["sum"] for r in ranks} == {3.0}  # their collective ran
+    # issue 25: every rank went to GPU 0; a rank goes where its LOCAL_RANK puts it, and
+    # where the node has fewer GPUs than ranks, to the default GPU, saying so
+    if gpus == 2:
+        assert [(r["local_rank"], r["gpu"]) for r in ranks] == [(0, 0), (1, 1)], ranks
+        assert "which the node does not have" not in err
+    else:
+        assert [r["gpu"] for r in ranks] == [0, 0], ranks
+        assert "LOCAL_RANK 1 would be GPU 1, which the node does not have" in err, err
 
 
 def test_a_python_that_cannot_import_gpushare_is_refused(node_factory, short_tmp):
@@ -409,9 +420,18 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
         (["--memory", "lots"], {}, "lots"),
         ([], {"GPUSHARE_MEMORY": "lots"}, "GPUSHARE_MEMORY"),
         ([], {"GPU_PORTION": "2"}, "GPU_PORTION"),
+        # Issue 25: 1e30 overflowed in the program's sitecustomize, which then ran ungated
+        (["--memory", "1e30"], {}, "more than any GPU has"),
+        (["--memory", "1e400"], {}, "more than any GPU has"),
+        ([], {"GPUSHARE_MEMORY": "1e30"}, "GPUSHARE_MEMORY: size 1e30 is more than any GPU"),
+        (["--memory", "0"], {}, "--memory: a memory limit must be more than 0"),
+        # ... and a wrong weight was said to be fixed with --memory
+        (["--weight", "0"], {}, "argument --weight: weight '0' is not a number from 0.001"),
+        (["--weight", "-1"], {}, "argument --weight: weight '-1' is not a number from 0.001"),
+        (["--weight", "nan"], {}, "argument --weight: weight 'nan'"),
     ],
 )
-def test_a_wrong_memory_or_portion_is_a_usage_error_wherever_it_is_given(
+def test_a_wrong_size_weight_or_portion_is_a_usage_error_wherever_it_is_given(
     node_factory, args, env, said
 ):
     # GPUSHARE_MEMORY was read only by the program's attach: exit 3 (a refusal), where
@@ -421,3 +441,121 @@ def test_a_wrong_memory_or_portion_is_a_usage_error_wherever_it_is_given(
     out, err = pr.communicate(timeout=60)
     assert pr.returncode == 2 and "ran" not in out, (pr.returncode, err)
     assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def states(node) -> dict[str, str]:
+    return {s["name"]: s["state"] for s in node.status()["gpus"][0]["sessions"]}
+
+
+def test_ctrl_c_while_waiting_for_the_lease_is_one_line_and_exit_130(node_factory, short_tmp):
+    # issue 25: Ctrl-C in the wait printed a 25-line traceback through gpushare's frames
+    import signal
+
+    slow = short_tmp / "slow.py"  # a forward pass every 50 ms: the holder leaves CPU free
+    slow.write_text(
+        "import time, torch\nm = torch.nn.Linear(4, 4)\n"
+        "while True:\n    m(torch.zeros(1, 4))\n    time.sleep(0.05)\n"
+    )
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="600", idle_release="5"))
+    holder = gs_run(node, "--memory", "6GiB", "--name", "a", "--", sys.executable, str(slow))
+    try:
+        wait_until(lambda: states(node).get("a") == "holding", timeout=120, what="a to hold")
+        waiter = gs_run(node, "--memory", "6GiB", "--name", "b", "--", sys.executable, str(slow))
+        wait_until(lambda: states(node).get("b") == "waiting", timeout=120, what="b to wait")
+        waiter.send_signal(signal.SIGINT)
+        _, err = waiter.communicate(timeout=60)
+    finally:
+        holder.kill()
+        holder.communicate()
+    said = [line for line in err.splitlines() if not line.startswith("gpushare run: attached")]
+    assert len(said) == 1 and re.fullmatch(
+        r"gpushare run: interrupted \(Ctrl-C\) while session 2 \(b\) waited( [0-9.]+ s)? for"
+        r" the GPU: stopped",
+        said[0],
+    ), err
+    # killed by its SIGINT, as Python does it: a shell shows 130
+    assert waiter.returncode in (-signal.SIGINT, 130), waiter.returncode
+
+
+@pytest.mark.parametrize("code", ["raise ValueError('boom')", "raise KeyboardInterrupt('boom')"])
+def test_an_error_of_the_programs_own_keeps_its_traceback(node_factory, code):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    _, err = pr.communicate(timeout=60)
+    assert "Traceback (most recent call last)" in err and "boom" in err, err
+    assert "interrupted" not in err
+
+
+def test_a_program_that_execs_python_stays_a_session(node_factory):
+    # issue 25: os.execv dropped the session silently (the flag was taken out of the
+    # environment the exec inherits), and the exec'd program ran ungated
+    code = textwrap.dedent("""
+        import os, sys
+        from gpushare.client import runner
+        print("before", runner.SESSION.id, flush=True)
+        after = "from gpushare.client import runner; print('after', runner.SESSION.id)"
+        os.execv(sys.executable, [sys.executable, "-c", after])
+    """)
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--name", "execs", "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=120)
+    assert pr.returncode == 0, err
+    said = dict(line.split() for line in out.splitlines())
+    assert set(said) == {"before", "after"} and said["before"] != said["after"], out
+    assert err.count("gpushare run: attached as session") == 2, err
+
+
+def test_a_python_program_the_session_starts_is_not_a_session(node_factory):
+    code = textwrap.dedent("""
+        import subprocess, sys
+        child = "from gpushare.client import runner; print(runner.SESSION)"
+        subprocess.run([sys.executable, "-c", child], check=True)
+    """)
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, "-c", code)
+    out, err = pr.communicate(timeout=120)
+    assert pr.returncode == 0 and out.split() == ["None"], (out, err)
+    assert err.count("gpushare run: attached as session") == 1, err
+
+
+def test_ranks_of_torch_multiprocessing_spawn_are_said_to_run_ungated(node_factory, short_tmp):
+    # issue 25: DDP by torch.multiprocessing.spawn ran its ranks ungated without a word
+    prog = short_tmp / "ddp.py"
+    prog.write_text(
+        textwrap.dedent("""
+        import torch.multiprocessing as mp
+
+        def rank(i):
+            pass
+
+        if __name__ == "__main__":
+            mp.spawn(rank, nprocs=2)
+            mp.spawn(rank, nprocs=2)
+    """)
+    )
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, str(prog))
+    _, err = pr.communicate(timeout=180)
+    assert pr.returncode == 0, err
+    said = [line for line in err.splitlines() if "torch.multiprocessing" in line]
+    assert len(said) == 1, err  # once
+    assert "starts 2 processes that run ungated: only this one (pid" in said[0]
+    assert "gpushare run -- torchrun --nproc-per-node 2 train.py" in said[0]
+
+
+def test_a_command_that_is_not_python_is_said_to_run_ungated(node_factory, short_tmp):
+    # issue 25: a non-Python command ran ungated with no warning
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", "sh", "-c", "echo ran")
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 0 and out.strip() == "ran", err
+    assert err.strip().splitlines() == [
+        "gpushare run: sh is not a Python program: only the Python programs it starts are"
+        " gated (each a session of its own); the rest runs ungated"
+    ]
+    script = short_tmp / "tool"
+    script.write_text("#!/usr/bin/env python3\nprint('ran')\n")
+    script.chmod(0o755)
+    pr = gs_run(node, "--", str(script))
+    _, err = pr.communicate(timeout=60)
+    assert "not a Python program" not in err, err

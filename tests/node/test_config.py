@@ -96,3 +96,63 @@ def test_an_unknown_key_names_the_keys_there_are(tmp_path):
     with pytest.raises(ConfigError, match="bogus_key") as e:
         load(p)
     assert "tq" in str(e.value) and "idle_release" in str(e.value)
+
+
+def test_durations_are_read_in_the_file_as_the_flags_and_ctl_read_them(tmp_path):
+    # issue 25: `tq = "30s"` was refused in the file though --tq 30s and ctl tq 30s took it
+    f = tmp_path / "node.toml"
+    f.write_text('tq = "30s"\ngrace = "500ms"\nidle_release = 2\n[gpu.1]\ntq = "2m"\n')
+    c = load(f)
+    assert (c.tq, c.grace, c.idle_release, c.gpu["1"].tq) == (30, 0.5, 2, 120)
+    f.write_text('tq = "2d"\n')  # read, then checked against the range as a flag is
+    with pytest.raises(ConfigError, match=r"TQ must be a number of seconds from 0\.05 s"):
+        load(f)
+
+
+def test_persist_keeps_a_duration_written_as_text(tmp_path):
+    f = tmp_path / "node.toml"
+    f.write_text('grace = "10s"\n')
+    persist(f, None, {"tq_s": 4.0})
+    c = load(f)
+    assert (c.tq, c.grace) == (4.0, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('tq = "soon"', "tq: cannot read duration 'soon': write it like 30s"),
+        (
+            "tq = [1]",
+            "tq takes a number of seconds or a duration in quotes, not a list:"
+            ' write it like tq = 30 or tq = "30s"',
+        ),
+        ("tq = true", "tq takes a number of seconds or a duration in quotes, not true"),
+        (
+            'kubernetes = "yes"',
+            'kubernetes takes true or false, not "yes": write it like kubernetes = true',
+        ),
+        (
+            "metrics_port = 1.5",
+            "metrics_port takes a whole number, not 1.5: write it like metrics_port = 3",
+        ),
+        ("socket = 3", "socket takes a text in quotes, not 3"),
+        (
+            "reserve = [1]",
+            'reserve takes a size in quotes (like "2GiB") or a number of bytes, not a list',
+        ),
+        ('mode = "fast"', "mode = 'fast' is not a choice: write one of 'auto', 'exclusive'"),
+        ('[gpu.0]\ntq = 1\n[gpu.3]\nmode = "x"', "[gpu.3] mode = 'x' is not a choice"),
+        ("[gpu.2]\ntq = [2]", "[gpu.2] tq takes a number of seconds or a duration in quotes"),
+        ('[gpu.2]\ntq = "x"', "[gpu.2] tq: cannot read duration 'x'"),
+        ("[gpu.1]\nbogus = 1", "[gpu.1] unknown key 'bogus': a [gpu.N] table takes tq, mode"),
+        ("gpu = 3", "gpu must be tables, one per GPU: [gpu.0] then its keys"),
+    ],
+)
+def test_a_wrong_type_is_said_in_our_words_naming_the_key_and_the_fix(tmp_path, text, said):
+    # issue 25: "Expected `float`, got `str` - at `$.tq`" (the parser's words)
+    f = tmp_path / "node.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(f)
+    assert str(e.value).startswith(f"config file {f}: ") and said in str(e.value), e.value
+    assert "Expected" not in str(e.value) and "$." not in str(e.value)

@@ -159,3 +159,25 @@ def test_kai_pod_needs_no_setting(node_factory, monkeypatch):
 
     with pytest.raises(gpushare.GpushareError, match="NVIDIA_VISIBLE_DEVICES"):
         gpushare.attach()
+
+
+@in_process(files={"config": "tq = 30.0\n"}, tq=2.0)
+async def test_an_edit_a_flag_overrides_is_said_once(node, caplog):
+    # issue 25: with --tq 2 given, an edit of the file's tq was ignored without a line
+    cfg = node.dir / "config.toml"
+    cfg.write_text("tq = 10.0\n")
+    await node.until(lambda: "tq changed, not applied" in caplog.text)
+    assert "the command line's --tq wins over the file" in caplog.text
+    assert "restart the node without --tq" in caplog.text and tqs(node) == [2]
+    cfg.write_text('tq = 11.0\npolicy = "weighted"\n')  # not said again; policy applies
+    await node.until(lambda: node.node.arbiters[0].settings.policy == "weighted")
+    assert caplog.text.count("tq changed, not applied") == 1 and tqs(node) == [2]
+    assert "policy changed, not applied" not in caplog.text
+
+
+@in_process(files={"config": "tq = 30.0\n", "state": "tq = 20.0\n"})
+async def test_an_edit_the_state_file_overrides_is_said_once(node, caplog):
+    cfg = node.dir / "config.toml"
+    cfg.write_text("tq = 45.0\n")
+    await node.until(lambda: "tq changed, not applied" in caplog.text)
+    assert "(ctl --persist) wins over the file" in caplog.text and tqs(node) == [20]

@@ -36,3 +36,7 @@ def test_the_demo_runs_and_reports_intact_data_and_overlapped_switches(short_tmp
     assert all(int(r[1:].split("/")[0]) <= 8 for r in clock), clock
     assert sum("time is up" in r for r in clock) == 1, clock
     assert sum(r.startswith("[   8/8 s] holder") for r in clock) <= 1, clock
+    # issue 25: a workload stopped 2-4 s early (it would have waited past the end), the
+    # run took 24 s when asked for 20, and two identical jobs' shares went unexplained
+    assert "time is up: train-a, train-b, notebook stopped" in text, clock
+    assert "Why train-a and train-b, the same job, got " in text, text

@@ -4,6 +4,8 @@ the bounds here are the rules' (a cell answered by a turn, prefetch hiding a swi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from gpushare.tools.cli import main
@@ -13,7 +15,8 @@ def rows(capsys: pytest.CaptureFixture[str], *args: str) -> dict[float, list[str
     assert main(["simulate", "--no-plot", *args]) == 0  # 120 s each
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("gpushare simulate: ")
-    return {float(line.split()[0]): line.split() for line in out[2:]}
+    table = out[2 : out.index("")]  # the footer after a blank line says what columns mean
+    return {float(line.split()[0]): line.split() for line in table}
 
 
 def test_a_notebook_beside_batch_jobs_is_answered_by_turns(capsys):
@@ -49,3 +52,47 @@ def test_the_wait_for_ones_turn_shows_at_a_long_tq(capsys):
     longest, run_s = float(got[30.0][9]), float(got[30.0][-1])
     assert 55.0 < longest < 65.0, got[30.0]  # two quanta of 30 s
     assert run_s >= 4 * 30 * 3
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        # issue 25: both were tracebacks out of the arbiter
+        (
+            ["--workload", "batch:100GiB"],
+            "a batch workload of 100.0 GiB does not fit on the GPU of 80.0 GiB: give it"
+            " from 1 byte to 80.0 GiB, or a larger --gpu-memory",
+        ),
+        (["--workload", "short:0"], "a short workload of 0 B has no memory"),
+        (["--gpu-memory", "0"], "argument --gpu-memory: must be more than 0, like 80GiB"),
+    ],
+)
+def test_a_workload_or_gpu_that_cannot_be_is_one_line(capsys, args, said):
+    with pytest.raises(SystemExit) if "--gpu-memory" in args else contextlib.nullcontext():
+        assert main(["simulate", "--no-plot", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_progress_goes_to_stderr_and_the_footer_says_what_ideal_is(capsys):
+    # issue 25: silent for 15-40 s, and an `ideal` column always 1.000 with no word on it
+    assert (
+        main(["simulate", "--no-plot", "--mix", "mixed", "--tq", "1", "2", "--seconds", "5"]) == 0
+    )
+    got = capsys.readouterr()
+    steps = [line for line in got.err.splitlines() if line.startswith("gpushare simulate: run ")]
+    assert len(steps) == 6 and steps[0].startswith("gpushare simulate: run 1 of 6: TQ 1 s")
+    assert "ideal: the goodput of the same sessions run as batch jobs" in got.out
+    assert not any(line.startswith("gpushare simulate: run") for line in got.out.splitlines())
+
+
+def test_every_flag_of_simulate_says_what_it_is():
+    from gpushare.tools.cli import build_parser
+
+    ap = build_parser()
+    sub = next(
+        a for a in ap._actions if hasattr(a, "choices") and a.choices and "simulate" in a.choices
+    )
+    sim = sub.choices["simulate"]
+    bare = [a.option_strings for a in sim._actions if a.option_strings and not a.help]
+    assert bare == [], bare

@@ -133,3 +133,24 @@ def program_name(argv0: str, orig_argv: Sequence[str]) -> str:
     if argv0 in ("", "-", "-c", "-m"):
         return "python"
     return os.path.basename(argv0) or "python"
+
+
+def rank_gpu(environ: Mapping[str, str] | None = None) -> int | None:
+    """The GPU (the node's index) a rank of a distributed job works on: the launcher's
+    ``LOCAL_RANK`` is its CUDA device, counted among ``CUDA_VISIBLE_DEVICES`` where set,
+    and those among the container's ``NVIDIA_VISIBLE_DEVICES`` where they are indices.
+    None where it is not a rank, or where a UUID in the way leaves it unknown."""
+    e = os.environ if environ is None else environ
+    local = e.get("LOCAL_RANK", "").strip()
+    if not local.isdigit():
+        return None
+    index = int(local)
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = e.get(var, "").strip()
+        if not value or value in ("all", "none", "void"):
+            continue
+        ids = [x.strip() for x in value.split(",")]
+        if index >= len(ids) or not ids[index].isdigit():
+            return None
+        index = int(ids[index])
+    return index

@@ -95,6 +95,9 @@ def install(session: Session) -> list[Any]:  # noqa: C901
     forks = _forks
     depth = threading.local()  # module forwards under way in this thread
     compiling = _compiling()
+    # Read, not called, in the nested forward: under torch.compile(model) the hooks run
+    # under dynamo's frame callback, which counted a property's frame as one of its own.
+    lease = session._lease
 
     def ours() -> bool:
         """This process's session (not a forked child), outside any CUDA graph capture
@@ -117,7 +120,7 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         if n == 0:
             session.begin_work()
             gate()
-        elif session._revoked and not session.gang:
+        elif lease.revoke is not None and not session.gang:  # Session._revoked, no frame
             # nested: a safe point only to yield (the flag checkpoint reads). Not for a
             # rank of a distributed job: its gang stops at the outermost safe points
             # (forward, backward, optimizer step), so a rank let go on to a peer's
@@ -134,7 +137,9 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         if n == 1:
             session.end_work()
 
-    _skip_in_dynamo(gate, forward_pre, forward_post)
+    _compile_session[:] = [session]
+    _skip_in_dynamo(gate, forward_pre, forward_post, _compile_start, _compile_end)
+    _on_dynamo_loaded()  # where the program loaded it before attaching
     handles = [
         register_module_forward_pre_hook(forward_pre),
         register_module_forward_hook(forward_post, always_call=True),
@@ -146,7 +151,119 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         *_gate_factories(gate, compiling),
         *_hold_through_backward(session, ours, compiling),
         _gate_compiled_in_place(forward_pre, forward_post),
+        _skip_when_compiled(),
+        *_say_spawned_ranks_run_ungated(),
     ]
+
+
+# PyTorch warns, at calls of a ``torch.compile(module)`` while global module hooks are
+# there, that they fire once more for the OptimizedModule: gpushare's are made for that
+# (they step aside inside compiled code), so the warning is not said (it came twice even
+# under a "once" filter: dynamo resets the registry while it compiles).
+GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
+
+
+class _Compiles(threading.local):
+    paused = 0  # compiles under way in this thread that gave the lease back
+
+
+_compiles = _Compiles()
+_compile_session: list[Session] = []  # the session whose lease a compile gives back
+_said_compiling = [False]
+# Dynamo's triggers that are compiling (CPU work): a frame, a backward compiled lazily.
+COMPILE_TRIGGERS = ("DYNAMO", "LAZY_BACKWARD")
+
+
+def _compile_start(args: Any) -> None:
+    """dynamo's on_compile_start: torch.compile compiles inside the forward that first
+    meets a frame, for seconds (11-21 s seen) with no safe point, so a revoke would wait
+    past the grace and the program be escalated (killed, with --escalation kill). The
+    lease is given back while it compiles (CPU work), and asked again at the end."""
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "")
+    if trigger not in COMPILE_TRIGGERS or not _compile_session or _forks:
+        return
+    session = _compile_session[0]
+    if session.gang:  # a rank: its gang is granted and revoked as one, not rank by rank
+        return
+    if session._lease.pause_work():
+        _compiles.paused += 1
+        if not _said_compiling[0]:
+            _said_compiling[0] = True
+            sys.stderr.write(
+                f"gpushare run: session {session.id} ({session.name}) gives the GPU back while"
+                " torch.compile compiles (CPU work), and asks again after (said once)\n"
+            )
+            sys.stderr.flush()
+
+
+def _compile_end(_args: Any) -> None:
+    if _compiles.paused and _compile_session:
+        _compiles.paused -= 1
+        _compile_session[0]._lease.resume_work()
+
+
+def _on_dynamo_loaded() -> None:
+    """Dynamo is loaded (it is, lazily, at the first ``torch.compile``): the hooks' frames
+    are marked for it to skip, and the compile callbacks registered (again after a
+    ``torch._dynamo.reset()``, which clears them)."""
+    _apply_skips()
+    handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+    if handler is None or not _compile_session:
+        return
+    if _compile_start not in handler.start_callbacks:
+        handler.register_start_callback(_compile_start)
+    if _compile_end not in handler.end_callbacks:
+        handler.register_end_callback(_compile_end)
+
+
+def _skip_when_compiled() -> _Unpatch:
+    """``torch.compile`` loads dynamo (lazily, at its first call): the hooks' frames are
+    marked for it to skip then, however the program compiles (``torch.compile(model)``,
+    ``@torch.compile``, ``Module.compile()``), or dynamo traced them as frames of their
+    own (3 frames where the bare program compiles 1)."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message=GLOBAL_HOOKS_WARNING, category=UserWarning)
+
+    def wrap(original: Any) -> Callable[..., Any]:
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            _on_dynamo_loaded()  # dynamo is loaded now
+            return out
+
+        return compile
+
+    return _patch(torch, "compile", wrap)
+
+
+def _say_spawned_ranks_run_ungated() -> list[_Unpatch]:
+    """``torch.multiprocessing.spawn`` (DDP without a launcher) starts processes that are
+    not sessions, while this one, a session, does no GPU work: said once, in one line
+    naming the fix, where they ran ungated without a word."""
+    import torch.multiprocessing
+
+    module = sys.modules.get("torch.multiprocessing.spawn")
+    said = [False]
+
+    def wrap(original: Any) -> Callable[..., Any]:
+        def start_processes(fn: Any, args: Any = (), nprocs: int = 1, *a: Any, **kw: Any) -> Any:
+            if not said[0] and _forks == 0:
+                said[0] = True
+                sys.stderr.write(
+                    f"gpushare run: torch.multiprocessing starts {nprocs} processes that run"
+                    f" ungated: only this one (pid {os.getpid()}) is a session; start the"
+                    f" ranks with a launcher instead, each then a session: gpushare run --"
+                    f" torchrun --nproc-per-node {nprocs} train.py (docs/run.md)\n"
+                )
+                sys.stderr.flush()
+            return original(fn, args, nprocs, *a, **kw)
+
+        return start_processes
+
+    owners = [o for o in (torch.multiprocessing, module) if hasattr(o, "start_processes")]
+    return [_patch(o, "start_processes", wrap) for o in owners]
 
 
 def _compiling() -> Callable[[], bool]:
@@ -181,7 +298,7 @@ def _gate_compiled_in_place(pre: Callable[..., None], post: Callable[..., None])
                     post(self, a, None)
 
             self._compiled_call_impl = gated
-            _apply_skips()  # dynamo is loaded now
+            _on_dynamo_loaded()  # dynamo is loaded now
             return out
 
         return compile

@@ -173,6 +173,30 @@ class Lease:
             elif self.phase is not Phase.HOLDING:
                 self._hold(implicit=self.depth == 0)
 
+    def pause_work(self) -> bool:
+        """Give the lease back for a while of CPU work inside a burst (torch.compile
+        compiling inside a forward, where no safe point comes for seconds): released as
+        at a burst's end (a revoke pending is answered, its swap-out done), so that the
+        node need not escalate. True if it was given back: :meth:`resume_work` then asks again.
+        Only an implicit burst (``gpushare run``'s hooks): ``gpu()`` keeps what it holds."""
+        self._not_forked()
+        with self.cond:
+            if not (self.phase is Phase.HOLDING and self.depth == 0 and self.implicit):
+                return False
+            self.backend.synchronize()  # the GPU work queued is done before the lease goes
+            self.implicit = False
+            self._release(again=False)
+            self.cond.notify_all()
+            return True
+
+    def resume_work(self) -> None:
+        """After :meth:`pause_work`: the burst asks again, and waits to hold (swapped in)."""
+        self._not_forked()
+        with self.cond:
+            self.usable()
+            if self.phase is not Phase.HOLDING:
+                self._hold(implicit=True)
+
     def begin_work(self) -> None:
         with self.cond:
             self.busy += 1

@@ -27,11 +27,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from gpushare.client import launchers
-from gpushare.client.env import read_env
+from gpushare.client.env import rank_gpu, read_env
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -115,6 +116,19 @@ def skipped_site(command: Sequence[str]) -> str:
     return ""
 
 
+def is_python(exe: str) -> bool:
+    """Whether the file ``exe`` is a Python interpreter or a script run by one (its
+    ``#!`` line names Python): what gpushare's start-up hook runs in."""
+    if re.fullmatch(r"python[0-9.]*", os.path.basename(exe)):
+        return True
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
 def run(
     command: Sequence[str],
     memory: str | None = None,
@@ -146,6 +160,11 @@ def run(
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
+    if not is_python(exe):
+        notes.append(
+            f"{command[0]} is not a Python program: only the Python programs it starts are"
+            " gated (each a session of its own); the rest runs ungated"
+        )
     for note in notes:
         print(f"gpushare run: {note}", file=sys.stderr)
     sys.stderr.flush()
@@ -173,31 +192,85 @@ def _stop_program(reason: str) -> None:
     os.kill(pid, signal.SIGTERM)
 
 
+_CLIENT = os.path.dirname(os.path.abspath(__file__))  # gpushare's client package
+
+
+def _interrupted_hook(session: Session, previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``sys.excepthook``: a Ctrl-C that stops the program inside gpushare's hooks (most
+    often while it waits for the lease) is one line, not a traceback through gpushare's
+    frames; Python then ends the program by SIGINT (a shell shows 130) as it would have.
+    Any other exception is the previous hook's."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        frames, at = [], tb
+        while at is not None:
+            frames.append(at.tb_frame)
+            at = at.tb_next
+        ours = [f for f in frames if f.f_code.co_filename.startswith(_CLIENT + os.sep)]
+        if not issubclass(kind, KeyboardInterrupt) or not ours:
+            previous(kind, value, tb)
+            return
+        who = f"session {session.id} ({session.name})"
+        waiting = [f for f in ours if f.f_code.co_name == "_await"]
+        if waiting or not session.holding:  # in the wait, or on its way to it
+            t0 = waiting[-1].f_locals.get("t0") if waiting else None
+            after = f" {time.monotonic() - t0:.1f} s" if isinstance(t0, float) else ""
+            what = f"while {who} waited{after} for the GPU"
+        else:
+            what = f"in gpushare's hooks ({who})"
+        sys.stderr.write(f"gpushare run: interrupted (Ctrl-C) {what}: stopped\n")
+        sys.stderr.flush()
+
+    return hook
+
+
+def _attach_error(e: Exception) -> str:
+    """An attach that failed, in one line naming the flag that fixes it."""
+    from gpushare.errors import AttachRefusedError, GpushareError
+
+    text = str(e)
+    if isinstance(e, AttachRefusedError) and e.code == "attach":
+        if text.startswith("weight"):
+            return f"{text} (gpushare run --weight W)"
+        if "memory" in text and "mode auto" not in text:
+            return f"{text} (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
+    if isinstance(e, GpushareError | ValueError):
+        return text
+    return f"could not attach ({type(e).__name__}: {text}): the program was not started"
+
+
 def child_start() -> None:
     """In the command's Python: attach, hook, limit. Called by the sitecustomize."""
     if launchers.launcher(getattr(sys, "orig_argv", sys.argv)):
         return  # a launcher: its workers are the sessions (they inherit the flag)
-    # Consumed here: Python processes this one starts (spawned DataLoader workers,
-    # tools) are not the session.
-    os.environ.pop(ENV_FLAG, None)
+    # This pid's: Python processes this one starts (spawned DataLoader workers, tools)
+    # are not the session, while an exec of this process (os.execv: the same pid) is.
+    os.environ[ENV_FLAG] = str(os.getpid())
     from gpushare.client.session import attach_with
-    from gpushare.errors import AttachRefusedError, GpushareError
+    from gpushare.errors import AttachRefusedError
 
     weight = os.environ.get("GPUSHARE_WEIGHT")
-    gpu = os.environ.get("GPUSHARE_GPU")
+    given = os.environ.get("GPUSHARE_GPU")
+    # --gpu, else a launcher's rank on its own GPU (LOCAL_RANK), else the environment's
+    gpu = int(given) if given else rank_gpu()
     try:
-        session = attach_with(
-            name=os.environ.get("GPUSHARE_NAME") or None,
-            weight=float(weight) if weight else None,
-            gpu=int(gpu) if gpu else None,
-            on_ended=_stop_program,
-        )
-    except (GpushareError, ValueError) as e:
+        name, w = os.environ.get("GPUSHARE_NAME") or None, float(weight) if weight else None
+        try:
+            session = attach_with(name=name, weight=w, gpu=gpu, on_ended=_stop_program)
+        except AttachRefusedError as e:
+            if given or gpu is None or not str(e).startswith(f"no GPU {gpu} "):
+                raise
+            # More ranks than GPUs (ranks sharing one GPU, or ranks on CPU): the default
+            print(
+                f"gpushare run: LOCAL_RANK {os.environ.get('LOCAL_RANK')} would be GPU {gpu},"
+                f" which the node does not have ({e}): attached to the default GPU instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            session = attach_with(name=name, weight=w, on_ended=_stop_program)
+    except Exception as e:  # whatever it is, the program must not run ungated
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
-        hint = ""
-        if isinstance(e, AttachRefusedError) and e.code == "attach" and "mode auto" not in str(e):
-            hint = " (gpushare run --memory SIZE, or GPUSHARE_MEMORY)"
-        print(f"gpushare run: error: {e}{hint}", file=sys.stderr, flush=True)
+        print(f"gpushare run: error: {_attach_error(e)}", file=sys.stderr, flush=True)
         os._exit(3)
     tq = f", TQ {session.tq_s:g} s" if session.tq_s else ""
     print(
@@ -208,6 +281,7 @@ def child_start() -> None:
         flush=True,
     )
     atexit.register(session.close)
+    sys.excepthook = _interrupted_hook(session, sys.excepthook)
     try:
         from gpushare.client import hooks
 

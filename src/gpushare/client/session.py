@@ -104,7 +104,10 @@ def attach_with(
     reconnecting): ``gpushare run`` stops its program there."""
     env = read_env()
     path = socket or env.socket
-    limit = parse_size(memory) if memory is not None else env.memory
+    try:
+        limit = parse_size(memory) if memory is not None else env.memory
+    except ValueError as e:
+        raise ValueError(f"memory={memory!r}: {e}") from None
     hello = p.Hello(
         version=p.PROTOCOL_VERSION,
         name=name or f"{program_name(sys.argv[0], sys.orig_argv)}-{os.getpid()}",

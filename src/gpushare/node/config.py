@@ -10,8 +10,10 @@ the config file itself), then command-line flags. Within the merged result a
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import tempfile
 import tomllib
 from pathlib import Path
@@ -20,7 +22,10 @@ from typing import Any
 import msgspec
 
 from gpushare.settings import (
+    ESCALATIONS,
     KEYS,
+    MODES,
+    POLICIES,
     RANGES,
     Change,
     Escalation,
@@ -32,7 +37,7 @@ from gpushare.settings import (
 from gpushare.settings import (
     check as check_value,
 )
-from gpushare.units import parse_size
+from gpushare.units import parse_duration, parse_size
 
 log = logging.getLogger("gpushare.node.config")
 
@@ -89,6 +94,117 @@ class ConfigError(ValueError):
     pass
 
 
+# What a key of each type takes, in our words, and how to write it in TOML.
+_TAKES = {
+    "float": "a number",
+    "int": "a whole number",
+    "bool": "true or false",
+    "str": "a text in quotes",
+    "int | str": 'a size in quotes (like "2GiB") or a number of bytes',
+    "object": "a table",
+}
+_EXAMPLES = {
+    "float": "{key} = 2.5",
+    "int": "{key} = 3",
+    "bool": "{key} = true",
+    "str": '{key} = "..."',
+    "int | str": '{key} = "2GiB"',
+}
+_GOT = {"str": "a text", "int": "a whole number", "float": "a number", "bool": "true or false",
+        "array": "a list", "object": "a table", "null": "nothing"}  # fmt: skip
+_MSGSPEC = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<at>[^`]*)`)?$")
+DURATION_KEYS = tuple(k for k, r in RANGES.items() if r.unit == "s")
+
+
+def _durations(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with each duration written as text (``tq = "30s"``, as ``--tq 30s`` and
+    ``ctl tq 30s`` take it) read into seconds; the text of ``raw`` is left as it is."""
+
+    def read(where: str, key: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            raise SettingsError(f"{where}{key}: {e}") from None
+
+    out = {k: read("", k, v) if k in DURATION_KEYS else v for k, v in raw.items()}
+    tables = raw.get("gpu")
+    if isinstance(tables, dict):
+        out["gpu"] = {
+            i: {k: read(f"[gpu.{i}] ", k, v) if k == "tq" else v for k, v in t.items()}
+            if isinstance(t, dict)
+            else t
+            for i, t in tables.items()
+        }
+    return out
+
+
+def _convert(raw: dict[str, Any]) -> NodeConfig:
+    """``raw`` (a file's TOML, or layers merged) as a :class:`NodeConfig`, or
+    :class:`SettingsError` in our words: the key, what it takes, how to write it."""
+    raw = _durations(raw)
+    try:
+        return msgspec.convert(raw, NodeConfig)
+    except msgspec.ValidationError as e:
+        raise SettingsError(_explain(str(e), raw)) from None
+
+
+def _explain(message: str, raw: dict[str, Any]) -> str:
+    """msgspec's words (``Expected `float`, got `str` - at `$.tq` ``) as ours."""
+    m = _MSGSPEC.match(message)
+    what, at = (m.group("what"), m.group("at") or "") if m else (message, "")
+    table, key, table_raw = "", at.lstrip("."), {}
+    if at.startswith(".gpu[...]"):  # msgspec does not say which table: find it
+        key = at[len(".gpu[...]") :].lstrip(".")
+        for index, t in (raw.get("gpu") or {}).items():
+            try:
+                msgspec.convert(t, GpuOverride)
+            except msgspec.ValidationError:
+                table, table_raw = f"[gpu.{index}] ", t
+                break
+    unknown = re.match(r"Object contains unknown field `(.*)`", what)
+    if unknown:
+        if table or at.startswith(".gpu"):
+            return (
+                f"{table}unknown key {unknown.group(1)!r}: a [gpu.N] table takes tq, mode,"
+                " policy and escalation"
+            )
+        keys = ", ".join(k for k in NodeConfig.__struct_fields__ if k != "gpu")
+        return (
+            f"unknown key {unknown.group(1)!r}: check its spelling (the keys: {keys};"
+            " per GPU in [gpu.N] tables)"
+        )
+    enum = re.match(r"Invalid enum value (.*)", what)
+    if enum:
+        choices = {"mode": MODES, "policy": POLICIES, "escalation": ESCALATIONS}.get(key, ())
+        return (
+            f"{table}{key} = {enum.group(1)} is not a choice: write one of"
+            f" {', '.join(repr(c) for c in choices)} (in quotes)"
+        )
+    typed = re.match(r"Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)`", what)
+    if typed and key:
+        if key == "gpu":
+            return "gpu must be tables, one per GPU: [gpu.0] then its keys"
+        want = typed.group("want").removesuffix(" | null")
+        value = (table_raw if table else raw).get(key)
+        got = (
+            json.dumps(value)
+            if isinstance(value, str | int | float | bool)
+            else _GOT.get(typed.group("got"), typed.group("got"))
+        )
+        if key in DURATION_KEYS:
+            return (
+                f"{table}{key} takes a number of seconds or a duration in quotes, not {got}:"
+                f' write it like {key} = 30 or {key} = "30s"'
+            )
+        example = _EXAMPLES.get(want, "").format(key=key)
+        return f"{table}{key} takes {_TAKES.get(want, want)}, not {got}" + (
+            f": write it like {example}" if example else ""
+        )
+    return f"{table}{key}: {what}" if key else what
+
+
 def read_raw(path: str | os.PathLike[str] | None, *, named: bool = False) -> dict[str, Any]:
     """A file's TOML as a dict; a path that does not exist yet gives ``{}`` (and, for a
     file the user ``named``, a warning: a mistyped --config would pass unseen)."""
@@ -104,16 +220,12 @@ def read_raw(path: str | os.PathLike[str] | None, *, named: bool = False) -> dic
         return {}
     try:
         raw = tomllib.loads(Path(path).read_text())
-        check(msgspec.convert(raw, NodeConfig))  # each file must be valid on its own
-        return raw
+        check(_convert(raw))  # each file must be valid on its own
+        return _durations(raw)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    except (msgspec.ValidationError, SettingsError) as e:
-        hint = ""
-        if "unknown field" in str(e):
-            keys = ", ".join(k for k in NodeConfig.__struct_fields__ if k != "gpu")
-            hint = f" (the keys: {keys}; per GPU in [gpu.N] tables)"
-        raise ConfigError(f"config file {path}: {e}{hint}") from None
+    except SettingsError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
 
@@ -132,8 +244,8 @@ def merge(*layers: dict[str, Any]) -> NodeConfig:
     if gpu:
         out["gpu"] = gpu
     try:
-        return check(msgspec.convert(out, NodeConfig))
-    except (msgspec.ValidationError, SettingsError) as e:
+        return check(_convert(out))
+    except SettingsError as e:
         raise ConfigError(f"configuration: {e}") from None
 
 
@@ -236,8 +348,8 @@ def persist(path: str | os.PathLike[str], gpu: int | None, change: Change) -> No
     if not raw["gpu"]:
         del raw["gpu"]
     try:  # never write a file the node could not read back
-        check(msgspec.convert(raw, NodeConfig))
-    except (msgspec.ValidationError, SettingsError) as e:
+        check(_convert(raw))
+    except SettingsError as e:
         raise ConfigError(f"not persisted: {e}") from None
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")

@@ -18,6 +18,7 @@ from gpushare.node.config import (
     file_keys,
     load,
     persist,
+    read_raw,
     settings_for,
 )
 from gpushare.node.decisions import Decisions
@@ -27,6 +28,8 @@ log = logging.getLogger("gpushare.node.live_config")
 
 # Keys read once at start: a change to them waits for the next start.
 RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve", "recovery_dir")
+# The flag of a key, where it is not --key-with-dashes.
+FLAG_OF = {"overlap": "--sequential-switches", "prefetch": "--no-prefetch"}
 
 
 def _changed(old: NodeConfig, new: NodeConfig, gpu: int) -> dict[str, object]:
@@ -57,12 +60,49 @@ class LiveConfig:
         self.state_path = state_path
         self.flags = flags or {}
         self._text = self._read()
+        self._file = self._read_file()
+        self._said: set[str] = set()  # keys whose overridden edit was said once
 
     def _read(self) -> bytes | None:
         try:
             return open(self.path, "rb").read() if self.path else None
         except OSError:
             return None
+
+    def _read_file(self) -> dict[str, Any]:
+        try:
+            return read_raw(self.path)
+        except ConfigError:
+            return {}
+
+    def _overridden(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        """An edit of the file to a key a flag (or the state file) sets wins nothing:
+        said once per key, with the fix, where it used to pass unseen."""
+        state = self._read_state()
+        for key in sorted(set(before) | set(after)):
+            if key == "gpu" or before.get(key) == after.get(key) or key in self._said:
+                continue
+            flag = FLAG_OF.get(key, "--" + key.replace("_", "-"))
+            if key in self.flags:
+                why = (
+                    f"the command line's {flag} wins over the file: restart the node"
+                    f" without {flag} for the file to set it"
+                )
+            elif key in state:
+                why = (
+                    f"the state file {self.state_path} (ctl --persist) wins over the file:"
+                    f" set it with ctl {key} ... --persist, or take it out of the state file"
+                )
+            else:
+                continue
+            self._said.add(key)
+            log.warning("config %s: %s changed, not applied: %s", self.path, key, why)
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            return read_raw(self.state_path)
+        except ConfigError:
+            return {}
 
     async def watch(self, period: float = 1.0) -> None:
         """Apply changes to the config file live, looking once a period."""
@@ -86,6 +126,9 @@ class LiveConfig:
         except ConfigError as e:
             self.refused(f"file {self.path}", str(e))
             return
+        file = self._read_file()
+        self._overridden(self._file, file)
+        self._file = file
         try:  # every GPU's change checked before any GPU changes
             changes = [
                 (arb, validate(**_changed(self.config, new, arb.gpu))) for arb in self.arbiters

@@ -22,7 +22,7 @@ from gpushare.settings import (
     SettingsError,
     check,
 )
-from gpushare.units import parse_duration, parse_size
+from gpushare.units import parse_duration, parse_size, parse_weight
 
 log = logging.getLogger("gpushare")
 
@@ -32,6 +32,20 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _weight(text: str) -> float:
+    try:
+        return parse_weight(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_size(text: str) -> int:
+    size = _size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, like 80GiB, not {text}")
+    return size
 
 
 def _seconds(text: str) -> float:
@@ -332,7 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory limit (default GPUSHARE_MEMORY, else KAI's GPU_PORTION of the GPU)",
     )
-    r.add_argument("--weight", type=float, metavar="W", help="weight under policy weighted")
+    r.add_argument(
+        "--weight",
+        type=_weight,
+        metavar="W",
+        help="weight under policy weighted, from 0.001 to 1000 (default 1, or KAI's GPU_PORTION)",
+    )
     r.add_argument("--name", help="the session's name (default the program's)")
     r.add_argument(
         "--socket",
@@ -406,23 +425,52 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KIND:SIZE[@WEIGHT]",
         help="a session of your own mix instead (repeat): batch, short or interactive",
     )
-    sim.add_argument("--gpu-memory", type=_size, default=80 * 2**30, metavar="SIZE")
+    sim.add_argument(
+        "--gpu-memory",
+        type=_positive_size,
+        default=80 * 2**30,
+        metavar="SIZE",
+        help="the modelled GPU's memory (default 80GiB)",
+    )
     sim.add_argument(
         "--bandwidth",
         type=_setting("sim_bandwidth"),
         default=55e9,
         metavar="BYTES_PER_S",
-        help="each way",
-    )
-    sim.add_argument("--tq", type=_seconds, nargs="+", default=[1.0, 5.0, 30.0], metavar="SECONDS")
-    sim.add_argument("--seconds", type=_seconds, default=120.0, help="per run (default 120)")
-    sim.add_argument("--mode", choices=MODES, default="exclusive")
-    sim.add_argument("--policy", choices=POLICIES, default="equal")
-    sim.add_argument(
-        "--no-prefetch", dest="prefetch", action="store_false", help="as the node's flag"
+        help="the modelled swap bandwidth, each way (default 55e9)",
     )
     sim.add_argument(
-        "--turn", type=_setting("turn"), default=1.0, metavar="SECONDS", help="0: no turns"
+        "--tq",
+        type=_seconds,
+        nargs="+",
+        default=[1.0, 5.0, 30.0],
+        metavar="SECONDS",
+        help="the TQs to compare, a row each (default 1 5 30)",
+    )
+    sim.add_argument(
+        "--seconds",
+        type=_seconds,
+        default=120.0,
+        help="simulated seconds per run (default 120; longer where a long TQ needs it)",
+    )
+    sim.add_argument(
+        "--mode", choices=MODES, default="exclusive", help="as the node's (default exclusive)"
+    )
+    sim.add_argument(
+        "--policy", choices=POLICIES, default="equal", help="as the node's (default equal)"
+    )
+    sim.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="as the node's flag: no swap-in of the next holder during the quantum",
+    )
+    sim.add_argument(
+        "--turn",
+        type=_setting("turn"),
+        default=1.0,
+        metavar="SECONDS",
+        help="the longest interactive turn, 0 for none (default 1; docs/scheduling.md)",
     )
     sim.add_argument(
         "--idle-release",
@@ -431,8 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="the longest a quantum waits for its holder to ask again (default 0.5)",
     )
-    sim.add_argument("--seed", type=int, default=1)
-    sim.add_argument("-o", "--output", default="simulate.png", metavar="FILE.png")
+    sim.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="the notebook's think times and bursts (default 1): the same seed, the same table",
+    )
+    sim.add_argument(
+        "-o",
+        "--output",
+        default="simulate.png",
+        metavar="FILE.png",
+        help="where the plot goes (default simulate.png)",
+    )
     sim.add_argument("--no-plot", action="store_true", help="print the table only")
 
     d = sub.add_parser(
@@ -520,7 +579,8 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
         if args.memory is not None:
             try:
-                parse_size(args.memory)  # a clear error before anything starts
+                if parse_size(args.memory) == 0:  # a clear error before anything starts
+                    raise ValueError("a memory limit must be more than 0: like --memory 10GiB")
             except ValueError as e:
                 print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
                 return 2
@@ -546,6 +606,7 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
 def _simulate(args: argparse.Namespace) -> int:
     from gpushare.settings import GpuSettings
     from gpushare.tools import simulate as sim
+    from gpushare.units import format_size
 
     try:
         if args.workload:
@@ -555,6 +616,16 @@ def _simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gpushare simulate: error: {e}", file=sys.stderr)
         return 2
+    for w in workloads:  # each must fit on the GPU alone (the arbiter refuses it)
+        if not 0 < w.memory <= args.gpu_memory:
+            what = "has no memory" if not w.memory else "does not fit on"
+            print(
+                f"gpushare simulate: error: a {w.kind} workload of {format_size(w.memory)}"
+                f" {what} the GPU of {format_size(args.gpu_memory)}: give it from 1 byte to"
+                f" {format_size(args.gpu_memory)}, or a larger --gpu-memory",
+                file=sys.stderr,
+            )
+            return 2
     settings = GpuSettings(
         mode=args.mode,
         policy=args.policy,
@@ -567,10 +638,24 @@ def _simulate(args: argparse.Namespace) -> int:
         f"gpushare simulate: {title}; {args.seconds:g} s per run, or {sim.ROUNDS} rounds of"
         " every session's quantum where longer (run s)"
     )
+    sys.stdout.flush()
+
+    def progress(what: str) -> None:  # seconds a run: said on stderr, the table stays clean
+        print(f"gpushare simulate: {what}", file=sys.stderr, flush=True)
+
     rows = sim.study(
-        workloads, args.tq, args.gpu_memory, settings, args.seconds, args.bandwidth, args.seed
+        workloads,
+        args.tq,
+        args.gpu_memory,
+        settings,
+        args.seconds,
+        args.bandwidth,
+        args.seed,
+        progress=progress,
     )
     print(sim.table(rows))
+    print()
+    print(sim.FOOTER)
     if args.no_plot:
         return 0
     try:

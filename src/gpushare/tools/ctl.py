@@ -22,7 +22,8 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         out.write(
             f"GPU {g.index}  {g.name}{sim}  mode {g.mode}  policy {g.policy}"
             f"  TQ {g.tq_s:g} s  in use {format_size(g.used_bytes)}"
-            f" of {format_size(g.usable_bytes)}\n"
+            f" of {format_size(g.usable_bytes)} (holders counted at their limits;"
+            f" resident {format_size(sum(s.resident_bytes for s in g.sessions))})\n"
         )
         names = {s.id: s.name for s in g.sessions}
         holders = ", ".join(names.get(i, str(i)) for i in g.holders) or "-"
@@ -36,12 +37,15 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         # Names whole, the column as wide as the longest: never cut without a mark.
         w = max(16, *(len(s.name) for s in g.sessions))
         out.write(
-            f"  {'ID':>4} {'NAME':<{w}} {'STATE':<9} {'RESIDENT':>10} {'SWAPPED':>10}"
+            f"  {'ID':>4} {'NAME':<{w}} {'STATE':<15} {'RESIDENT':>10} {'SWAPPED':>10}"
             f" {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}\n"
         )
         for s in g.sessions:
+            state = s.state
+            if s.state == "waiting":  # the wait going on now (WAIT s: all its waits)
+                state = f"waiting {s.wait_seconds_total - s.wait_seconds_completed_total:.1f} s"
             out.write(
-                f"  {s.id:>4} {s.name:<{w}} {s.state:<9}"
+                f"  {s.id:>4} {s.name:<{w}} {state:<15}"
                 f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"

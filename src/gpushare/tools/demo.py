@@ -99,8 +99,6 @@ def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclus
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         wait_for_socket(asock, node)
-        t0 = time.time()
-        until = t0 + seconds  # one deadline: the run takes the time it says
         for i, (name, kind, mem) in enumerate(WORKLOADS):
             procs.append(
                 (
@@ -115,8 +113,10 @@ def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclus
                             wsock,
                             "--memory",
                             mem,
-                            "--until",
-                            repr(until),
+                            # ended by the demo at its one deadline (SIGTERM): each
+                            # runs until then, whatever it is doing, and no longer
+                            "--seconds",
+                            repr(seconds + 600),
                             "--name",
                             name,
                             "--seed",
@@ -126,8 +126,7 @@ def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclus
                     ),
                 )
             )
-        peak = _progress(asock, procs, seconds)
-        ran = time.time() - t0
+        peak, ran = _progress(asock, procs, seconds)
         results = {}
         for name, pr in procs:
             out, _ = pr.communicate(timeout=60)
@@ -147,6 +146,7 @@ def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclus
             node.kill()
     events = read_events(evlog)
     _table(results, events, peak, mode)
+    _why_shares(results, events, tq, ran)
     print(f"\nevents: {evlog}   node log: {wd / 'node.log'}")
     try:
         import matplotlib  # noqa: F401
@@ -166,26 +166,53 @@ def run_demo(seconds: float, tq: float, workdir: str | None, mode: str = "exclus
     return 0 if all(r["failures"] == 0 for r in results.values()) else 1
 
 
-def _progress(asock: str, procs: list[tuple[str, subprocess.Popen[bytes]]], seconds: float) -> int:
-    t0 = time.monotonic()
+def _progress(
+    asock: str, procs: list[tuple[str, subprocess.Popen[bytes]]], seconds: float
+) -> tuple[int, float]:
+    """Progress once a second from when every workload is attached (Python takes a few
+    seconds to start on a loaded machine: that time is not the run's) until ``seconds``
+    later; then every workload is ended (SIGTERM) where it is. The peak memory in use,
+    and how long the workloads ran."""
     peak = 0
+    t0: float | None = None
     last_print = -1.0
-    finishing = False
     with AdminClient(asock) as c:
         while any(p.poll() is None for _, p in procs):
             g = c.status().gpus[0]
             peak = max(peak, g.used_bytes)
-            t = time.monotonic() - t0
-            if t >= seconds and not finishing:
-                # The workloads end their last bursts: one line, not a clock stuck at the end
-                finishing = True
-                left = [name for name, p in procs if p.poll() is None]
-                print(f"[{seconds:4.0f}/{seconds:.0f} s] time is up: {', '.join(left)} finishing")
-            elif t - last_print >= 1.0 and not finishing:
+            now = time.monotonic()
+            if t0 is None:
+                if len(g.sessions) >= len(procs):
+                    t0, last_print = now, -1.0  # the clock starts: all are there
+                elif now - last_print >= 1.0:
+                    last_print = now
+                    print(f"[   0/{seconds:.0f} s] the workloads are attaching", flush=True)
+                time.sleep(0.1)
+                continue
+            t = now - t0
+            if t >= seconds:
+                return peak, _stop(procs, t0, seconds)
+            if t - last_print >= 1.0:
                 last_print = t
                 _progress_line(g, t, seconds)
             time.sleep(0.1)
-    return peak
+    return peak, (time.monotonic() - t0) if t0 is not None else 0.0
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]], t0: float, seconds: float) -> float:
+    """Time is up: every workload still running ended (SIGTERM); how long they ran."""
+    left = [name for name, p in procs if p.poll() is None]
+    print(f"[{seconds:4.0f}/{seconds:.0f} s] time is up: {', '.join(left)} stopped")
+    for _, p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    ran = time.monotonic() - t0
+    for _, p in procs:
+        p.wait(timeout=30)
+    late = time.monotonic() - t0 - ran
+    if late >= 0.5:
+        print(f"(the workloads took {late:.1f} s more to close their sessions and exit)")
+    return ran
 
 
 def _progress_line(g: GpuStatus, t: float, seconds: float) -> None:
@@ -247,6 +274,28 @@ def _table(
             "GPU share: the part of the run each held the GPU, alone (mode exclusive: the"
             " shares add up to at most 100%; the rest is switches and idle time)."
         )
+
+
+def _why_shares(
+    results: dict[str, dict[str, Any]], events: list[dict[str, Any]], tq: float, ran: float
+) -> None:
+    """Why two identical batch jobs get different shares: whole turns, in a short run."""
+    fig = figures(events)
+    by_name = {f.name: f for f in fig.sessions.values()}
+    same = [n for n, r in results.items() if r["kind"] == "batch" and n in by_name]
+    if len(same) < 2 or not fig.span_s:
+        return
+    shares = [by_name[n].lease_s / fig.span_s for n in same]
+    turns = [max(1, results[n]["grants"]) for n in same]
+    mean = [by_name[n].lease_s / t for n, t in zip(same, turns, strict=True)]
+    print(
+        f"Why {' and '.join(same)}, the same job, got {' and '.join(f'{x:.1%}' for x in shares)}:"
+        f" {' and '.join(map(str, turns))} turns, of {' and '.join(f'{m:.1f} s' for m in mean)}"
+        f" on average. A quantum (TQ {tq:g} s, {tq / max(ran, tq):.0%} of this {ran:.0f} s"
+        " run) ends early when the notebook takes its short turn (docs/scheduling.md), and"
+        " whoever holds then loses it; in a short run a turn or two more or less shows."
+        " Over a longer run they come closer (gpushare demo --seconds 120)."
+    )
 
 
 if __name__ == "__main__":

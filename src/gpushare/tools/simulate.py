@@ -481,22 +481,38 @@ def study(
     seconds: float = 120.0,
     bandwidth: float = 55e9,
     seed: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
+    """One :class:`Row` per TQ. ``progress`` is told of each run as it starts (a study of
+    three TQs is up to nine runs, seconds each)."""
     rows = []
     batch_only = [w for w in workloads if w.kind == "batch"]
     as_batch = [replace(w, kind="batch") for w in workloads]
+    per_tq = (
+        1 + (as_batch != list(workloads)) + bool(batch_only and len(batch_only) < len(workloads))
+    )
+    done = itertools.count(1)
     for tq in tqs:
         st = replace(settings, tq_s=tq)
         secs = run_seconds(seconds, tq, len(workloads))
 
-        def run(ws: Sequence[Workload], st: GpuSettings = st, secs: float = secs) -> Run:
+        def run(ws: Sequence[Workload], what: str, st: GpuSettings = st, secs: float = secs) -> Run:
+            if progress is not None:
+                progress(
+                    f"run {next(done)} of {per_tq * len(tqs)}: TQ {st.tq_s:g} s, {what},"
+                    f" {secs:g} simulated s"
+                )
             return Simulation(ws, capacity, st, bandwidth, seed=seed).run(secs)
 
-        mix = run(workloads)
-        ideal = run(as_batch).goodput if as_batch != list(workloads) else mix.goodput
+        mix = run(workloads, "the mix")
+        ideal = (
+            run(as_batch, "the same sessions as batch jobs (ideal)").goodput
+            if as_batch != list(workloads)
+            else mix.goodput
+        )
         loss = math.nan
         if batch_only and len(batch_only) < len(workloads):
-            alone = run(batch_only).work()
+            alone = run(batch_only, "its batch jobs alone (batch loss)").work()
             loss = 1 - mix.goodput * secs / alone if alone else math.nan
         # the max beside the percentiles: a wait for one's turn comes once a round, a
         # short burst's anticipated re-ask hundreds of times, and p99 hides the former
@@ -545,6 +561,18 @@ def table(rows: Sequence[Row]) -> str:
         out.append(line)
     widths = [max(len(x[i]) for x in out) for i in range(len(head))]
     return "\n".join("  ".join(x[i].rjust(widths[i]) for i in range(len(head))) for x in out)
+
+
+# What the table's columns mean: printed under it.
+FOOTER = """\
+goodput: GPU seconds of work done per second (1.000: the GPU never idle, switches hidden).
+ideal: the goodput of the same sessions run as batch jobs, each holding its whole quantum:
+  one switch per quantum, the least switching there can be; 1.000 where the swaps hide
+  behind work (prefetch, overlapped switches), lower where a switch stalls the GPU.
+  /ideal: goodput against it, what short bursts and notebooks cost beyond that.
+batch loss: the GPU time the batch jobs lose beside the others, beyond the others' own work.
+wait p50/p99/max: a burst's wait from its ask to its work, in s; none: no burst waited.
+run s: simulated seconds per run (at least 4 rounds of every session's quantum)."""
 
 
 def plot(rows: Sequence[Row], path: str, title: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -30,14 +31,28 @@ def _memory(s: Session, nbytes: int, seed: int) -> SimMemory:
     return m
 
 
+class TimeUp(Exception):
+    """SIGTERM: the run's time is up (the demo ends every workload at its one deadline,
+    whatever it is doing, waiting for its turn included)."""
+
+
+_checkers: list[_Checker] = []  # this process's: their figures are reported at TimeUp
+
+
 class _Checker:
-    """Verifies the pattern whenever the session got a new lease (others ran meanwhile)."""
+    """Verifies the pattern whenever the session got a new lease (others ran meanwhile),
+    and counts the workload's steps."""
 
     def __init__(self, s: Session, m: SimMemory, seed: int) -> None:
         self.s, self.m, self.seed = s, m, seed
         self.seen = s.grants
         self.checks = 0
         self.failures = 0
+        self.steps = 0
+        _checkers.append(self)
+
+    def figures(self) -> dict[str, Any]:
+        return {"steps": self.steps, "checks": self.checks, "failures": self.failures}
 
     def __call__(self) -> None:
         if self.s.grants != self.seen:
@@ -60,17 +75,16 @@ def batch(
     with ``deadline`` (``--until``), ending the burst rather than waiting past the end."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
-    steps = 0
     end = time.monotonic() + seconds
     with s.gpu():
         while time.monotonic() < end:
             check()
             time.sleep(STEP_S)
-            steps += 1
+            check.steps += 1
             if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
                 break  # the burst ends here, the lease goes back: no wait past the end
             s.checkpoint()
-    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+    return check.figures()
 
 
 def interactive(
@@ -81,7 +95,6 @@ def interactive(
     rng = random.Random(seed)
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
-    steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if deadline and end - time.monotonic() < _turn_s(s):  # it could wait past the end
@@ -91,28 +104,27 @@ def interactive(
             check()
             for _ in range(rng.randint(10, 30)):
                 time.sleep(STEP_S)
-                steps += 1
+                check.steps += 1
                 if deadline and s._revoked and end - time.monotonic() < _turn_s(s):
                     break
                 s.checkpoint()
         time.sleep(max(0.0, min(rng.uniform(0.5, 1.5), end - time.monotonic())))
-    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+    return check.figures()
 
 
 def short(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
     """Short bursts back to back (``with s.gpu():`` around 100 ms of work, a loop)."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
-    steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         with s.gpu():
             check()
             for _ in range(10):
                 time.sleep(STEP_S)
-                steps += 1
+                check.steps += 1
                 s.checkpoint()
-    return {"steps": steps, "checks": check.checks, "failures": check.failures}
+    return check.figures()
 
 
 def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100) -> dict[str, Any]:
@@ -130,7 +142,7 @@ def cycles(s: Session, seconds: float, memory: int, seed: int, bursts: int = 100
             time.sleep(s.idle_release_s)
         with s.gpu():
             check()
-    return {"steps": 0, "checks": check.checks, "failures": check.failures}
+    return check.figures()
 
 
 KINDS = {"batch": batch, "interactive": interactive, "short": short, "cycles": cycles}
@@ -153,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.until is not None:  # however late this process started, all end together
         a.seconds = max(0.0, a.until - time.time())
     memory = parse_size(a.memory)
+
+    def time_up(_sig: int, _frame: object) -> None:
+        raise TimeUp
+
+    signal.signal(signal.SIGTERM, time_up)
     s = attach(memory=memory, socket=a.socket, name=a.name or a.kind, weight=a.weight)
     try:
         if a.kind == "cycles":
@@ -163,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             out = short(s, a.seconds, memory, a.seed)
         else:
             out = interactive(s, a.seconds, memory, a.seed, deadline=a.until is not None)
+    except TimeUp:  # stopped where it was: what it did until then
+        out = _checkers[-1].figures() if _checkers else {"steps": 0, "checks": 0, "failures": 0}
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing more interrupts the close
         s.close()
     waits = s.waits[1:] or [0.0]  # the first grant is the allocation's
     out.update(

@@ -7,7 +7,10 @@ import importlib.util
 import os
 import sys
 
-if os.environ.get("GPUSHARE_AUTOATTACH") == "1":
+# "1": the command gpushare run started; this process's own pid: the session's program
+# exec'd itself or another program (os.execv keeps the pid: it stays the session); any
+# other pid: a process the session started, not attached.
+if os.environ.get("GPUSHARE_AUTOATTACH") in ("1", str(os.getpid())):
     try:
         from gpushare.client.runner import child_start
     except ImportError as _e:
