@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare.core.clock import Clock
+from gpushare.core.events import Event, record
 from gpushare.settings import Escalation
 
 
@@ -99,12 +100,8 @@ class Outbox:
     def act(self, action: Action) -> None:
         self._actions.append(action)
 
-    def event(self, kind: str, sid: int | None, **fields: Any) -> None:
-        rec: dict[str, Any] = {"ts": self.clock.wall(), "gpu": self.gpu, "event": kind}
-        if sid is not None:
-            rec["session"] = sid
-        rec.update(fields)
-        self._actions.append(EventAction(rec))
+    def emit(self, ev: Event) -> None:
+        self._actions.append(EventAction(record(ev, ts=self.clock.wall(), gpu=self.gpu)))
 
     def take(self) -> list[Action]:
         out, self._actions = self._actions, []

@@ -35,6 +35,7 @@ from gpushare.core.checks import seconds as _seconds
 from gpushare.core.claims import Claims
 from gpushare.core.clock import Clock
 from gpushare.core.escalation import Escalation
+from gpushare.core.events import Attach, Config, Detach, Release, SwapIn, SwapOut
 from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
 from gpushare.core.ledger import Ledger
@@ -201,16 +202,19 @@ class Arbiter:
         if gang:
             self.gangs.join(s, gang, gang_size, spans_nodes)
         resumed = bool(resident or swapped or holding)
-        st.out.event(
-            "attach",
-            sid,
-            name=name,
-            limit_bytes=limit,
-            weight=weight,
-            resumed=resumed,
-            resident_bytes=resident,
-            swapped_bytes=swapped,
-            **({"gang": gang, "gang_size": gang_size, "spans_nodes": spans_nodes} if gang else {}),
+        st.out.emit(
+            Attach(
+                session=sid,
+                name=name,
+                limit_bytes=limit,
+                weight=weight,
+                resumed=resumed,
+                resident_bytes=resident,
+                swapped_bytes=swapped,
+                gang=gang or None,
+                gang_size=gang_size if gang else None,
+                spans_nodes=spans_nodes if gang else None,
+            )
         )
         if holding:  # it was working when the node went away
             s.totals.bursts += 1
@@ -274,7 +278,7 @@ class Arbiter:
             held = now - s.lease.start
             s.totals.lease_s += held
             st.holders.remove(sid)
-            st.out.event("release", sid, lease=s.lease.number, seconds=held, reason=reason)
+            st.out.emit(Release(session=sid, lease=s.lease.number, seconds=held, reason=reason))
         elif s.state is State.WAITING:
             st.end_wait(s, now)
             st.queue.remove(sid)
@@ -288,7 +292,7 @@ class Arbiter:
         st.ledger.weigh(s.weight, -1)
         if s.rank.gang:
             self.gangs.leave(s)
-        st.out.event("detach", sid, reason=reason, freed_bytes=s.memory.resident)
+        st.out.emit(Detach(session=sid, reason=reason, freed_bytes=s.memory.resident))
         return self._decide()
 
     def acquire(self, sid: int) -> list[Action]:
@@ -391,7 +395,8 @@ class Arbiter:
                     s.memory.pending_out = 0  # the planner will look for another way
                     st.deadlines.set_swap_out(s, math.inf)
                 st.deadlines.retry_after_failure(s, now, st.sessions)
-            st.out.event(f"swap_{direction}", sid, bytes=0, seconds=took, error=error)
+            swap = SwapOut if direction == "out" else SwapIn
+            st.out.emit(swap(session=sid, bytes=0, seconds=took, error=error))
         else:
             st.count_swap(s, direction, nbytes, took, prefetch=bool(prefetch))
         if prefetch:
@@ -452,7 +457,7 @@ class Arbiter:
                     s.lease.quantum_end -= cut
                 s.lease.quantum_len = max(0.0, s.lease.quantum_len - cut)
         if changes:
-            self.st.out.event("config", None, **changes)
+            self.st.out.emit(Config(**changes))
         return self._decide()
 
     def tick(self) -> list[Action]:
@@ -543,7 +548,7 @@ class Arbiter:
             if not revoked and not turn:
                 window = self.window.length(s, now)
         fields: dict[str, Any] = {"anticipate_s": window} if window else {}
-        st.out.event("release", s.id, lease=lease, seconds=held, reason=reason, **fields)
+        st.out.emit(Release(session=s.id, lease=lease, seconds=held, reason=reason, **fields))
         if window:
             self.window.open(s, now + window)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from gpushare.core.actions import RevokeAction
 from gpushare.core.escalation import Escalation
+from gpushare.core.events import Revoke
 from gpushare.core.sessions import SessionState
 from gpushare.core.state import GpuState
 
@@ -49,7 +50,7 @@ class Claims:
         if verified:
             self.blocking.add(s.id)
         reason = "claim_not_honoured"
-        self.st.out.event("revoke", s.id, lease=lease, reason=reason, swap_out_bytes=0)
+        self.st.out.emit(Revoke(session=s.id, lease=lease, reason=reason, swap_out_bytes=0))
         self.st.out.act(RevokeAction(s.id, lease, 0, grace))
 
     def clear(self, s: SessionState) -> None:

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from gpushare.core.actions import EscalateAction, ThawAction
+from gpushare.core.events import Escalate
 from gpushare.core.sessions import SessionState, State
 from gpushare.core.state import GpuState
 from gpushare.settings import Escalation as Policy
@@ -33,7 +34,7 @@ class Escalation:
     ) -> Policy:
         esc = action or self.st.settings.escalation
         s.totals.escalations += 1
-        self.st.out.event("escalate", s.id, reason=reason, action=esc, **fields)
+        self.st.out.emit(Escalate(session=s.id, reason=reason, action=esc, **fields))
         self.st.out.act(EscalateAction(s.id, esc, reason))
         return esc
 

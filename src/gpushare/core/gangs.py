@@ -36,6 +36,7 @@ from typing import Protocol
 
 from gpushare.core.actions import RevokeAction
 from gpushare.core.checks import ArbiterError
+from gpushare.core.events import Revoke
 from gpushare.core.ledger import at_limit, view
 from gpushare.core.planner import MemoryView, plan_grant
 from gpushare.core.sessions import SessionState, State
@@ -293,7 +294,9 @@ class Gangs(Mapping[str, Gang]):
             m.lease.revoked_at = now
             m.totals.revokes += 1
             lease = m.lease.number
-            st.out.event("revoke", m.id, lease=lease, reason=reason, swap_out_bytes=0, gang=g.key)
+            st.out.emit(
+                Revoke(session=m.id, lease=lease, reason=reason, swap_out_bytes=0, gang=g.key)
+            )
             st.out.act(RevokeAction(m.id, lease, 0, max(0.0, g.deadline - now)))
 
     def settle(self) -> None:

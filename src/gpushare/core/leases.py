@@ -17,6 +17,7 @@ from typing import Any
 from gpushare.core.actions import GrantAction, RevokeAction, RoomAction
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
+from gpushare.core.events import Grant, Release, Revoke
 from gpushare.core.gangs import Gangs
 from gpushare.core.ledger import released
 from gpushare.core.planner import MemoryView, plan_grant
@@ -54,7 +55,7 @@ class Leases:
         s.totals.lease_s += now - s.lease.start
         st.holders.remove(s.id)
         held = now - s.lease.start
-        st.out.event("release", s.id, lease=s.lease.number, seconds=held, reason="frozen")
+        st.out.emit(Release(session=s.id, lease=s.lease.number, seconds=held, reason="frozen"))
         s.lease.number = 0
         s.esc.frozen = True
         s.esc.escalated = False
@@ -111,16 +112,17 @@ class Leases:
         self.claims.clear(s)
         self.escalation.thaw_idle()
         st.ledger.recount(s)
-        st.out.event(
-            "grant",
-            s.id,
-            lease=ls.number,
-            wait_seconds=waited,
-            swap_in_bytes=m.swapped,
-            quantum_s=q,
-            shared=shared,
-            **({"room_bytes": room} if room else {}),
-            **kind,
+        st.out.emit(
+            Grant(
+                session=s.id,
+                lease=ls.number,
+                wait_seconds=waited,
+                swap_in_bytes=m.swapped,
+                quantum_s=q,
+                shared=shared,
+                room_bytes=room or None,
+                **kind,
+            )
         )
         st.out.act(GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume))
         # Its gang is on its way out: it goes on to its next safe point only.
@@ -195,7 +197,7 @@ class Leases:
                 else:
                     st.ask_swap_out(sid, n)
         lease = s.lease.number
-        st.out.event("revoke", s.id, lease=lease, reason=reason, swap_out_bytes=swap_out)
+        st.out.emit(Revoke(session=s.id, lease=lease, reason=reason, swap_out_bytes=swap_out))
         st.out.act(RevokeAction(s.id, lease, swap_out, self.st.settings.grace_s))
 
     def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:

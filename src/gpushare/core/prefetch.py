@@ -10,6 +10,7 @@ only as much as needed. At its grant the head has most of its memory back alread
 from __future__ import annotations
 
 from gpushare.core.actions import PrefetchAction
+from gpushare.core.events import Prefetch
 from gpushare.core.ledger import view
 from gpushare.core.planner import take_from
 from gpushare.core.sessions import State
@@ -37,7 +38,7 @@ def plan_prefetch(st: GpuState, now: float, *, taken: bool) -> None:
         p.room = have
         p.seq += 1
         st.ledger.recount(h)
-        st.out.event("prefetch", h.id, room_bytes=have, bytes=have - m.resident)
+        st.out.emit(Prefetch(session=h.id, room_bytes=have, bytes=have - m.resident))
         st.out.act(PrefetchAction(h.id, have, p.seq))
     need = want - have - sum(v.memory.pending_out for v in st.sessions.values() if v is not h)
     if need <= 0:

@@ -17,6 +17,7 @@ from gpushare.core.actions import Outbox, SwapOutAction
 from gpushare.core.checks import ArbiterError
 from gpushare.core.clock import Clock
 from gpushare.core.deadlines import Deadlines
+from gpushare.core.events import SwapIn, SwapOut
 from gpushare.core.ledger import Ledger
 from gpushare.core.sessions import WAIT_BUCKETS, SessionState
 from gpushare.settings import GpuSettings
@@ -90,5 +91,5 @@ class GpuState:
             t.swap_ins += 1
             t.swap_in_bytes += nbytes
             t.swap_in_s += seconds
-        fields = {"prefetch": True} if prefetch else {}
-        self.out.event(f"swap_{direction}", s.id, bytes=nbytes, seconds=seconds, **fields)
+        swap = SwapOut if direction == "out" else SwapIn
+        self.out.emit(swap(session=s.id, bytes=nbytes, seconds=seconds, prefetch=prefetch or None))
