@@ -497,8 +497,8 @@ async def test_a_lease_token_is_good_once_for_the_lease_live_at_the_crash(node):
     a2 = await back(node, a, holding=True, lease=first, token=token)
     rev = await a2.expect(p.Revoke)
     assert rev.lease == first and rev.swap_out == 0  # not live at the crash: not given back
-    await a2.send(p.Release(resident=0, swapped=0), p.Acquire())
-    live = await a2.expect(p.Grant)
+    live = await a2.expect(p.Grant)  # queued: a new lease, at its turn
+    assert not live.resume and live.lease > first
     await node.settle()
     await node.restart()  # the lease live now comes back, once
     a3 = await back(node, a2, holding=True, lease=live.lease, token=live.token)
@@ -519,7 +519,8 @@ async def test_session_ids_stay_unique_when_the_state_directory_is_full(node, mo
     from gpushare.node import recovery
 
     monkeypatch.setattr(recovery, "ID_BLOCK", 2)
-    seen = [(await node.workload(memory_limit=G)).session]
+    first = await node.workload(memory_limit=G)
+    seen = [first.session]
     d = node.node.recovery.dir
 
     def full(*args, **kwargs):
@@ -538,6 +539,7 @@ async def test_session_ids_stay_unique_when_the_state_directory_is_full(node, mo
             refused.append(m)
     assert refused  # refused rather than handed out unreserved
     await node.restart()  # its files as the full disk left them (nothing more written)
+    await back(node, first)  # on record from before the disk filled: it comes back first
     again = [(await node.workload(memory_limit=G)).session for _ in range(6)]
     assert not set(again) & set(seen), (seen, again)
 

@@ -30,6 +30,8 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
@@ -219,7 +221,21 @@ class Node:
     def _records(self) -> list[SessionRecord]:
         """What the node would need to recover its sessions now (each connection's
         record is made once, at its attach)."""
-        return [c.record for c in self.conns.values() if c.record is not None]
+        out = []
+        for c in self.conns.values():
+            if c.record is None:
+                continue
+            s = self.arbiters[c.gpu].sessions.get(c.session)
+            if s is None:
+                out.append(c.record)
+                continue
+            lease = s.lease if s.holding else 0  # the only lease whose token is good
+            out.append(
+                msgspec.structs.replace(
+                    c.record, resident=s.resident, swapped=s.swapped, lease=lease
+                )
+            )
+        return out
 
     def _begin_recovery(self) -> None:
         """The sessions on record whose processes run are expected back: what a freeze
@@ -234,6 +250,7 @@ class Node:
         window = self.config.recovery_window
         self.recovery.figures.expected = n
         self.recovery.figures.started = self.clock.monotonic()
+        self.recovery.open = True
         for a in self.arbiters:
             a.begin_recovery()
         self.events.publish(
@@ -289,6 +306,7 @@ class Node:
             reason,
         )
         self.recovery.expected.clear()
+        self.recovery.open = False
         for a in self.arbiters:
             self.dispatch.apply(a, a.end_recovery())
 

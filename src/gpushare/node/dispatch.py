@@ -113,6 +113,8 @@ class Dispatch:
                 if self.recovery is not None:  # the floor on disk first, then the lease
                     self.recovery.lease_granted(arb.gpu, a.lease)
                     token = self.recovery.token(arb.gpu, a.session, a.lease)
+                    # on record soon: only the lease on record at a crash comes back
+                    self.recovery.save_soon()
                 send(
                     c,
                     p.Grant(

@@ -11,6 +11,7 @@ it to its record (``gpushare.node.recovery``), and its lease only with the lease
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -26,9 +27,11 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
 from gpushare.node.k8s import PodCache
-from gpushare.node.recovery import Recovery, SessionRecord
+from gpushare.node.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
+
+log = logging.getLogger("gpushare.node.workload_server")
 
 # What an administrator's tool sends first: said to have come to the wrong socket.
 ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
@@ -144,6 +147,8 @@ class WorkloadServer:
                     actions = self._message(arb, conn.session, msg)
                     if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
                         conn.ask = msg.ask  # accepted: the grants that follow answer it
+                    if isinstance(msg, p.Release | p.Report | p.SwapDone):
+                        self.recovery.save_soon()  # its memory and lease, on record soon
                     self.dispatch.apply(arb, actions)
                 except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
                     # answered (the field named), nothing changed, the session goes on
@@ -223,8 +228,20 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
-        sid = rec.id if rec else self.recovery.next_session
-        verified = rec is not None and self.recovery.token_ok(gpu, sid, h.lease, h.token)
+        resident, swapped = h.resident, h.swapped
+        if rec is None:
+            self._no_record(conn, h, limit)
+            # Memory a session says it has counts only where the node can check it: a
+            # new session cannot have any yet (a workload whose record was lost says
+            # what it has in its next report, within its lease).
+            resident = swapped = 0
+            try:
+                sid = self.recovery.peek_id()  # on disk before anything changes
+            except IdsUnavailable as e:
+                raise Refused("busy", str(e)) from None
+        else:
+            sid = rec.id
+        verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
         if gang:
@@ -241,8 +258,8 @@ class WorkloadServer:
                 name=name,
                 limit=limit,
                 weight=weight,
-                resident=h.resident,
-                swapped=h.swapped,
+                resident=resident,
+                swapped=swapped,
                 holding=h.holding,
                 lease=h.lease,
                 verified=verified,
@@ -255,7 +272,7 @@ class WorkloadServer:
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
         if rec is None:
-            self.recovery.new_id()  # reserved on disk before the workload hears it
+            self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
@@ -296,6 +313,34 @@ class WorkloadServer:
         if rec is not None and self.recovery.returned(sid):
             self.returned()  # the last one expected: the recovery window ends
         return arb
+
+    def _no_record(self, conn: Conn, h: p.Hello, limit: int) -> None:
+        """A hello the node has no record of: while the recovery window is open it waits
+        (``busy``: the client tries again within its timeout), so that the sessions on
+        record come back first; memory it says it has is not believed (said in the log)."""
+        if self.recovery.open:
+            n = len(self.recovery.expected)
+            raise Refused(
+                "busy",
+                f"the node restarted and is recovering {n} sessions on record, which come"
+                f" back first (recovery_window, {self._config().recovery_window:g} s at"
+                " most): try again then",
+            )
+        if not (0 <= h.resident and 0 <= h.swapped and h.resident + h.swapped <= limit):
+            raise Refused(  # no session could have these: a broken client, said so
+                "attach",
+                f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
+                f" bytes within the memory limit of {limit} bytes",
+            )
+        if h.resident or h.swapped:
+            log.warning(
+                "pid %d uid %d: hello says %d bytes resident, %d swapped, but the session"
+                " is not on record (new to this node): taken as 0",
+                conn.pid,
+                conn.uid,
+                h.resident,
+                h.swapped,
+            )
 
     @staticmethod
     def _message(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:
