@@ -326,7 +326,7 @@ class WorkloadServer:
                 f" back first (recovery_window, {self._config().recovery_window:g} s at"
                 " most): try again then",
             )
-        if not (0 <= h.resident and 0 <= h.swapped and h.resident + h.swapped <= limit):
+        if min(h.resident, h.swapped) < 0 or h.resident + h.swapped > limit:
             raise Refused(  # no session could have these: a broken client, said so
                 "attach",
                 f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
