@@ -47,7 +47,7 @@ class AdminServer:
             self.guard.check_admin(conn)
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
-                self.guard.spend(conn, "admin")
+                await self.guard.spend(conn)
                 if isinstance(msg, p.StatusRequest):  # always fits a frame (marked if cut)
                     conn.send(p.StatusReply(status=fit(self.status(), p.MAX_FRAME - 1024)))
                 elif isinstance(msg, p.SetConfig):

@@ -142,7 +142,7 @@ class WorkloadServer:
             arb = self._attach(conn, hello)
             while True:
                 msg = await read_frame(reader)
-                self.guard.spend(conn, "workload")
+                await self.guard.spend(conn)
                 try:
                     actions = self._message(arb, conn.session, msg)
                     if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
