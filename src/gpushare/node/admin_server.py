@@ -16,7 +16,7 @@ from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.live_config import LiveConfig, NotPersisted
-from gpushare.node.snapshot import fit
+from gpushare.node.snapshot import StatusFrames
 from gpushare.node.sockets import read_frame
 from gpushare.settings import SettingsError, validate
 from gpushare.status import NodeStatus
@@ -40,6 +40,7 @@ class AdminServer:
         self.live, self.arbiters, self.conns = live, arbiters, conns
         self.guard, self.dispatch, self.events = guard, dispatch, events
         self.status, self.clock = status, clock
+        self.status_frames = StatusFrames(status, clock.monotonic)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = self.guard.accept(writer)
@@ -48,12 +49,14 @@ class AdminServer:
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
                 await self.guard.spend(conn)
-                if isinstance(msg, p.StatusRequest):  # always fits a frame (marked if cut)
-                    conn.send(p.StatusReply(status=fit(self.status(), p.MAX_FRAME - 1024)))
+                if isinstance(msg, p.StatusRequest):  # shared, bounded in cost (snapshot.py)
+                    conn.write(self.status_frames.take())
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self.set_config(msg))
+                    self.status_frames.stale()
                 elif isinstance(msg, p.EndSession):
                     conn.send(self.end_session(msg))
+                    self.status_frames.stale()
                 elif isinstance(msg, p.EventsRequest):
                     await self.serve_events(conn, msg)
                     return

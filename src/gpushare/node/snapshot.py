@@ -4,11 +4,12 @@ exporter and the demo read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
 
+from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.gangs import Gang
@@ -223,3 +224,35 @@ def _take(lists: list[list[T]], budget: int) -> tuple[list[list[T]], int]:
 def p95(xs: Iterable[float]) -> float:
     v = sorted(xs)
     return v[min(len(v) - 1, int(0.95 * len(v)))] if v else 0.0
+
+
+class StatusFrames:
+    """``status`` replies for the admin socket, encoded, shared as the exporter shares
+    its snapshots (node/exporter.py): a new one unless the last was taken less than
+    ``SHARE`` times its own cost ago (and ``MOST_S``), so however fast ``ctl status`` is
+    polled, status takes at most 1/(SHARE + 1) of the loop's time (2%) and grants go on;
+    a reply is at most that old. :meth:`stale` after a change made on the admin socket,
+    so that its own next status shows it."""
+
+    SHARE = 50
+    MOST_S = 0.5
+
+    def __init__(self, status: Callable[[], NodeStatus], clock: Callable[[], float]) -> None:
+        self._status, self._clock = status, clock
+        self._last = b""
+        self._until = float("-inf")
+        self.taken = self.shared = 0
+
+    def take(self) -> bytes:
+        t0 = self._clock()
+        if t0 < self._until:
+            self.shared += 1
+            return self._last
+        reply = p.StatusReply(status=fit(self._status(), p.MAX_FRAME - 1024))
+        self._last = p.encode(reply)  # always fits a frame (marked if cut)
+        self.taken += 1
+        self._until = t0 + min(self.MOST_S, (self._clock() - t0) * (self.SHARE + 1))
+        return self._last
+
+    def stale(self) -> None:
+        self._until = float("-inf")
