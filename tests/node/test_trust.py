@@ -669,3 +669,24 @@ async def test_a_burst_of_attaches_waits_in_line_rather_than_failing(node):
     assert all(isinstance(m, p.Welcome) for m in answers), answers
     assert len({m.session for m in answers}) == n
     assert node.node.guard.waiting == 0
+
+
+@in_process(memory="80GiB", mode="exclusive", escalation="log")
+async def test_a_new_session_cannot_report_memory_it_was_never_let_have(node):
+    # The same lie as in its hello, a moment later in a report: a session that has had
+    # no lease (nor prefetch room) since it attached, and is not on record, has nothing
+    # on the GPU: its report is refused, naming the field, and the session goes on.
+    liar = await node.workload(memory_limit=80 * G, name="liar")
+    await liar.send(p.Report(resident=75 * G, swapped=0))
+    err = await liar.expect(p.Error)
+    assert err.code == "value" and "resident" in err.message and "lease" in err.message
+    (s,) = node.node.status().gpus[0].sessions
+    assert s.resident_bytes == 0
+    honest = await node.workload(memory_limit=40 * G, name="honest")
+    await honest.send(p.Acquire())
+    await honest.expect(p.Grant, timeout=30)
+    await honest.send(p.Report(resident=40 * G, swapped=0))  # within its lease: counted
+    await node.settle()
+    by = {x.name: x for x in node.node.status().gpus[0].sessions}
+    assert by["honest"].resident_bytes == 40 * G
+    liar.close()

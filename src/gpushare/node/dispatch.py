@@ -107,6 +107,7 @@ class Dispatch:
             elif c is None:
                 continue  # the session is gone: its actions have no one to go to
             elif isinstance(a, GrantAction):
+                c.may_hold_memory = True
                 if a.thaw:
                     self._thaw(c)
                 token = ""
@@ -137,6 +138,7 @@ class Dispatch:
             elif isinstance(a, RoomAction):
                 send(c, p.Room(room=a.room))
             elif isinstance(a, PrefetchAction):
+                c.may_hold_memory = True
                 send(c, p.Prefetch(room=a.room, seq=a.seq))
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))

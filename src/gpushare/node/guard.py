@@ -52,6 +52,9 @@ class Conn:
     names: tuple[str, str, str] | None = None  # the API's names, pinned once seen
     weight_source: str = ""
     record: SessionRecord | None = None  # what a restarted node recovers it from
+    # It may have memory on the GPU: on record from before a restart, or granted a lease
+    # or prefetch room since it attached. Until then its reports of memory are refused.
+    may_hold_memory: bool = False
 
     def send(self, msg: p.Message) -> None:
         self.write(p.encode(msg))

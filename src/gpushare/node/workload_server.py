@@ -146,6 +146,9 @@ class WorkloadServer:
             while True:
                 msg = await read_frame(reader)
                 await self.guard.spend(conn)
+                if not conn.may_hold_memory and _claims_memory(msg):
+                    conn.send(p.Error(code="value", message=NO_MEMORY_YET))
+                    continue
                 try:
                     actions = self._message(arb, conn.session, msg)
                     if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
@@ -277,6 +280,7 @@ class WorkloadServer:
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
+        conn.may_hold_memory = rec is not None  # else only once granted (dispatch)
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
@@ -377,6 +381,18 @@ class WorkloadServer:
             f"{type(msg).__name__} is not a workload message: a workload acts only on its own"
             " session (administration uses the admin socket)",
         )
+
+
+NO_MEMORY_YET = (
+    "resident: this session has had no lease nor prefetch room since it attached, and is"
+    " not on record from before a restart: it has nothing on the GPU (report memory"
+    " within a lease)"
+)
+
+
+def _claims_memory(msg: p.Message) -> bool:
+    """A message saying the session has memory on the GPU."""
+    return isinstance(msg, p.Report | p.Release | p.SwapDone) and msg.resident > 0
 
 
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
