@@ -223,18 +223,17 @@ class Node:
         record is made once, at its attach)."""
         out = []
         for c in self.conns.values():
-            if c.record is None:
+            r = c.record
+            if r is None:
                 continue
             s = self.arbiters[c.gpu].sessions.get(c.session)
-            if s is None:
-                out.append(c.record)
-                continue
-            lease = s.lease if s.holding else 0  # the only lease whose token is good
-            out.append(
-                msgspec.structs.replace(
-                    c.record, resident=s.resident, swapped=s.swapped, lease=lease
-                )
-            )
+            if s is not None:
+                lease = s.lease if s.holding else 0  # the only lease whose token is good
+                if (r.resident, r.swapped, r.lease) != (s.resident, s.swapped, lease):
+                    r = c.record = msgspec.structs.replace(
+                        r, resident=s.resident, swapped=s.swapped, lease=lease
+                    )
+            out.append(r)
         return out
 
     def _begin_recovery(self) -> None:
