@@ -6,7 +6,6 @@ way a request is refused (logged and made an event at a bounded rate, an error f
 from __future__ import annotations
 
 import asyncio
-import collections
 import grp
 import logging
 import os
@@ -23,10 +22,6 @@ from gpushare.node.recovery import SessionRecord
 from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.guard")
-
-# Connections that may wait in line for room to say hello in: this many times
-# max_pending_per_uid per uid, and max_pending in all.
-LINE_FACTOR = 2
 
 
 @dataclass
@@ -146,10 +141,6 @@ class Guard:
         self.pending: dict[int, int] = {}  # connections without a hello yet, per uid
         self.pending_total = 0
         self.slowed = 0  # messages read late for their connection's rate
-        # Connections waiting for room to say hello in, per uid, and the uids' turns.
-        self._lines: dict[int, collections.deque[tuple[Conn, asyncio.Future[None]]]] = {}
-        self._turns: collections.deque[int] = collections.deque()
-        self.waiting = 0
         self._refusals = RateLimit(20.0)  # log lines and events per second
 
     def accept(self, writer: asyncio.StreamWriter) -> Conn:
@@ -167,35 +158,12 @@ class Guard:
             proc=ref_of(peer.pid, cfg.proc_root) if peer.pid > 0 else None,
         )
 
-    def _room(self, uid: int) -> bool:
+    def admit(self, conn: Conn) -> None:
+        """Count a connection that has not said hello yet, or :class:`Refused` when its
+        uid (or everyone) has as many as allowed waiting already."""
         cfg = self._config()
-        return (
-            self.pending.get(uid, 0) < cfg.max_pending_per_uid
-            and self.pending_total < cfg.max_pending
-        )
-
-    def _count(self, conn: Conn) -> None:
-        self.pending[conn.uid] = self.pending.get(conn.uid, 0) + 1
-        self.pending_total += 1
-        conn.pending = True
-
-    async def admit(self, conn: Conn) -> None:
-        """Count a connection that has not said hello yet. Where its uid (or everyone)
-        has as many waiting as allowed, it waits in line (its hello unread) until one
-        of them is done, up to ``hello_timeout``: a burst of attaches on a busy node is
-        served in turn rather than refused. Lines are per uid and served in turn, so
-        one user's connections cannot starve another's. Only past the line's bound
-        (:data:`LINE_FACTOR` times the limits), or after the wait, :class:`Refused`."""
-        cfg = self._config()
-        if self._room(conn.uid) and conn.uid not in self._lines:
-            self._count(conn)
-            return
-        line = self._lines.get(conn.uid)
         mine = self.pending.get(conn.uid, 0)
-        if (
-            len(line or ()) >= LINE_FACTOR * cfg.max_pending_per_uid
-            or self.waiting >= LINE_FACTOR * cfg.max_pending
-        ):
+        if mine >= cfg.max_pending_per_uid or self.pending_total >= cfg.max_pending:
             which = (
                 f"uid {conn.uid} has {mine} connections"
                 if mine >= cfg.max_pending_per_uid
@@ -204,54 +172,11 @@ class Guard:
             raise Refused(
                 "busy",
                 f"{which} open without a hello, the most allowed (max_pending_per_uid,"
-                " max_pending), and as many more wait: say hello at once, or close them",
+                " max_pending): say hello at once, or close them",
             )
-        if line is None:
-            line = self._lines[conn.uid] = collections.deque()
-            self._turns.append(conn.uid)
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        line.append((conn, turn))
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(asyncio.shield(turn), cfg.hello_timeout)
-        except TimeoutError:
-            raise Refused(
-                "busy",
-                f"waited {cfg.hello_timeout:g} s in line behind {mine} connections of uid"
-                f" {conn.uid} without a hello (max_pending_per_uid, max_pending): try again",
-            ) from None
-        finally:
-            if not turn.done():
-                turn.cancel()
-                for i, (_, t) in enumerate(line):
-                    if t is turn:
-                        del line[i]
-                        break
-                self.waiting -= 1
-                if not line:
-                    self._drop_line(conn.uid)
-
-    def _drop_line(self, uid: int) -> None:
-        del self._lines[uid]
-        self._turns.remove(uid)
-
-    def _wake(self) -> None:
-        """Connections waiting in line take the room there is, one uid after another."""
-        stuck = 0
-        while self._turns and stuck < len(self._turns):
-            uid = self._turns[0]
-            self._turns.rotate(-1)
-            if not self._room(uid):
-                stuck += 1
-                continue
-            stuck = 0
-            line = self._lines[uid]
-            conn, turn = line.popleft()
-            self.waiting -= 1
-            if not line:
-                self._drop_line(uid)
-            self._count(conn)
-            turn.set_result(None)
+        self.pending[conn.uid] = mine + 1
+        self.pending_total += 1
+        conn.pending = True
 
     def said_hello(self, conn: Conn) -> None:
         """The connection is no longer waiting for its hello (it said it, or it ended)."""
@@ -263,8 +188,6 @@ class Guard:
                 self.pending[conn.uid] = left
             else:
                 del self.pending[conn.uid]
-            if self._lines:
-                self._wake()
 
     async def spend(self, conn: Conn) -> None:
         """One message's allowance: a connection over ``max_messages_per_s`` is not read

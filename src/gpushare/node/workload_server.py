@@ -125,11 +125,8 @@ class WorkloadServer:
         cfg = self._config()
         try:
             try:
-                t0 = self.guard.clock.monotonic()
-                await self.guard.admit(conn)  # a bounded number wait for their hello
-                # the time in line counts: hello_timeout bounds the two together
-                left = cfg.hello_timeout - (self.guard.clock.monotonic() - t0)
-                hello = await asyncio.wait_for(read_frame(reader), max(left, 0.0))
+                self.guard.admit(conn)  # a bounded number wait for their hello
+                hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
             except TimeoutError:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
             finally:
