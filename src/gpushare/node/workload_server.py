@@ -143,7 +143,7 @@ class WorkloadServer:
             while True:
                 msg = await read_frame(reader)
                 await self.guard.spend(conn)
-                if not conn.may_hold_memory and _claims_memory(msg):
+                if not conn.may_hold_memory and _claims_memory(msg, conn):
                     conn.send(p.Error(code="value", message=NO_MEMORY_YET))
                     continue
                 try:
@@ -387,9 +387,14 @@ NO_MEMORY_YET = (
 )
 
 
-def _claims_memory(msg: p.Message) -> bool:
-    """A message saying the session has memory on the GPU."""
-    return isinstance(msg, p.Report | p.Release | p.SwapDone) and msg.resident > 0
+def _claims_memory(msg: p.Message, conn: Conn) -> bool:
+    """A message saying the session has memory on the GPU, within its limit (a report
+    over it is the workload's own word that it broke the limit: the arbiter escalates
+    it, and books nothing)."""
+    if not isinstance(msg, p.Report | p.Release | p.SwapDone):
+        return False
+    limit = conn.record.limit if conn.record is not None else 0
+    return 0 < msg.resident <= limit
 
 
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
