@@ -608,34 +608,43 @@ def test_a_lease_key_symlink_is_replaced_never_followed(tmp_path):
 
 def test_status_polled_back_to_back_takes_a_bounded_share_of_the_loop():
     # Issue 24: `ctl status` took 4.4-4.8 ms of the node's loop per call at 256 sessions;
-    # polled back to back it halved grants. Replies are shared while the last is fresh
-    # for its cost: status takes at most 1/(SHARE + 1) of the loop however fast it is
-    # polled, and a change made on the admin socket is seen by the next one.
+    # polled back to back it halved grants. Now a reply is taken no more often than
+    # every SHARE times its cost: requests sooner wait for the next one and share it,
+    # and every reply is taken after the request it answers (never stale).
     from gpushare.core.clock import ManualClock
+    from gpushare.node import virtual_time
     from gpushare.node.snapshot import StatusFrames
 
     clock, cost = ManualClock(), 0.0045
-    built = []
 
     def status() -> NodeStatus:
         clock.advance(cost)  # what taking it costs the loop
-        built.append(clock.monotonic())
-        return NodeStatus(node=blank(NodeInfo), gpus=[gpu_status(0, sessions=[])])
+        return NodeStatus(node=blank(NodeInfo, started=clock.monotonic()), gpus=[])
 
     frames = StatusFrames(status, clock.monotonic)
-    busy, start = 0.0, clock.monotonic()
-    for _ in range(2000):  # back to back, 0.1 ms apart
+    busy = [0.0]
+
+    def counted() -> NodeStatus:
         t0 = clock.monotonic()
-        reply = p.decode(frames.take()[p.HEADER_SIZE :])
-        assert isinstance(reply, p.StatusReply)
-        busy += clock.monotonic() - t0
-        clock.advance(0.0001)
-    assert busy / (clock.monotonic() - start) <= 1.5 / (StatusFrames.SHARE + 1)
-    assert frames.shared > 10 * frames.taken
-    n = len(built)
-    frames.stale()  # after a SetConfig or EndSession
-    frames.take()
-    assert len(built) == n + 1
+        st = status()
+        busy[0] += clock.monotonic() - t0
+        return st
+
+    frames._status = counted
+
+    async def poller(stop: float) -> None:
+        while clock.monotonic() < stop:  # back to back
+            asked = clock.monotonic()
+            reply = p.decode((await frames.take())[p.HEADER_SIZE :])
+            assert isinstance(reply, p.StatusReply) and reply.status.node.started >= asked
+
+    async def main() -> None:
+        start = clock.monotonic()
+        await asyncio.gather(*(poller(start + 10.0) for _ in range(4)))
+        assert busy[0] / (clock.monotonic() - start) <= 1.5 / (StatusFrames.SHARE + 1)
+        assert frames.shared > frames.taken > 10
+
+    virtual_time.run(main(), clock)
 
 
 @in_process(memory="80GiB", mode="exclusive", escalation="log")

@@ -49,14 +49,12 @@ class AdminServer:
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
                 await self.guard.spend(conn)
-                if isinstance(msg, p.StatusRequest):  # shared, bounded in cost (snapshot.py)
-                    conn.write(self.status_frames.take())
+                if isinstance(msg, p.StatusRequest):  # bounded in cost (snapshot.py)
+                    conn.write(await self.status_frames.take())
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self.set_config(msg))
-                    self.status_frames.stale()
                 elif isinstance(msg, p.EndSession):
                     conn.send(self.end_session(msg))
-                    self.status_frames.stale()
                 elif isinstance(msg, p.EventsRequest):
                     await self.serve_events(conn, msg)
                     return
