@@ -453,7 +453,7 @@ async def test_memory_a_new_session_says_is_resident_is_not_booked(node, caplog)
     caplog.set_level(logging.WARNING, logger="gpushare.node")
     liar = await node.workload(memory_limit=80 * G, name="liar", resident=75 * G, swapped=5 * G)
     (s,) = node.node.status().gpus[0].sessions
-    assert (s.resident_bytes, s.swapped_bytes) == (0, 0)  # nothing it could have yet
+    assert s.resident_bytes == 0  # nothing it could have on the GPU yet
     assert any("not on record" in r.getMessage() for r in caplog.records)
     honest = await node.workload(memory_limit=40 * G, name="honest")
     await honest.send(p.Acquire())

@@ -234,10 +234,10 @@ class WorkloadServer:
         resident, swapped = h.resident, h.swapped
         if rec is None:
             self._no_record(conn, h, limit)
-            # Memory a session says it has counts only where the node can check it: a
-            # new session cannot have any yet (a workload whose record was lost says
-            # what it has in its next report, within its lease).
-            resident = swapped = 0
+            # Memory a session says it has on the GPU counts only where the node can
+            # check it: a new session cannot have any yet. (What it says it has swapped
+            # out, in its own host memory, only costs it swap-ins at its turns.)
+            resident = 0
             try:
                 sid = self.recovery.peek_id()  # on disk before anything changes
             except IdsUnavailable as e:
@@ -336,14 +336,13 @@ class WorkloadServer:
                 f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
                 f" bytes within the memory limit of {limit} bytes",
             )
-        if h.resident or h.swapped:
+        if h.resident:
             log.warning(
-                "pid %d uid %d: hello says %d bytes resident, %d swapped, but the session"
-                " is not on record (new to this node): taken as 0",
+                "pid %d uid %d: hello says %d bytes are resident on the GPU, but the"
+                " session is not on record (new to this node): taken as 0",
                 conn.pid,
                 conn.uid,
                 h.resident,
-                h.swapped,
             )
 
     @staticmethod
@@ -388,10 +387,10 @@ NO_MEMORY_YET = (
 
 
 def _claims_memory(msg: p.Message, conn: Conn) -> bool:
-    """A message saying the session has memory on the GPU, within its limit (a report
+    """A report or release saying the session has memory on the GPU, within its limit (a report
     over it is the workload's own word that it broke the limit: the arbiter escalates
     it, and books nothing)."""
-    if not isinstance(msg, p.Report | p.Release | p.SwapDone):
+    if not isinstance(msg, p.Report | p.Release):  # a swap_done answers what it was asked
         return False
     limit = conn.record.limit if conn.record is not None else 0
     return 0 < msg.resident <= limit
