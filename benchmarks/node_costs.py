@@ -18,6 +18,10 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
   holder's release written to the next session's grant read), and grants per second,
   alone and while another process scrapes the exporter back to back (the median of
   three runs of each, taken in turn);
+* ``ctl status`` with 256 and 1,000 sessions attached: the node's CPU per status (back
+  to back, a connection each, as ctl makes them), and grants per second and the
+  handoff's p99 (two sessions taking turns) alone and while another process polls the
+  status back to back;
 * mass attach: 600 and 1,000 ``gpushare.attach()`` at once (10 processes of 60 and 100
   threads, the default 10 s timeout) against a fresh node: how many succeed.
 
@@ -391,6 +395,59 @@ def node_part(
     return out
 
 
+def status_poller(admin: str, stop: Path) -> None:
+    """``ctl status`` back to back (each on a connection of its own, as ctl makes it)."""
+    from gpushare.tools.admin import AdminClient
+
+    while not stop.exists():
+        with contextlib.suppress(Exception), AdminClient(admin, timeout=30) as c:
+            c.status()
+
+
+def status_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[str, Any]:
+    """Per size: the node's CPU per status request (back to back, each on a connection
+    of its own), and grants per second and the handoff's p99 with two sessions taking
+    turns, alone and while another process polls the status back to back."""
+    from gpushare.tools.admin import AdminClient
+
+    out: dict[str, Any] = {}
+    for n in sizes:
+        with node(src, tmp) as nd:
+            idle = [Raw(nd.socket, f"idle{i}") for i in range(n - 2)]
+            pair = [Raw(nd.socket, "a"), Raw(nd.socket, "b")]
+            take_turns(pair, 200, start=True)  # warm
+            figures: dict[str, float] = {}
+            for label in ("alone", "polled"):
+                stop = nd.dir / f"stop-{label}"
+                poller = None
+                if label == "polled":
+                    poller = subprocess.Popen(
+                        [sys.executable, __file__, "--status-poller", nd.admin, str(stop)],
+                        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                    )
+                    time.sleep(0.5)
+                lat: list[float] = []
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < seconds:
+                    lat += take_turns(pair, 200)
+                figures[f"grants_per_s_{label}"] = len(lat) / (time.monotonic() - t0)
+                figures[f"p99_us_{label}"] = percentile(lat, 0.99) * 1e6
+                if poller is not None:
+                    stop.touch()
+                    poller.wait(timeout=60)
+            k, c0, t0 = 0, nd.cpu(), time.monotonic()
+            while k < 10 or time.monotonic() - t0 < seconds:
+                with AdminClient(nd.admin, timeout=30) as c:
+                    c.status()
+                k += 1
+            figures["status_node_ms"] = (nd.cpu() - c0) / k * 1e3
+            figures["status_per_s"] = k / (time.monotonic() - t0)
+            out[str(n)] = figures
+            for s in [*idle, *pair]:
+                s.close()
+    return out
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -609,7 +666,7 @@ def tree(before: str, tmp: Path) -> Iterator[Path]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)])
 
 
-PARTS = ("arbiter_us", "render", "node", "handoff64", "mass_attach")
+PARTS = ("arbiter_us", "render", "node", "handoff64", "mass_attach", "status")
 
 
 def measure(
@@ -628,6 +685,9 @@ def measure(
             src, tmp, 64, 1000 if quick else 3000, 1 if quick else 3
         ),
         "mass_attach": lambda src: mass_part(src, tmp, [300] if quick else [600, 1000]),
+        "status": lambda src: status_part(
+            src, tmp, [256] if quick else [256, 1000], 1.0 if quick else 2.0
+        ),
     }
     out: dict[str, dict[str, Any]] = {label: {} for label in trees}
     for name, part in parts.items():
@@ -676,6 +736,15 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
         ]
         if v["scrapes_per_s"]:
             out.append(("  scrapes per second meanwhile", "/s", v["scrapes_per_s"]))
+    for n, v in r.get("status", {}).items():
+        out += [
+            (f"node CPU per ctl status, {n} sessions", "ms", v["status_node_ms"]),
+            (f"  ctl status per second, back to back, {n}", "/s", v["status_per_s"]),
+            (f"  grants per second, {n}, unpolled", "/s", v["grants_per_s_alone"]),
+            (f"  grants per second, {n}, status polled", "/s", v["grants_per_s_polled"]),
+            (f"  handoff p99, {n}, unpolled", "us", v["p99_us_alone"]),
+            (f"  handoff p99, {n}, status polled", "us", v["p99_us_polled"]),
+        ]
     for n, v in r.get("mass_attach", {}).items():
         out.append((f"mass attach: {n} at once, succeeded", "", v["ok"]))
         out.append((f"  seconds to all answered, {n}", "s", v["seconds"]))
@@ -715,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "--scraper":
         scraper(int(argv[1]), Path(argv[2]))
+        return 0
+    if argv and argv[0] == "--status-poller":
+        status_poller(argv[1], Path(argv[2]))
         return 0
     if argv and argv[0] == "--attach-client":
         attach_client(argv[1], int(argv[2]), Path(argv[3]), Path(argv[4]), Path(argv[5]))

@@ -10,7 +10,11 @@ before the fix and the working tree), one after the other on this machine:
   then, as root, whether another uid can attach. Prints the node's RSS and open
   descriptors before and after each, and its log lines.
 
-    python benchmarks/trust.py restarts|abuse --tree /tmp/before/src --tree src
+* ``lies`` (issue 24): a new session saying 75 GiB are resident beside an honest 40 GiB
+  one; five honest fast clients (loops of empty ``with s.gpu():`` blocks); 2,000
+  half-sent requests to the exporter.
+
+    python benchmarks/trust.py restarts|abuse|lies --tree /tmp/before/src --tree src
 """
 
 from __future__ import annotations
@@ -250,13 +254,132 @@ def abuse(tree: str) -> dict[str, Any]:
         return out
 
 
+# --- lies (issue 24) ---------------------------------------------------------------------
+
+FAST = """
+import sys, gpushare
+s = gpushare.attach(memory="1GiB", socket=sys.argv[1], name="fast")
+for _ in range(int(sys.argv[2])):
+    with s.gpu():
+        pass
+print("done", flush=True)
+"""
+
+
+def _hello(sock: str, **fields: Any) -> tuple[socket.socket, p.Message]:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sock)
+    s.sendall(p.encode(p.Hello(version=1, **fields)))
+    buf = p.FrameBuffer()
+    while not (got := buf.feed(s.recv(1 << 16))):
+        pass
+    return s, got[0]
+
+
+def _first(s: socket.socket, kind: type, seconds: float) -> p.Message | None:
+    s.settimeout(seconds)
+    buf = p.FrameBuffer()
+    try:
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                return None
+            for m in buf.feed(data):
+                if isinstance(m, kind):
+                    return m
+    except OSError:
+        return None
+
+
+def lies(tree: str) -> dict[str, Any]:
+    """Issue 24's cases with real processes: a new session saying 75 GiB are resident
+    beside an honest 40 GiB one (80 GiB, escalation log); honest fast clients (loops of
+    empty ``with s.gpu():`` blocks, five at once); 2,000 half-sent requests to the
+    exporter (its threads counted)."""
+    env = env_for(tree)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gs-trust-") as d:
+        tmp = Path(d)
+        log = open(tmp / "node.log", "ab")  # noqa: SIM115
+        port = _free_port()
+        node = subprocess.Popen(
+            node_cmd(tmp, "--sim-gpus", "1", "--sim-memory", "80GiB", "--mode", "exclusive",
+                     "--escalation", "log", "--metrics-port", str(port)),  # the last one wins
+            env=env, stderr=log,
+        )  # fmt: skip
+        wait_for(tmp / "a.sock", node)
+        sock = str(tmp / "w.sock")
+        liar, _ = _hello(sock, name="liar", memory_limit=80 * G, resident=75 * G)
+        honest, _ = _hello(sock, name="honest", memory_limit=40 * G)
+        honest.sendall(p.encode(p.Acquire()))
+        out["honest_40_gib_granted_beside_a_75_gib_claim"] = (
+            _first(honest, p.Grant, 10.0) is not None
+        )
+        liar.close()
+        honest.close()
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-c", FAST, sock, "3000"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for _ in range(5)
+        ]  # fmt: skip
+        done = [r.communicate(timeout=300) for r in runs]
+        out["fast_clients_ended"] = sum(r.returncode != 0 for r in runs)
+        why = {e.strip().splitlines()[-1][:160] for (_, e), r in zip(done, runs, strict=True) if r.returncode}  # fmt: skip  # noqa: E501
+        out["fast_clients_ended_why"] = sorted(why)
+        exporter = [int(c) for c in _children(node.pid)]
+        held = []
+        for _ in range(2000):
+            c = socket.socket()
+            try:
+                c.connect(("127.0.0.1", port))
+                c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            except OSError:
+                c.close()
+                continue
+            held.append(c)
+        time.sleep(2.0)
+        out["exporter_threads_with_2000_half_sent"] = sum(_threads(pid) for pid in exporter)
+        for c in held:
+            c.close()
+        node.send_signal(signal.SIGTERM)
+        node.wait(20)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[str]:
+    return [d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _ppid(d.name) == pid]
+
+
+def _ppid(pid: str) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["restarts", "abuse"])
+    ap.add_argument("what", choices=["restarts", "abuse", "lies"])
     ap.add_argument("--tree", action="append", required=True, help="a source tree (its src/)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args()
-    run = restarts if a.what == "restarts" else abuse
+    run = {"restarts": restarts, "abuse": abuse, "lies": lies}[a.what]
     results = {tree: run(tree) for tree in a.tree}
     for tree, figures in results.items():
         print(f"== {a.what}: {tree}")

@@ -4,6 +4,7 @@ the scrapes that arrive while it is on its way)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import signal
@@ -316,3 +317,36 @@ def test_snapshots_close_together_are_shared_for_200_times_their_cost_at_most_1_
     now[0] += 0.2
     slow.take()
     assert len(taken) == 4
+
+
+def test_half_sent_requests_are_bounded_and_timed_out(monkeypatch):
+    # Issue 24: the exporter had no connection timeout: 4,000 half-sent requests held
+    # 4,002 threads. Now at most MAX_CONNECTIONS are served at once and each is closed
+    # when it sends nothing for HTTP_TIMEOUT_S.
+    from gpushare.node import metrics
+
+    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 1.0)
+    server = metrics.serve_on(metrics.bind(0, "127.0.0.1"), lambda: b"up 1\n")
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    before = threading.active_count()
+    held = []
+    try:
+        for _ in range(300):
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the end
+            held.append(c)
+        time.sleep(0.3)
+        assert threading.active_count() - before <= metrics.MAX_CONNECTIONS + 2
+        for c in held:  # each closed by the server within a few timeouts
+            c.settimeout(10 * metrics.HTTP_TIMEOUT_S)
+            with contextlib.suppress(ConnectionResetError):
+                assert c.recv(1024) == b""
+        wait_until(lambda: threading.active_count() - before <= 2, timeout=20, what="threads")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert body == b"up 1\n"  # served again as soon as they are gone
+    finally:
+        for c in held:
+            c.close()
+        server.shutdown()
+        server.server_close()

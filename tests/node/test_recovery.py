@@ -361,3 +361,32 @@ def test_administration_only_from_the_host_or_the_nodes_own_pod(node_factory, sh
     denied = _admin_from(node, proc, other + "cri-containerd-" + "c" * 64 + ".scope\n")
     assert "administered only from the host or its own pod" in denied  # root, elsewhere
     assert events(node, "refused")[-1]["code"] == "denied"
+
+
+FAST = """
+import sys, gpushare
+s = gpushare.attach(memory="1GiB", socket=sys.argv[1], name="fast", timeout=30)
+for _ in range(int(sys.argv[2])):
+    with s.gpu():
+        pass
+print("done", flush=True)
+"""
+
+
+def test_an_honest_fast_client_is_slowed_down_not_ended(node_factory):
+    # Issue 24: a loop of empty `with s.gpu():` blocks was ended in 4 of 5 runs ("more
+    # than 2000 messages per second: slow down"). Over the rate it is read later.
+    node = node_factory(*sim("16GiB"), start=False)
+    conf = node.dir / "node.toml"
+    conf.write_text("max_messages_per_s = 100\n")
+    node.args += ["--config", str(conf)]
+    node.start()
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", FAST, node.socket, "300"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-800:]
+    assert took >= (600 - 200) / 100 * 0.9  # 600 messages or more, at 100 a second
+    assert not events(node, "refused")

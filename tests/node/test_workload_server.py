@@ -134,13 +134,24 @@ async def test_a_hello_at_the_admin_socket_names_the_workload_socket(node):
 
 
 @in_process(max_messages_per_s=50.0)
-async def test_a_message_flood_is_cut_off_alone(node):
+async def test_a_message_flood_is_slowed_down_alone_not_ended(node):
+    # Issue 24: honest fast clients (a loop of empty `with s.gpu():` blocks) were ended
+    # for the rate. Now a connection over it is read later, at the rate; nothing ends.
     by = await bystander(node)
     w = await node.workload(memory_limit=G)
-    await w.send_raw(p.encode(p.Report(resident=0, swapped=0)) * 500)
-    err = await refused(node, w, "rate")
-    assert "50 messages per second" in err.message
-    unharmed(node, by)  # the flooder's session is gone, the bystander holds on
+    t0 = node.clock.monotonic()
+    flood = p.encode(p.Report(resident=0, swapped=0)) * 500
+    await w.send_raw(flood + p.encode(p.Release(resident=0, swapped=0)))  # marks the end
+    await node.until(lambda: node.node.guard.slowed > 0)
+    reply = await node.ask(p.StatusRequest())  # everyone else is served meanwhile
+    assert isinstance(reply, p.StatusReply) and node.clock.monotonic() - t0 < 5
+    err = await w.expect(p.Error, timeout=60)  # the last one, read in its turn
+    assert err.code == "state" and not w.reader.at_eof()  # still connected
+    took = node.clock.monotonic() - t0
+    assert 0.99 * (501 - 100) / 50 <= took <= 10 * (501 - 100) / 50  # at the rate
+    assert not node.events("refused")
+    (g,) = node.node.status().gpus
+    assert g.holders == [by.session] and len(g.sessions) == 2
 
 
 @in_process(max_sessions_per_uid=3)

@@ -17,7 +17,7 @@ from gpushare.node.dispatch import Dispatch
 from gpushare.node.events import EventBus
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.live_config import LiveConfig, NotPersisted
-from gpushare.node.snapshot import fit
+from gpushare.node.snapshot import StatusFrames
 from gpushare.node.sockets import read_frame
 from gpushare.settings import SettingsError, validate
 from gpushare.status import NodeStatus
@@ -43,6 +43,7 @@ class AdminServer:
         self.guard, self.dispatch, self.events = guard, dispatch, events
         self.decisions = decisions
         self.status, self.clock = status, clock
+        self.status_frames = StatusFrames(status, clock.monotonic)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = self.guard.accept(writer)
@@ -50,9 +51,9 @@ class AdminServer:
             self.guard.check_admin(conn)
             while True:
                 msg = await asyncio.wait_for(read_frame(reader), 3600)
-                self.guard.spend(conn, "admin")
-                if isinstance(msg, p.StatusRequest):  # always fits a frame (marked if cut)
-                    conn.send(p.StatusReply(status=fit(self.status(), p.MAX_FRAME - 1024)))
+                await self.guard.spend(conn)
+                if isinstance(msg, p.StatusRequest):  # bounded in cost (snapshot.py)
+                    conn.write(await self.status_frames.take())
                 elif isinstance(msg, p.SetConfig):
                     conn.send(self.set_config(msg))
                 elif isinstance(msg, p.EndSession):

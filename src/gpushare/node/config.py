@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import tomllib
 from pathlib import Path
@@ -219,15 +220,49 @@ def read_raw(path: str | os.PathLike[str] | None, *, named: bool = False) -> dic
             )
         return {}
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        raw = tomllib.loads(read_regular(path).decode())
         check(_convert(raw))  # each file must be valid on its own
         return _durations(raw)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except SettingsError as e:
         raise ConfigError(f"config file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+
+
+READ_MOST = 1 << 20  # a config file bigger than this is not one
+
+
+class NotRegular(OSError):
+    """A config path that is not a regular file (a FIFO, a device, a directory)."""
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The whole of a config file, read only if it is a regular file: opened without
+    blocking (a FIFO there would stop the node until someone wrote to it) and checked
+    through its descriptor; or :class:`OSError` (:class:`NotRegular` naming what it is).
+    Symlinks are followed: a ConfigMap's files are symlinks to its current data."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(
+                f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): the node"
+                " reads its configuration only from a regular file; put one there"
+            )
+        if st.st_size > READ_MOST:
+            raise OSError(f"{path} is {st.st_size} bytes, more than {READ_MOST}")
+        chunks = []
+        while data := os.read(fd, READ_MOST + 1):
+            chunks.append(data)
+            if sum(map(len, chunks)) > READ_MOST:
+                raise OSError(f"{path} is more than {READ_MOST} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def merge(*layers: dict[str, Any]) -> NodeConfig:

@@ -32,6 +32,8 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
@@ -230,7 +232,21 @@ class Node:
     def _records(self) -> list[SessionRecord]:
         """What the node would need to recover its sessions now (each connection's
         record is made once, at its attach)."""
-        return [c.record for c in self.conns.values() if c.record is not None]
+        out = []
+        for c in self.conns.values():
+            r = c.record
+            if r is None:
+                continue
+            s = self.arbiters[c.gpu].sessions.get(c.session)
+            if s is not None:
+                lease = s.lease.number if s.holding else 0  # the only lease whose token is good
+                m = s.memory
+                if (r.resident, r.swapped, r.lease) != (m.resident, m.swapped, lease):
+                    r = c.record = msgspec.structs.replace(
+                        r, resident=m.resident, swapped=m.swapped, lease=lease
+                    )
+            out.append(r)
+        return out
 
     def _begin_recovery(self) -> None:
         """The sessions on record whose processes run are expected back: what a freeze
@@ -245,6 +261,7 @@ class Node:
         window = self.config.recovery_window
         self.recovery.figures.expected = n
         self.recovery.figures.started = self.clock.monotonic()
+        self.recovery.open = True
         for a in self.arbiters:
             a.begin_recovery()
         self.events.publish(
@@ -300,6 +317,7 @@ class Node:
             reason,
         )
         self.recovery.expected.clear()
+        self.recovery.open = False
         for a in self.arbiters:
             self.decisions.act(a, a.end_recovery())
 

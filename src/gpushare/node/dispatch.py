@@ -96,12 +96,15 @@ class Dispatch:
             elif c is None:
                 continue  # the session is gone: its actions have no one to go to
             elif isinstance(a, GrantAction):
+                c.may_hold_memory = True
                 if a.thaw:
                     self._thaw(c)
                 token = ""
                 if self.recovery is not None:  # the floor on disk first, then the lease
                     self.recovery.lease_granted(arb.gpu, a.lease)
                     token = self.recovery.token(arb.gpu, a.session, a.lease)
+                    # on record soon: only the lease on record at a crash comes back
+                    self.recovery.save_soon()
                 send(
                     c,
                     p.Grant(
@@ -124,6 +127,7 @@ class Dispatch:
             elif isinstance(a, RoomAction):
                 send(c, p.Room(room=a.room))
             elif isinstance(a, PrefetchAction):
+                c.may_hold_memory = True
                 send(c, p.Prefetch(room=a.room, seq=a.seq))
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))

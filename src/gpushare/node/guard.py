@@ -47,6 +47,9 @@ class Conn:
     names: tuple[str, str, str] | None = None  # the API's names, pinned once seen
     weight_source: str = ""
     record: SessionRecord | None = None  # what a restarted node recovers it from
+    # It may have memory on the GPU: on record from before a restart, or granted a lease
+    # or prefetch room since it attached. Until then its reports of memory are refused.
+    may_hold_memory: bool = False
 
     def send(self, msg: p.Message) -> None:
         self.write(p.encode(msg))
@@ -70,14 +73,13 @@ class Conn:
             refs += [r for r in holders_of(inode, self.uid, proc_root) if r not in refs]
         return refs
 
-    def spend(self, rate: float, now: float) -> bool:
-        """One message from the token bucket (``rate``/s, bursts of twice that)."""
-        self.tokens = min(2 * rate, self.tokens + (now - self.refilled) * rate)
+    def spend(self, rate: float, now: float) -> float:
+        """One message from the token bucket (``rate``/s, bursts of twice that): the
+        seconds to wait before reading on (0: at once). The bucket goes into debt, so
+        a connection that keeps sending is read at ``rate`` and no faster."""
+        self.tokens = min(2 * rate, self.tokens + (now - self.refilled) * rate) - 1
         self.refilled = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+        return 0.0 if self.tokens >= 0 else -self.tokens / rate
 
 
 class Refused(Exception):
@@ -138,6 +140,7 @@ class Guard:
         self.conns = conns
         self.pending: dict[int, int] = {}  # connections without a hello yet, per uid
         self.pending_total = 0
+        self.slowed = 0  # messages read late for their connection's rate
         self._refusals = RateLimit(20.0)  # log lines and events per second
 
     def accept(self, writer: asyncio.StreamWriter) -> Conn:
@@ -186,14 +189,15 @@ class Guard:
             else:
                 del self.pending[conn.uid]
 
-    def spend(self, conn: Conn, where: str) -> None:
-        """One message's allowance, or :class:`Refused`."""
-        rate = self._config().max_messages_per_s
-        if conn.spend(rate, self.clock.monotonic()):
-            return
-        if where == "admin":
-            raise Refused("rate", "too many admin requests per second: slow down")
-        raise Refused("rate", f"more than {rate:g} messages per second: slow down")
+    async def spend(self, conn: Conn) -> None:
+        """One message's allowance: a connection over ``max_messages_per_s`` is not read
+        for a while (its messages wait in its socket, and its client's sends block), so
+        a fast client is slowed down, never ended for it, and the node's loop serves
+        everyone else meanwhile."""
+        wait = conn.spend(self._config().max_messages_per_s, self.clock.monotonic())
+        if wait > 0:
+            self.slowed += 1
+            await asyncio.sleep(wait)
 
     def check_sessions_of_uid(self, conn: Conn) -> None:
         mine = sum(1 for c in self.conns.values() if c.uid == conn.uid)

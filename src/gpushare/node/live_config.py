@@ -14,17 +14,23 @@ from gpushare.core.arbiter import Arbiter
 from gpushare.node.config import (
     ConfigError,
     NodeConfig,
+    NotRegular,
     check_gpus,
     file_keys,
     load,
     persist,
     read_raw,
+    read_regular,
     settings_for,
 )
 from gpushare.node.decisions import Decisions
 from gpushare.settings import Change, SettingsError, validate
 
 log = logging.getLogger("gpushare.node.live_config")
+
+# Looks in a row that must see a changed config file the same before it is applied: it
+# held still for two periods (one look could catch it half-written).
+STEADY_LOOKS = 3
 
 # Keys read once at start: a change to them waits for the next start.
 RESTART_KEYS = ("socket", "admin_socket", "metrics_port", "sim_gpus", "reserve", "recovery_dir")
@@ -62,12 +68,24 @@ class LiveConfig:
         self._text = self._read()
         self._file = self._read_file()
         self._said: set[str] = set()  # keys whose overridden edit was said once
+        self._seen: list[bytes | None] = []  # a change, as each look since saw it
+        self._said_unread = ""  # the last word on a file not read (said once)
 
     def _read(self) -> bytes | None:
-        try:
-            return open(self.path, "rb").read() if self.path else None
-        except OSError:
+        """The file's bytes; None where there is none, or it is not a regular file (a
+        FIFO is never opened to block on, said once)."""
+        if not self.path:
             return None
+        try:
+            text = read_regular(self.path)
+        except OSError as e:
+            why = str(e) if isinstance(e, NotRegular) else ""
+            if why and why != self._said_unread:
+                log.error("config %s: %s; keeping the configuration in force", self.path, why)
+            self._said_unread = why
+            return self._text if why else None  # not a file: as if unchanged
+        self._said_unread = ""
+        return text
 
     def _read_file(self) -> dict[str, Any]:
         try:
@@ -104,13 +122,23 @@ class LiveConfig:
         except ConfigError:
             return {}
 
-    async def watch(self, period: float = 1.0) -> None:
-        """Apply changes to the config file live, looking once a period."""
+    async def watch(self, period: float = 1.0, looks: int = STEADY_LOOKS) -> None:
+        """Apply changes to the config file live, looking once a period. A change is
+        applied once ``looks`` looks in a row saw the same bytes: a file caught while it
+        is written (truncated, half there) is not applied, only what it holds once its
+        writer is done."""
         while True:
             await asyncio.sleep(period)
             text = self._read()
             if text == self._text:
+                self._seen.clear()
                 continue
+            if self._seen and self._seen[-1] != text:
+                self._seen.clear()  # still moving
+            self._seen.append(text)
+            if len(self._seen) < looks:
+                continue
+            self._seen.clear()
             self._text = text
             try:
                 self.reload()

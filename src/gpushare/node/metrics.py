@@ -27,6 +27,7 @@ import math
 import platform
 import pwd
 import socket
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -488,7 +489,18 @@ def _one_if(b: bool) -> str:
 
 
 # --- serving ------------------------------------------------------------------------------
+# Bounds of the exporter's HTTP server: connections served at once (more are closed as
+# they come: 4,000 half-sent requests once held 4,002 threads), and how long one may send
+# nothing before it is closed.
+MAX_CONNECTIONS = 64
+HTTP_TIMEOUT_S = 10.0
+
+
 class _Quiet(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(HTTP_TIMEOUT_S)  # each read and write on it
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -554,6 +566,31 @@ class _Server(ThreadingWSGIServer):
         host, port = sock.getsockname()[:2]
         self.server_name, self.server_port = socket.getfqdn(host), port
         self.setup_environ()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.turned_away = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to :data:`MAX_CONNECTIONS` at once; past that a
+        connection is closed at once (a scraper tries again at its next interval)."""
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a peer gone or timed out: routine
+            super().handle_error(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def serve_on(sock: socket.socket, scrape: Callable[[], bytes]) -> _Server:

@@ -51,9 +51,18 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     limit: int
     name: str
     stopped: list[tuple[int, int]] = []  # (pid, start time) a freeze stopped
+    # As the node last wrote them: its memory, and the lease it held (0: none). Only
+    # that lease's token is good after a restart, and only once.
+    resident: int = 0
+    swapped: int = 0
+    lease: int = 0
 
     def ref(self) -> ProcRef:
         return ProcRef(self.pid, self.start_time, self.uid)
+
+
+class IdsUnavailable(OSError):
+    """No session id can be reserved on disk (the message names the directory and fix)."""
 
 
 class Saved(msgspec.Struct, kw_only=True):
@@ -104,6 +113,9 @@ class Recovery:
         self.expected: dict[int, SessionRecord] = {}  # still to come back
         self.previous: dict[int, SessionRecord] = {}  # the last node's, processes alive
         self.figures = Figures()
+        self._failing_why = ""
+        self.open = False  # the window: only sessions on record attach meanwhile
+        self._failing = False  # a write failed: said once, until one succeeds again
         self.key = self._key()
         self._soon: asyncio.TimerHandle | None = None
         self._soon_delay = 0.0
@@ -112,10 +124,25 @@ class Recovery:
     # --- at start ---------------------------------------------------------------------
 
     def _key(self) -> bytes:
-        key = self.dir.read(KEY_FILE, most=64)
+        """The key leases are signed with: the last node's, or a new one. Anything but a
+        file of the node's where it should be (a planted symlink, say) is never followed:
+        it is replaced by a new file (renamed over it), or, where the directory does not
+        allow that, the node stops with the one line that says what to do."""
+        try:
+            key = self.dir.read(KEY_FILE, most=64)
+        except UnsafePath as e:
+            log.warning("%s; replacing it with a new key (leases signed before are void)", e)
+            key = None
         if key is None or len(key) < 32:
             key = secrets.token_bytes(32)
-            self.dir.write(KEY_FILE, key, mode=0o600)
+            try:
+                self.dir.write(KEY_FILE, key, mode=0o600)
+            except OSError as e:
+                raise UnsafePath(
+                    f"cannot write the lease key {self.dir.join(KEY_FILE)} ({e.strerror}):"
+                    f" remove what is there (rm {self.dir.join(KEY_FILE)}) or set"
+                    " recovery_dir to a directory of the node's own"
+                ) from None
         return key
 
     def load(self) -> list[SessionRecord]:
@@ -144,22 +171,43 @@ class Recovery:
 
     # --- ids, leases, tokens -------------------------------------------------------------
 
-    def new_id(self) -> int:
-        """A session id never used before, on this node or the ones before it: ids are
-        reserved on disk a block at a time, before any is handed out."""
-        sid = self.next_session
-        self.next_session += 1
-        if self.next_session > self.id_floor:
+    def peek_id(self) -> int:
+        """The id :meth:`new_id` hands out next, reserved on disk first (ids are reserved
+        a block at a time); or :class:`IdsUnavailable` when the reservation cannot be
+        written (a full disk): an id not on disk could be handed out again after a crash,
+        so none is."""
+        if self.next_session >= self.id_floor:
+            old = self.id_floor
             self.id_floor = self.next_session + ID_BLOCK
-            self.save()
+            if not self.save():
+                self.id_floor = old
+                if self._held:
+                    raise IdsUnavailable("the node is stopping: attach to the next one")
+                raise IdsUnavailable(
+                    f"cannot reserve session ids: writing to {self.dir.path} failed"
+                    f" ({self._failing_why}): free space there, or set recovery_dir to"
+                    " another directory"
+                )
+        return self.next_session
+
+    def new_id(self) -> int:
+        """A session id never used before, on this node or the ones before it (see
+        :meth:`peek_id`)."""
+        sid = self.peek_id()
+        self.next_session += 1
         return sid
 
     def token(self, gpu: int, sid: int, lease: int) -> str:
         msg = f"{gpu}:{sid}:{lease}".encode()
         return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:32]
 
-    def token_ok(self, gpu: int, sid: int, lease: int, token: str) -> bool:
-        return bool(lease and token) and hmac.compare_digest(self.token(gpu, sid, lease), token)
+    def token_ok(self, rec: SessionRecord, lease: int, token: str) -> bool:
+        """The token of the lease ``rec`` says its session held when the last node wrote
+        it down: a lease released before the crash, or one given back already (its
+        session was granted anew since, and that is on record), is not."""
+        if not (lease and token) or lease != rec.lease:
+            return False
+        return hmac.compare_digest(self.token(rec.gpu, rec.id, lease), token)
 
     def lease_granted(self, gpu: int, lease: int) -> bool:
         """A lease is about to go out: True if the floor on disk had to move (saved)."""
@@ -202,11 +250,12 @@ class Recovery:
 
     # --- writing -----------------------------------------------------------------------
 
-    def save(self) -> None:
+    def save(self) -> bool:
         """The records of the sessions attached now, the ones still expected beside them,
-        the next id and the lease floors: a new file, flushed, renamed over the old."""
+        the next id and the lease floors: a new file, flushed, renamed over the old.
+        True if written."""
         if self._held:
-            return
+            return False
         now = {r.id: r for r in self.live()}
         for r in self.previous.values():  # a late returner still gets its id back
             now.setdefault(r.id, r)
@@ -218,8 +267,21 @@ class Recovery:
         )
         try:
             self.dir.write(STATE_FILE, msgspec.json.encode(saved), mode=0o600)
-        except OSError as e:  # a full disk must not stop the node: it says so
-            log.error("cannot write session records to %s: %s", self.dir.path, e)
+        except OSError as e:  # a full disk must not stop the node: it says so, once
+            self._failing_why = e.strerror or str(e)
+            if not self._failing:
+                log.error(
+                    "cannot write session records to %s: %s (new sessions are refused"
+                    " until it can)",
+                    self.dir.path,
+                    self._failing_why,
+                )
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("session records written to %s again", self.dir.path)
+        self._failing = False
+        return True
 
     def save_soon(self, delay: float = 0.1) -> None:
         """:meth:`save` within ``delay`` seconds, once for any number of calls meanwhile:

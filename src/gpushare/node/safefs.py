@@ -11,6 +11,7 @@ never followed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -85,6 +86,10 @@ class SafeDir:
         except FileNotFoundError:
             return None
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePath(
+                    f"{self.join(name)} is a symlink, which the node never follows: remove it"
+                ) from None
             raise UnsafePath(f"cannot read {self.join(name)}: {e.strerror}") from None
         try:
             st = os.fstat(fd)

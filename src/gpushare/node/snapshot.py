@@ -4,11 +4,13 @@ exporter and the demo read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import msgspec
 
+from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.gangs import Gang
@@ -223,3 +225,47 @@ def _take(lists: list[list[T]], budget: int) -> tuple[list[list[T]], int]:
 def p95(xs: Iterable[float]) -> float:
     v = sorted(xs)
     return v[min(len(v) - 1, int(0.95 * len(v)))] if v else 0.0
+
+
+class StatusFrames:
+    """``status`` replies for the admin socket, encoded, each taken after the request it
+    answers (so a reply shows everything the node did before it was asked), but no
+    more often than every ``SHARE`` times the last one's cost (and ``MOST_S``): a
+    request sooner waits for the next, which every request waiting then shares. However
+    fast ``ctl status`` is polled, status takes at most 1/(SHARE + 1) of the loop's time
+    (2%), and grants go on meanwhile."""
+
+    SHARE = 50
+    MOST_S = 0.5
+
+    def __init__(self, status: Callable[[], NodeStatus], clock: Callable[[], float]) -> None:
+        self._status, self._clock = status, clock
+        self._next = float("-inf")  # no reply is taken before then
+        self._due: asyncio.Future[bytes] | None = None
+        self.taken = self.shared = 0
+
+    async def take(self) -> bytes:
+        now = self._clock()
+        if self._due is None:
+            if now >= self._next:
+                return self._take()
+            self._due = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._take_at(self._next - now, self._due))
+        self.shared += 1
+        return await asyncio.shield(self._due)
+
+    async def _take_at(self, delay: float, due: asyncio.Future[bytes]) -> None:
+        await asyncio.sleep(delay)
+        self._due = None
+        try:
+            due.set_result(self._take())
+        except Exception as e:  # every waiter hears it
+            due.set_exception(e)
+
+    def _take(self) -> bytes:
+        t0 = self._clock()
+        reply = p.StatusReply(status=fit(self._status(), p.MAX_FRAME - 1024))
+        frame = p.encode(reply)  # always fits a frame (marked if cut)
+        self.taken += 1
+        self._next = t0 + min(self.MOST_S, (self._clock() - t0) * (self.SHARE + 1))
+        return frame

@@ -11,6 +11,7 @@ it to its record (``gpushare.node.recovery``), and its lease only with the lease
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -26,9 +27,11 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
 from gpushare.node.k8s import PodCache
-from gpushare.node.recovery import Recovery, SessionRecord
+from gpushare.node.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
+
+log = logging.getLogger("gpushare.node.workload_server")
 
 # What an administrator's tool sends first: said to have come to the wrong socket.
 ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
@@ -139,11 +142,16 @@ class WorkloadServer:
             arb = self._attach(conn, hello)
             while True:
                 msg = await read_frame(reader)
-                self.guard.spend(conn, "workload")
+                await self.guard.spend(conn)
+                if not conn.may_hold_memory and _claims_memory(msg, conn):
+                    conn.send(p.Error(code="value", message=NO_MEMORY_YET))
+                    continue
                 try:
                     actions = self._message(arb, conn.session, msg)
                     if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
                         conn.ask = msg.ask  # accepted: the grants that follow answer it
+                    if isinstance(msg, p.Release | p.Report | p.SwapDone):
+                        self.recovery.save_soon()  # its memory and lease, on record soon
                     self.decisions.act(arb, actions)
                 except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
                     # answered (the field named), nothing changed, the session goes on
@@ -194,6 +202,14 @@ class WorkloadServer:
             return 1.0, "default"
         return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
 
+    def _new_id(self, conn: Conn, h: p.Hello, limit: int) -> int:
+        """The id a session with no record gets (on disk before anything changes)."""
+        self._no_record(conn, h, limit)
+        try:
+            return self.recovery.peek_id()
+        except IdsUnavailable as e:
+            raise Refused("busy", str(e)) from None
+
     def _attach(self, conn: Conn, h: p.Hello) -> Arbiter:
         """A session for the hello, welcomed; or :class:`Refused`, with nothing changed."""
         self.guard.check_sessions_of_uid(conn)
@@ -206,12 +222,7 @@ class WorkloadServer:
         check_hello(h)
         gpu = self._gpu_of(h)
         arb, g, cfg = self.arbiters[gpu], self.gpus[gpu], self._config()
-        if h.memory_limit is not None:
-            limit = h.memory_limit
-        elif h.portion is not None:
-            limit = max(1, int(arb.capacity * h.portion))
-        else:
-            limit = arb.capacity
+        limit = _limit_of(h, arb.capacity)
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
         weight, source = self._weight(conn, h)
@@ -223,8 +234,15 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
-        sid = rec.id if rec else self.recovery.next_session
-        verified = rec is not None and self.recovery.token_ok(gpu, sid, h.lease, h.token)
+        resident, swapped = h.resident, h.swapped
+        if rec is None:
+            # Memory a session says it has on the GPU counts only where the node can
+            # check it: a new session cannot have any yet. (What it says it has swapped
+            # out, in its own host memory, only costs it swap-ins at its turns.)
+            sid, resident = self._new_id(conn, h, limit), 0
+        else:
+            sid = rec.id
+        verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
         if gang:
@@ -241,8 +259,8 @@ class WorkloadServer:
                 name=name,
                 memory_limit=limit,
                 weight=weight,
-                resident=h.resident,
-                swapped=h.swapped,
+                resident=resident,
+                swapped=swapped,
                 holding=h.holding,
                 lease=h.lease,
                 verified=verified,
@@ -255,8 +273,9 @@ class WorkloadServer:
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
         if rec is None:
-            self.recovery.new_id()  # reserved on disk before the workload hears it
+            self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
+        conn.may_hold_memory = rec is not None  # else only once granted (dispatch)
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
@@ -297,6 +316,33 @@ class WorkloadServer:
             self.returned()  # the last one expected: the recovery window ends
         return arb
 
+    def _no_record(self, conn: Conn, h: p.Hello, limit: int) -> None:
+        """A hello the node has no record of: while the recovery window is open it waits
+        (``busy``: the client tries again within its timeout), so that the sessions on
+        record come back first; memory it says it has is not believed (said in the log)."""
+        if self.recovery.open:
+            n = len(self.recovery.expected)
+            raise Refused(
+                "busy",
+                f"the node restarted and is recovering {n} sessions on record, which come"
+                f" back first (recovery_window, {self._config().recovery_window:g} s at"
+                " most): try again then",
+            )
+        if min(h.resident, h.swapped) < 0 or h.resident + h.swapped > limit:
+            raise Refused(  # no session could have these: a broken client, said so
+                "attach",
+                f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
+                f" bytes within the memory limit of {limit} bytes",
+            )
+        if h.resident:
+            log.warning(
+                "pid %d uid %d: hello says %d bytes are resident on the GPU, but the"
+                " session is not on record (new to this node): taken as 0",
+                conn.pid,
+                conn.uid,
+                h.resident,
+            )
+
     @staticmethod
     def _message(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:
         if isinstance(msg, p.Acquire):
@@ -331,6 +377,23 @@ class WorkloadServer:
         )
 
 
+NO_MEMORY_YET = (
+    "resident: this session has had no lease nor prefetch room since it attached, and is"
+    " not on record from before a restart: it has nothing on the GPU (report memory"
+    " within a lease)"
+)
+
+
+def _claims_memory(msg: p.Message, conn: Conn) -> bool:
+    """A report or release saying the session has memory on the GPU, within its limit (a report
+    over it is the workload's own word that it broke the limit: the arbiter escalates
+    it, and books nothing)."""
+    if not isinstance(msg, p.Report | p.Release):  # a swap_done answers what it was asked
+        return False
+    limit = conn.record.limit if conn.record is not None else 0
+    return 0 < msg.resident <= limit
+
+
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     """The node's key of the job a hello says it is a rank of ("" for none), and whether
     the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
@@ -340,3 +403,12 @@ def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
         return "", False
     who = f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
     return f"{h.gang}@{who}", 0 < h.gang_size < h.world_size
+
+
+def _limit_of(h: p.Hello, capacity: int) -> int:
+    """The memory limit a hello asks for: its own, its pod's portion, or the whole GPU."""
+    if h.memory_limit is not None:
+        return h.memory_limit
+    if h.portion is not None:
+        return max(1, int(capacity * h.portion))
+    return capacity
