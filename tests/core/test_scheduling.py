@@ -160,6 +160,28 @@ def test_a_notebook_cell_goes_ahead_of_the_queue_for_a_bounded_turn(clock):
     assert a.sessions[3].totals.turns == 1
 
 
+def test_a_cell_that_asks_between_holders_takes_its_turn(clock):
+    # The GPU is between holders: the batch job whose quantum ended swaps out so that the
+    # next can swap in. A cell that asks then goes first (issue 25: it waited behind the
+    # next holder's whole quantum, 20 s at TQ 30, as an ordinary waiter).
+    a = arb(clock, capacity=30 * GiB, tq_s=30, turn_s=1.0, turn_share=0.25, mode="exclusive")
+    a.attach(1, name="batch1", memory_limit=20 * GiB)
+    a.attach(2, name="batch2", memory_limit=20 * GiB)
+    a.attach(3, name="notebook", memory_limit=2 * GiB)
+    had_a_burst(a, clock, 3)
+    a.acquire(1)
+    a.report(1, resident=20 * GiB, swapped=0)
+    a.acquire(2)
+    clock.advance(30.0)
+    a.tick()  # 1's quantum is over: revoked, its memory asked for by the next holder
+    a.release(1, resident=20 * GiB, swapped=0, again=True, swapping_out=10 * GiB)
+    assert not a.holders and list(a.queue) == [2, 1]  # between holders
+    out = a.acquire(3)
+    (g,) = actions_of(out, GrantAction)
+    assert g.session == 3 and events_of(out, "grant")[0]["turn"] is True
+    assert g.quantum_s <= 1.0 and list(a.queue) == [2, 1]  # the queue goes on after it
+
+
 def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
     a = notebook_beside_batch(clock)
     a.acquire(3)

@@ -316,7 +316,11 @@ class Arbiter:
         if sh.resume_s and now < sh.front_until:  # its quantum was paused by a turn
             self.leases.enqueue(s, front=True)
         elif self.turns.may_take(
-            s, idle, now, taken=self.admission.taken(), kept=self.gangs.claimed()
+            s,
+            idle,
+            now,
+            ahead=self.admission.taken() or bool(self.st.queue),
+            kept=self.gangs.claimed(),
         ):
             sh.turn = True
             self.leases.enqueue(s, front=True)

@@ -32,13 +32,16 @@ class Turns:
         s.share.credit = min(self.st.settings.turn_s, s.share.credit + rate * idle)
 
     def may_take(
-        self, s: SessionState, idle: float, now: float, *, taken: bool, kept: bool
+        self, s: SessionState, idle: float, now: float, *, ahead: bool, kept: bool
     ) -> bool:
         """An interactive turn: the session asked (not for the first time) after idling
         longer than half of ``anticipate_s`` (away long enough that its quantum would not
         wait for it: no session falls between the two rules and waits two quanta), its
-        credit covers its usual burst, the GPU is ``taken``, and no one waiting has waited
-        a whole round yet (the queue's length in quanta). ``kept``: the GPU is kept for a
+        credit covers its usual burst, there is someone to go ``ahead`` of (the GPU is
+        held, or its quantum waits for its holder, or others wait for it: a cell that asks
+        while the GPU is between holders, its next holder still swapping in, goes first
+        too, not behind that holder's whole quantum), and no one waiting has waited a
+        whole round yet (the queue's length in quanta). ``kept``: the GPU is kept for a
         gang on several GPUs (core/coordinator.py), its ranks only."""
         st = self.st.settings
         sh = s.share
@@ -46,7 +49,7 @@ class Turns:
             return False  # (no burst of its own yet: nothing says it asks briefly)
         if s.rank.gang:  # a rank's turn alone would wait in its collectives for the others
             return False
-        if kept or not taken:
+        if kept or not ahead:
             return False  # kept for a gang; nothing to go ahead of
         if sh.credit < max(TURN_MIN_S, sh.burst_ewma or 0.0):
             return False
