@@ -21,12 +21,14 @@ class Event:
 
     def fields(self) -> dict[str, Any]:
         """Its kind's fields that are set, in the order the class names them."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name != "session" and v is not None:
-                out[f.name] = v
-        return out
+        names = _NAMES.get(type(self))
+        if names is None:  # once per kind: dataclasses.fields() is slow on a hot path
+            names = _NAMES[type(self)] = tuple(f.name for f in fields(self) if f.name != "session")
+        d = self.__dict__
+        return {n: d[n] for n in names if d[n] is not None}
+
+
+_NAMES: dict[type[Event], tuple[str, ...]] = {}
 
 
 def record(ev: Event, *, ts: float, gpu: int | None) -> dict[str, Any]:
