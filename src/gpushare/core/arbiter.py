@@ -18,7 +18,7 @@ client says (core/checks.py).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from gpushare.core.actions import Action, Outbox
@@ -105,16 +105,18 @@ class Arbiter:
     def settings(self) -> GpuSettings:
         return self.st.settings
 
+    # Read-only views of the state (the node, status and the coordinator read them; only
+    # the arbiter's inputs change them).
     @property
-    def sessions(self) -> dict[int, SessionState]:
+    def sessions(self) -> Mapping[int, SessionState]:
         return self.st.sessions
 
     @property
-    def queue(self) -> deque[int]:
+    def queue(self) -> Sequence[int]:
         return self.st.queue
 
     @property
-    def holders(self) -> list[int]:
+    def holders(self) -> Sequence[int]:
         return self.st.holders
 
     @property
