@@ -78,8 +78,8 @@ def test_a_weight_out_of_the_nodes_range_is_refused_naming_the_range(bad):
 
 def test_the_weight_range_is_the_nodes():
     from gpushare import units
-    from gpushare.core import arbiter
+    from gpushare.core import checks
 
-    assert (units.MIN_WEIGHT, units.MAX_WEIGHT) == (arbiter.MIN_WEIGHT, arbiter.MAX_WEIGHT)
-    assert parse_weight(str(arbiter.MIN_WEIGHT)) == arbiter.MIN_WEIGHT
-    assert parse_weight(arbiter.MAX_WEIGHT) == arbiter.MAX_WEIGHT
+    assert (units.MIN_WEIGHT, units.MAX_WEIGHT) == (checks.MIN_WEIGHT, checks.MAX_WEIGHT)
+    assert parse_weight(str(checks.MIN_WEIGHT)) == checks.MIN_WEIGHT
+    assert parse_weight(checks.MAX_WEIGHT) == checks.MAX_WEIGHT

@@ -27,8 +27,9 @@ _SIZE = re.compile(rf"^\s*(-?(?:{_NUMBER}))\s*([a-zA-Z]*)\s*$")
 # The largest size read: more than any GPU or host has, and within what the wire carries
 # (an unsigned 64-bit integer), so that ``1e30`` is a usage error, not an overflow later.
 MAX_SIZE = 2**50  # 1024 TiB
-# A session's weight, as the node bounds it (gpushare.core.arbiter's MIN_WEIGHT and
-# MAX_WEIGHT; a test keeps the two the same): checked here too, before a program runs.
+# A session's weight (its share under policy weighted) lies in these bounds: finite, and
+# no quantum more than a million times another's. The node's (gpushare.core.checks) and
+# `gpushare run`'s check, before a program runs, both read them here.
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 
 

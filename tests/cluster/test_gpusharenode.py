@@ -369,7 +369,7 @@ def test_gpusharenode_write_rate_under_a_burst_of_changes(two: Two):
     t0 = time.monotonic()
     with AdminClient(other.node.admin) as a:
         for i in range(100):
-            a.configure(tq_s=1.0 + i % 5)
+            a.set_config({"tq_s": 1.0 + i % 5})
             time.sleep(0.05)
     burst_s = time.monotonic() - t0
     time.sleep(3)  # the last change written
@@ -382,7 +382,7 @@ def test_gpusharenode_write_rate_under_a_burst_of_changes(two: Two):
     steady = writes() - n1
     # Two workloads taking turns for 20 s, TQ 0.5 s: the holder changes twice a second.
     with AdminClient(other.node.admin) as a:
-        a.configure(tq_s=0.5, mode="exclusive")
+        a.set_config({"tq_s": 0.5, "mode": "exclusive"})
     n2 = writes()
     batch = [
         subprocess.Popen(

@@ -103,11 +103,11 @@ async def test_freeze_stops_the_holder_hands_the_lease_on_and_thaws_it_at_its_tu
     (e,) = node.events("escalate")
     assert (e["action"], e["reason"], e["grace_s"]) == ("freeze", "no_yield_within_grace", 2)
     assert node.events("release")[-1]["reason"] == "frozen"
-    assert node.node.status().gpus[0].sessions[0].esc.frozen
+    assert node.node.status().gpus[0].sessions[0].frozen
     await b.send(p.Release(resident=0, swapped=0))  # b's burst ends: a's turn
     await a.expect(p.Grant)
     assert node.signals == [(PID, signal.SIGSTOP), (PID, signal.SIGCONT)]  # continued first
-    assert not node.node.status().gpus[0].sessions[0].esc.frozen
+    assert not node.node.status().gpus[0].sessions[0].frozen
 
 
 @in_process(mode="exclusive", tq=1, grace=1, escalation="kill")

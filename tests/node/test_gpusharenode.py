@@ -127,7 +127,7 @@ def test_status_body_from_a_real_nodes_snapshot(folder):
     assert s["holders"] == 0 and s["waiting"] == 0 and s["swapped"].startswith("0")
     assert [g["index"] for g in body["gpus"]] == [0, 1]
     assert body["gpus"][0]["memoryBytes"] == 16 * G and body["gpus"][0]["simulated"] is True
-    node.arbiters[1].configure(tq_s=5.0)
+    node.arbiters[1].set_config({"tq_s": 5.0})
     other = status_body("gpu-1", node.status(), [], 3, 1.7e9 + 5)
     assert other["summary"]["tq"] == "30s,5s"
     assert shape(other) != shape(body)

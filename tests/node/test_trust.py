@@ -490,7 +490,7 @@ async def test_a_lease_token_is_good_once_for_the_lease_live_at_the_crash(node):
     # Seen: the token of a lease released before the crash got the GPU back as a resumed
     # lease; and again after a second restart.
     a = await holder(node, 10 * G, "a")
-    first = node.node.arbiters[0].sessions[a.session].lease
+    first = node.node.arbiters[0].sessions[a.session].lease.number
     token = node.node.recovery.token(0, a.session, first)
     await a.send(p.Release(resident=0, swapped=0))  # released before the crash
     await node.settle()

@@ -7,9 +7,8 @@ state (what fits beside the others) are the ledger's (core/ledger.py).
 
 from __future__ import annotations
 
-# A session's weight (its share under policy weighted) lies in these bounds: finite, and
-# no quantum more than a million times another's.
-MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+from gpushare.units import MAX_WEIGHT, MIN_WEIGHT  # a weight's bounds: one definition
+
 MAX_SECONDS = 1e6  # a swap reported longer than this (11 days) is not a measurement
 MAX_ERROR = 1024  # characters of a failed swap's error text
 MAX_COUNT = 2**63 - 1  # a lease or prefetch number, a figure with no other bound

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 
@@ -11,3 +12,9 @@ class SystemClock:
 
     def wall(self) -> float:
         return time.time()
+
+
+def now_rfc3339(wall: float) -> str:
+    """Unix seconds as Kubernetes writes a time (RFC 3339, UTC, whole seconds)."""
+    t = datetime.datetime.fromtimestamp(wall, datetime.UTC).replace(microsecond=0)
+    return t.isoformat().replace("+00:00", "Z")

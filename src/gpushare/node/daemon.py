@@ -390,7 +390,7 @@ class Node:
                 set_config=self.admin.set_config,
                 refused=self.live.refused,
                 events=self.events,
-                wall=self.clock.wall,
+                clock=self.clock,
             ).start()
         if self.live.path:
             self._spawn(self.live.watch())

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from gpushare import protocol as p
 from gpushare._version import __version__
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.clock import Clock
+from gpushare.node.clock import SystemClock, now_rfc3339
 from gpushare.node.events import EventBus
 from gpushare.settings import Change, SettingsError, validate
 from gpushare.status import NodeStatus, SessionStatus
@@ -54,11 +54,6 @@ MAX_SESSIONS = 256  # per object: a status stays well under etcd's object size
 EVENTS_NAMESPACE = "default"  # where Events about a cluster-scoped object go (as a Node's)
 # What changes the status' shape (written at once, rate-bounded) rather than its figures.
 SHAPE_EVENTS = {"attach", "detach", "grant", "revoke", "release", "config", "escalate"}
-
-
-def now_rfc3339(wall: float) -> str:
-    t = datetime.datetime.fromtimestamp(wall, datetime.UTC).replace(microsecond=0)
-    return t.isoformat().replace("+00:00", "Z")
 
 
 def _joined(values: Sequence[object]) -> str:
@@ -371,7 +366,7 @@ class NodeObject:
         set_config: Callable[[p.SetConfig], p.Message],
         refused: Callable[[str, str], None],
         events: EventBus,
-        wall: Callable[[], float] = time.time,
+        clock: Clock | None = None,
         api: Callable[[], ObjectApi] | None = None,
         min_interval: float = 2.0,
         refresh: float = 10.0,
@@ -380,7 +375,9 @@ class NodeObject:
     ) -> None:
         self.name = name
         self.arbiters, self.status, self.set_config = arbiters, status, set_config
-        self.refused, self.events, self.wall = refused, events, wall
+        self.refused, self.events = refused, events
+        self.clock: Clock = clock or SystemClock()
+        self.wall = self.clock.wall
         self._make_api = api or KubernetesObjects
         self.min_interval, self.refresh, self.heartbeat = min_interval, refresh, heartbeat
         self.absent_retry = absent_retry
@@ -642,7 +639,7 @@ class NodeObject:
                     )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._dirty.wait(), timeout=self.min_interval)
-                wait = last_write + self.min_interval - time.monotonic()
+                wait = last_write + self.min_interval - self.clock.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)  # coalesced: what changes meanwhile rides along
                 self._dirty.clear()
@@ -654,7 +651,7 @@ class NodeObject:
                 )
                 figures = json.dumps({k: v for k, v in body.items() if k != "updated"})
                 new_shape = shape(body)
-                age = time.monotonic() - last_write
+                age = self.clock.monotonic() - last_write
                 if not (
                     new_shape != last_shape
                     or (age >= self.refresh and figures != last_body)
@@ -668,7 +665,7 @@ class NodeObject:
                     await self._ensure(api)
                     await asyncio.to_thread(api.patch_status, self.name, body)
                 self.writes += 1
-                last_shape, last_body, last_write = new_shape, figures, time.monotonic()
+                last_shape, last_body, last_write = new_shape, figures, self.clock.monotonic()
                 self._sessions_changed(body["sessions"])
             except Absent as e:
                 self._once(
