@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gpushare.core import events as typed
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
@@ -265,14 +266,11 @@ class Node:
         for a in self.arbiters:
             a.begin_recovery()
         self.events.publish(
-            {
-                "ts": self.clock.wall(),
-                "gpu": None,
-                "event": "recovery",
-                "phase": "begin",
-                "expected": n,
-                "window_s": window,
-            }
+            typed.record(
+                typed.Recovery(phase="begin", expected=n, window_s=window),
+                ts=self.clock.wall(),
+                gpu=None,
+            )
         )
         log.info("recovery: waiting up to %g s for %d sessions on record", window, n)
         self._recovery_timer = asyncio.get_running_loop().call_later(
@@ -297,17 +295,18 @@ class Node:
         f = self.recovery.figures
         seconds = self.clock.monotonic() - f.started
         self.events.publish(
-            {
-                "ts": self.clock.wall(),
-                "gpu": None,
-                "event": "recovery",
-                "phase": "end",
-                "expected": f.expected,
-                "returned": f.returned,
-                "missing": f.missing,
-                "seconds": seconds,
-                "reason": reason,
-            }
+            typed.record(
+                typed.Recovery(
+                    phase="end",
+                    expected=f.expected,
+                    returned=f.returned,
+                    missing=f.missing,
+                    seconds=seconds,
+                    reason=reason,
+                ),
+                ts=self.clock.wall(),
+                gpu=None,
+            )
         )
         log.info(
             "recovery: %d of %d sessions back in %.2f s (%s)",

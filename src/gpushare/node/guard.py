@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpushare import protocol as p
+from gpushare.core import events as typed
 from gpushare.core.clock import Clock
 from gpushare.node.config import NodeConfig
 from gpushare.node.events import EventBus
@@ -257,17 +258,18 @@ class Guard:
                 more,
             )
             self.events.publish(
-                {
-                    "ts": self.clock.wall(),
-                    "gpu": None,
-                    "event": "refused",
-                    "session": conn.session or None,
-                    "pid": conn.pid,
-                    "uid": conn.uid,
-                    "socket": where,
-                    "code": code,
-                    "reason": message,
-                    **({"not_logged": held} if held else {}),
-                }
+                typed.record(
+                    typed.Refused(
+                        session=conn.session or None,
+                        pid=conn.pid,
+                        uid=conn.uid,
+                        socket=where,
+                        code=code,
+                        reason=message,
+                        not_logged=held or None,
+                    ),
+                    ts=self.clock.wall(),
+                    gpu=None,
+                )
             )
         conn.send(p.Error(code=code, message=message))

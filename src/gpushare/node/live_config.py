@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
+from gpushare.core import events as typed
 from gpushare.core.arbiter import Arbiter
 from gpushare.node.config import (
     ConfigError,
@@ -187,13 +188,11 @@ class LiveConfig:
         configuration in force is kept."""
         log.error("%s: refused, keeping the configuration in force", reason)
         self.decisions.dispatch.events.publish(
-            {
-                "ts": self.decisions.clock.wall(),
-                "gpu": None,
-                "event": "config_refused",
-                "source": source,
-                "reason": reason,
-            }
+            typed.record(
+                typed.ConfigRefused(source=source, reason=reason),
+                ts=self.decisions.clock.wall(),
+                gpu=None,
+            )
         )
 
     def persist(self, gpu: int | None, change: Change) -> str:
