@@ -318,11 +318,7 @@ class Arbiter:
         if sh.resume_s and now < sh.front_until:  # its quantum was paused by a turn
             self.leases.enqueue(s, front=True)
         elif self.turns.may_take(
-            s,
-            idle,
-            now,
-            ahead=self.admission.taken() or bool(self.st.queue),
-            kept=self.gangs.claimed(),
+            s, idle, now, ahead=self._someone_to_go_ahead_of(s), kept=self.gangs.claimed()
         ):
             sh.turn = True
             self.leases.enqueue(s, front=True)
@@ -336,6 +332,15 @@ class Arbiter:
             # gang holding for ever (seen: two processes of one GPUSHARE_GANG).
             self.gangs.park(s, now)
         return self._decide()
+
+    def _someone_to_go_ahead_of(self, s: SessionState) -> bool:
+        """The GPU is held (or its quantum waits for its holder); or it is between holders
+        and ``s`` went idle before the queue's head began to wait (a cell back after a
+        while, not the holder that just left, whose memory the head may be waiting for)."""
+        if self.admission.taken():
+            return True
+        q = self.st.queue
+        return bool(q) and s.lease.idle_since < self.st.sessions[q[0]].lease.wait_start
 
     def release(
         self,

@@ -38,11 +38,11 @@ class Turns:
         longer than half of ``anticipate_s`` (away long enough that its quantum would not
         wait for it: no session falls between the two rules and waits two quanta), its
         credit covers its usual burst, there is someone to go ``ahead`` of (the GPU is
-        held, or its quantum waits for its holder, or others wait for it: a cell that asks
-        while the GPU is between holders, its next holder still swapping in, goes first
-        too, not behind that holder's whole quantum), and no one waiting has waited a
-        whole round yet (the queue's length in quanta). ``kept``: the GPU is kept for a
-        gang on several GPUs (core/coordinator.py), its ranks only."""
+        held, or its quantum waits for its holder, or others wait for it and it went idle
+        before they began to: a cell that asks while the GPU is between holders, the next
+        still swapping in, goes first too, not behind that holder's whole quantum), and no
+        one waiting has waited a whole round yet (the queue's length in quanta). ``kept``:
+        the GPU is kept for a gang on several GPUs (core/coordinator.py), its ranks only."""
         st = self.st.settings
         sh = s.share
         if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.esc.frozen or sh.burst_ewma is None:
