@@ -14,32 +14,36 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Event:
     kind: ClassVar[str]
     session: int | None = None
 
-    def fields(self) -> dict[str, Any]:
-        """Its kind's fields that are set, in the order the class names them."""
-        names = _NAMES.get(type(self))
-        if names is None:  # once per kind: dataclasses.fields() is slow on a hot path
-            names = _NAMES[type(self)] = tuple(f.name for f in fields(self) if f.name != "session")
-        d = self.__dict__
-        return {n: d[n] for n in names if d[n] is not None}
-
 
 _NAMES: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _names(kind: type[Event]) -> tuple[str, ...]:
+    """A kind's field names but ``session``, found once (dataclasses.fields() is slow for
+    a hot path: every decision emits events)."""
+    names = _NAMES.get(kind)
+    if names is None:
+        names = _NAMES[kind] = tuple(f.name for f in fields(kind) if f.name != "session")
+    return names
 
 
 def record(ev: Event, *, ts: float, gpu: int | None) -> dict[str, Any]:
     rec: dict[str, Any] = {"ts": ts, "gpu": gpu, "event": ev.kind}
     if ev.session is not None:
         rec["session"] = ev.session
-    rec.update(ev.fields())
+    for n in _names(type(ev)):
+        v = getattr(ev, n)
+        if v is not None:
+            rec[n] = v
     return rec
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Attach(Event):
     kind: ClassVar[str] = "attach"
     name: str
@@ -53,14 +57,14 @@ class Attach(Event):
     spans_nodes: bool | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Detach(Event):
     kind: ClassVar[str] = "detach"
     reason: str
     freed_bytes: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Grant(Event):
     kind: ClassVar[str] = "grant"
     lease: int
@@ -76,7 +80,7 @@ class Grant(Event):
     regroup: bool | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Revoke(Event):
     kind: ClassVar[str] = "revoke"
     lease: int
@@ -85,7 +89,7 @@ class Revoke(Event):
     gang: str | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Release(Event):
     kind: ClassVar[str] = "release"
     lease: int
@@ -94,7 +98,7 @@ class Release(Event):
     anticipate_s: float | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class SwapOut(Event):
     kind: ClassVar[str] = "swap_out"
     bytes: int
@@ -103,19 +107,19 @@ class SwapOut(Event):
     prefetch: bool | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class SwapIn(SwapOut):
     kind: ClassVar[str] = "swap_in"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Prefetch(Event):
     kind: ClassVar[str] = "prefetch"
     room_bytes: int
     bytes: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Config(Event):
     """The settings a live change set (only those)."""
 
@@ -131,7 +135,7 @@ class Config(Event):
     turn_share: float | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Escalate(Event):
     kind: ClassVar[str] = "escalate"
     reason: str
@@ -144,14 +148,14 @@ class Escalate(Event):
     limit_bytes: int | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class ConfigRefused(Event):
     kind: ClassVar[str] = "config_refused"
     source: str
     reason: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Refused(Event):
     kind: ClassVar[str] = "refused"
     pid: int
@@ -162,7 +166,7 @@ class Refused(Event):
     not_logged: int | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Recovery(Event):
     kind: ClassVar[str] = "recovery"
     phase: str
