@@ -173,6 +173,12 @@ def test_no_exporter_outlives_its_node(exporting, sig):
         scrape(node.port)
 
 
+def listed(text: str) -> set[str]:
+    """The sessions a scrape's lease series name."""
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    return {x.labels["session"] for x in fams["gpushare_lease_seconds"].samples}
+
+
 def test_a_scrape_during_heavy_grants_is_whole_and_current(exporting):
     node = exporting
     stop = threading.Event()
@@ -204,6 +210,11 @@ def test_a_scrape_during_heavy_grants_is_whole_and_current(exporting):
         t.start()
     try:
         wait_until(lambda: grants_now() > 100, what="grants")
+        # A snapshot taken before the sessions attached may still be shared for up to
+        # Snapshots.MOST_S (under load its cost makes it last that long): the scrapes
+        # measured below start once one shows them.
+        wait_until(lambda: listed(scrape(node.port)) == ids, timeout=10 * Snapshots.MOST_S,
+                   what="the sessions in a scrape")  # fmt: skip
         seen, old = 0.0, []
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3:
