@@ -41,6 +41,11 @@ class Hello(_Msg, tag="hello"):
     memory_limit: int | None = None
     weight: float | None = None
     portion: float | None = None  # KAI's GPU_PORTION, when no memory limit was given
+    # The memory request (what the node guarantees and packs by; None: the limit), and
+    # the limit as a portion of the GPU (KAI's gpu-memory.portion.limit; with portion).
+    memory_request: int | None = None
+    portion_limit: float | None = None
+    grows: bool = False  # it asks (a Release with a need) before it has more than its bound
     gpu: int | None = None
     gpu_uuid: str = ""  # from NVIDIA_VISIBLE_DEVICES; the node maps it to its index
     backend: str = "sim"
@@ -89,6 +94,9 @@ class Release(_Msg, tag="release"):
     seconds: float = 0.0
     swapping_out: int = 0
     ask: int = 0  # with ``again``: this ask's number (as Acquire's)
+    # With ``again``, from a holder whose client grows: an allocation needs this many
+    # bytes on the GPU, more than its grant's bound; it holds again when they fit.
+    need: int = 0
 
 
 class SwapDone(_Msg, tag="swap_done"):
@@ -122,6 +130,7 @@ class Welcome(_Msg, tag="welcome"):
     memory_limit: int
     weight: float
     idle_release_s: float
+    memory_request: int = 0  # 0: its limit
     sim_scale: int = 1024
     sim_bandwidth: float = 55e9
     sim_swap_failure_rate: float = 0.0
@@ -143,6 +152,9 @@ class Grant(_Msg, tag="grant"):
     # The last ask the node had read when it granted: a grant for an ask the client has
     # since withdrawn (it crossed the release) names an older one, and is not taken.
     ask: int = 0
+    # >0: the most it may have on the GPU while it holds this lease without asking again
+    # (a Release with a need); 0: its limit. Lent in mode auto to a client that grows.
+    bound: int = 0
 
 
 class Room(_Msg, tag="room"):

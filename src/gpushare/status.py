@@ -28,6 +28,13 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     state: str  # idle, waiting, holding, yielding
     weight: float
     memory_limit_bytes: int
+    # What the node guarantees and packs by in mode auto (its limit unless it asked for
+    # less); while it holds, the most it may have without asking (its bound, lent up to
+    # its limit); bursts given back and the bytes lent above its request they took back.
+    memory_request_bytes: int = 0
+    memory_bound_bytes: int = 0
+    reclaims_total: int = 0
+    reclaimed_bytes_total: int = 0
     resident_bytes: int
     swapped_bytes: int
     pending_swap_out_bytes: int

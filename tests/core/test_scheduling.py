@@ -301,7 +301,7 @@ def test_the_next_holder_swaps_in_during_the_quantum(clock):
     assert (pf.session, pf.room, pf.seq) == (2, 30 * GiB, 1)
     assert a.sessions[2].used == 30 * GiB and a.used_bytes() <= a.capacity
     # while it prefetches it is nobody's victim, and counts at its room
-    assert view(a.sessions[2], clock.monotonic()).pinned
+    assert view(a.sessions[2], clock.monotonic(), a.settings.mode).pinned
     out = a.swap_done(
         2,
         direction="in",

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushare.units import parse_size
+from gpushare.units import format_size, parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
 DEFAULT_ADMIN_SOCKET = "/run/gpushare/admin.sock"
@@ -38,6 +38,8 @@ class WorkloadEnv:
     namespace: str
     container: str
     pod_uid: str
+    memory_limit: int | None = None  # the most it may use, when more than its request
+    portion_limit: float | None = None  # the limit as a fraction of the GPU (KAI)
 
 
 def read_annotations(podinfo: str | Path) -> dict[str, str]:
@@ -69,24 +71,29 @@ def _fraction(value: str, source: str) -> float:
     return f
 
 
+def _size(e: Mapping[str, str], var: str) -> int | None:
+    if not e.get(var):
+        return None
+    try:
+        return parse_size(e[var])
+    except ValueError as err:
+        raise ValueError(f"{var}: {err}") from None
+
+
 def read_env(
     environ: Mapping[str, str] | None = None, podinfo: str | Path | None = None
 ) -> WorkloadEnv:
     e = os.environ if environ is None else environ
     notes = read_annotations(podinfo or e.get("GPUSHARE_PODINFO") or DEFAULT_PODINFO)
-    memory = None
-    if e.get("GPUSHARE_MEMORY"):
-        try:
-            memory = parse_size(e["GPUSHARE_MEMORY"])
-        except ValueError as err:
-            raise ValueError(f"GPUSHARE_MEMORY: {err}") from None
-    elif notes.get("gpu-memory"):
+    memory = _size(e, "GPUSHARE_MEMORY")
+    if memory is None and notes.get("gpu-memory"):
         try:
             memory = int(notes["gpu-memory"]) * 2**20  # KAI writes MiB
         except ValueError:
             raise ValueError(
                 f"gpu-memory annotation {notes['gpu-memory']!r} is not a number of MiB"
             ) from None
+    limit = _size(e, "GPUSHARE_MEMORY_LIMIT")
     portion = None
     if e.get("GPU_PORTION"):
         portion = _fraction(e["GPU_PORTION"], "GPU_PORTION")
@@ -108,6 +115,7 @@ def read_env(
         namespace=e.get("POD_NAMESPACE", ""),
         container=e.get("CONTAINER_NAME", ""),
         pod_uid=e.get("POD_UID", ""),
+        memory_limit=limit,
     )
 
 
@@ -154,3 +162,27 @@ def rank_gpu(environ: Mapping[str, str] | None = None) -> int | None:
             return None
         index = int(ids[index])
     return index
+
+
+def memory_figures(
+    memory: str | int | None, memory_limit: str | int | None, env: WorkloadEnv
+) -> tuple[int | None, int | None]:
+    """The hello's (request, limit): each given, else from the environment; a limit
+    alone is the limit (the request defaults to it at the node), a request alone is
+    both. ValueError names the argument and the fix."""
+    try:
+        request = parse_size(memory) if memory is not None else env.memory
+    except ValueError as e:
+        raise ValueError(f"memory={memory!r}: {e}") from None
+    try:
+        limit = parse_size(memory_limit) if memory_limit is not None else env.memory_limit
+    except ValueError as e:
+        raise ValueError(f"memory_limit={memory_limit!r}: {e}") from None
+    if limit is None:
+        return None, request  # the request is the limit: one figure, as before
+    if request is not None and limit < request:
+        raise ValueError(
+            f"memory limit {format_size(limit)} is below the memory request"
+            f" {format_size(request)}: give a limit at least as large as the request"
+        )
+    return (request if request != limit else None), limit

@@ -103,6 +103,8 @@ class Lease:
         self.revoke: p.Revoke | None = None  # pending, for self.lease
         self.rejoin = False  # yielding: the burst asks again once swapped out
         self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
+        self.bound = 0  # holding: the most it may have without asking again (0: its limit)
+        self.grows = 0  # allocations that asked the node for more than the bound
         # Prefetch (before the grant): the latest ask's room and number, the last ask it
         # is done with, and whether its swap-in runs now.
         self.prefetch_room = 0
@@ -122,7 +124,7 @@ class Lease:
         self._idle_thread: threading.Thread | None = None
         # Last, the state above in place: a backend may report from its own thread at once.
         self.link = link(self)
-        self.backend = backend(SwapHooks(self.report, self.check_access, self.wait_room))
+        self.backend = backend(SwapHooks(self.report, self.check_access, self.wait_room, self.grow))
 
     # --- what the session's public methods do ---------------------------------------
 
@@ -317,8 +319,8 @@ class Lease:
             with self._unlocked(), self.swap_lock:
                 if g.swap_in or self.backend.swapped_bytes:
                     self._swap("in", 0)
-                # Work may grow the session to its limit: not before the node has room.
-                self.wait_room(self.memory_limit)
+                # Work may grow the session to its bound: not before the node has room.
+                self.wait_room(self.bound or self.memory_limit)
         except NodeLost:
             self._ask_again()
             return False
@@ -381,7 +383,7 @@ class Lease:
             self._update()
             self.cond.notify_all()
 
-    def _release(self, again: bool) -> None:
+    def _release(self, again: bool, need: int = 0) -> None:
         """HOLDING -> IDLE (burst end) or -> ACQUIRING (``again``: yield), by YIELDING
         when the revoke asked for a swap-out, done after the release so the next holder
         swaps in meanwhile."""
@@ -391,9 +393,9 @@ class Lease:
             self.backend.synchronize()  # the GPU work is done before the lease goes
         after = Phase.ACQUIRING if again else Phase.IDLE
         self.phase = Phase.YIELDING if swap_out else after
-        self.lease, self.room, self.grant, self.rejoin = 0, 0, None, again
+        self.lease, self.room, self.bound, self.grant, self.rejoin = 0, 0, 0, None, again
         self._update()
-        self.link.send(self._release_msg(again=again, swapping_out=swap_out))
+        self.link.send(self._release_msg(again=again, swapping_out=swap_out, need=need))
         if swap_out:
             try:
                 with self._unlocked(), self.swap_lock:
@@ -468,6 +470,21 @@ class Lease:
                     return
                 self.cond.wait()
 
+    def grow(self, resident: int) -> None:
+        """Before an allocation (the allocating thread, unlocked): ``resident`` bytes in
+        all are more than the grant's bound? Then yield, asking again with that need
+        (the rest of the quantum ahead of the queue), and hold again once the node has
+        room: the allocation waits, as a burst's start does, and never fails for want of
+        memory the limit allows."""
+        with self.cond:
+            while self.bound and resident > self.bound and self.phase is Phase.HOLDING:
+                self.usable()
+                self.grows += 1
+                self.backend.synchronize()  # GPU work queued is done before the lease goes
+                t0 = _now()
+                self._release(again=True, need=resident)
+                self._await(t0)
+
     def report(self) -> None:
         # A swap-in's progress is not the node's concern: a holder counts at its limit
         # (or its room), a prefetching session at its room, and the SwapDone carries the
@@ -489,7 +506,7 @@ class Lease:
         self.asks += 1
         return p.Acquire(ask=self.asks)
 
-    def _release_msg(self, again: bool = False, swapping_out: int = 0) -> p.Release:
+    def _release_msg(self, again: bool = False, swapping_out: int = 0, need: int = 0) -> p.Release:
         self.told = resident, swapped = self._figures()
         if again:
             self.asks += 1
@@ -499,6 +516,7 @@ class Lease:
             again=again,
             swapping_out=swapping_out,
             ask=self.asks if again else 0,
+            need=need,
         )
 
     def _swap_done_msg(
@@ -568,11 +586,11 @@ class Lease:
             log.debug("grant %d answers ask %d, not ask %d: not taken", g.lease, g.ask, self.asks)
             return
         if self.phase is Phase.HOLDING:  # thawed after a freeze: a new lease, same burst
-            self.lease, self.token, self.revoke = g.lease, g.token, None
+            self.lease, self.token, self.revoke, self.bound = g.lease, g.token, None, g.bound
         elif self.grant is None and (
             self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin)
         ):
-            self.grant, self.lease, self.token = g, g.lease, g.token
+            self.grant, self.lease, self.token, self.bound = g, g.lease, g.token, g.bound
             self._set_room(g.room)
         else:
             log.debug("grant %d not asked for (crossed a release): not taken", g.lease)
@@ -585,7 +603,8 @@ class Lease:
             log.debug("prefetch %d not taken (%s)", m.seq, self.phase.value)
 
     def _set_room(self, room: int) -> None:
-        self.room = room if room < self.memory_limit else 0  # its limit: no bound
+        # its bound (its limit): no bound but that
+        self.room = room if room < (self.bound or self.memory_limit) else 0
 
     def _on_swap_out(self, msg: p.SwapOut) -> None:
         # On the reader thread. Only memory of a session with no grant: its threads

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from gpushare.client import launchers
-from gpushare.client.env import rank_gpu, read_env
+from gpushare.client.env import memory_figures, rank_gpu, read_env
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ def child_env(  # noqa: C901
     socket: str | None,
     gpu: int | None,
     notes: list[str] | None = None,
+    memory_limit: str | None = None,
 ) -> dict[str, str]:
     """The command's environment: what the sitecustomize in it needs. What had to be
     changed besides is said in ``notes``."""
@@ -66,6 +67,8 @@ def child_env(  # noqa: C901
     env["GPUSHARE_PYTHON"] = sys.executable  # named when a foreign Python is refused
     if memory is not None:
         env["GPUSHARE_MEMORY"] = str(parse_size(memory))
+    if memory_limit is not None:
+        env["GPUSHARE_MEMORY_LIMIT"] = str(parse_size(memory_limit))
     for key, value in (
         ("GPUSHARE_WEIGHT", weight),
         ("GPUSHARE_NAME", name),
@@ -129,6 +132,13 @@ def is_python(exe: str) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
+def _memory_words(session: Session) -> str:
+    limit = f" memory limit {format_size(session.memory_limit)}"
+    if session.memory_request < session.memory_limit:
+        return f" memory request {format_size(session.memory_request)},{limit}"
+    return limit
+
+
 def run(
     command: Sequence[str],
     memory: str | None = None,
@@ -136,6 +146,7 @@ def run(
     name: str | None = None,
     socket: str | None = None,
     gpu: int | None = None,
+    memory_limit: str | None = None,
 ) -> int:
     if not command:
         print(
@@ -153,10 +164,12 @@ def run(
         return 2
     notes: list[str] = []
     try:
-        env = child_env(dict(os.environ), memory, weight, name, socket, gpu, notes)
+        env = child_env(dict(os.environ), memory, weight, name, socket, gpu, notes, memory_limit)
         # What the program's attach will read (GPUSHARE_MEMORY, GPU_PORTION, the pod's
-        # annotations): a wrong value is a usage error said here, as --memory's is.
-        read_env(env)
+        # annotations): a wrong value is a usage error said here, as --memory's is; so
+        # is a limit below the request.
+        e = read_env(env)
+        memory_figures(None, None, e)
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
@@ -276,7 +289,7 @@ def child_start() -> None:
     print(
         f"gpushare run: attached as session {session.id} ({session.name}) on GPU"
         f" {session.gpu_index} ({session.gpu_name}{', simulated' if session.simulated else ''}),"
-        f" memory limit {format_size(session.memory_limit)}{tq}",
+        f"{_memory_words(session)}{tq}",
         file=sys.stderr,
         flush=True,
     )

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 from gpushare import protocol as p
-from gpushare.client.env import program_name, read_env
+from gpushare.client.env import memory_figures, program_name, read_env
 from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
 from gpushare.client.swap.base import SwapBackend, SwapHooks
@@ -40,7 +40,6 @@ from gpushare.client.transport import (
     open_connection,
 )
 from gpushare.errors import GpushareError
-from gpushare.units import parse_size
 
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 _now = time.monotonic
@@ -57,6 +56,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def attach(
     memory: str | int | None = None,
     *,
+    memory_limit: str | int | None = None,
     socket: str | None = None,
     gpu: int | None = None,
     name: str | None = None,
@@ -67,8 +67,12 @@ def attach(
 ) -> Session:
     """Attach this process to a GPU through the node daemon; returns a :class:`Session`.
 
-    ``memory`` (``"20GiB"``, bytes) is the most GPU memory the session may use; without
-    it ``GPUSHARE_MEMORY``, then KAI's ``GPU_PORTION`` of the GPU, then the whole GPU.
+    ``memory`` (``"20GiB"``, bytes) is the GPU memory the session requests: what the node
+    guarantees it and packs sessions by; without it ``GPUSHARE_MEMORY``, then KAI's
+    ``gpu-memory`` annotation or ``GPU_PORTION`` of the GPU, then the whole GPU.
+    ``memory_limit`` is the most it may use (default ``GPUSHARE_MEMORY_LIMIT``, KAI's
+    limit annotations, else the request): between the two, memory is lent while it is
+    free and given back when it is needed, never a reason to end the workload.
     ``timeout`` bounds connecting (a busy node is tried again within it) and the
     handshake. ``reconnect_timeout`` (default ``GPUSHARE_RECONNECT_TIMEOUT``, else 60 s)
     bounds how long a new burst waits for a node that went away. Raises
@@ -77,6 +81,7 @@ def attach(
     """
     return attach_with(
         memory,
+        memory_limit=memory_limit,
         socket=socket,
         gpu=gpu,
         name=name,
@@ -90,6 +95,7 @@ def attach(
 def attach_with(
     memory: str | int | None = None,
     *,
+    memory_limit: str | int | None = None,
     socket: str | None = None,
     gpu: int | None = None,
     name: str | None = None,
@@ -104,16 +110,15 @@ def attach_with(
     reconnecting): ``gpushare run`` stops its program there."""
     env = read_env()
     path = socket or env.socket
-    try:
-        limit = parse_size(memory) if memory is not None else env.memory
-    except ValueError as e:
-        raise ValueError(f"memory={memory!r}: {e}") from None
+    request, limit = memory_figures(memory, memory_limit, env)
     hello = p.Hello(
         version=p.PROTOCOL_VERSION,
         name=name or f"{program_name(sys.argv[0], sys.orig_argv)}-{os.getpid()}",
         memory_limit=limit,
+        memory_request=request,
         weight=weight if weight is not None else env.portion,
         portion=env.portion,  # the limit's share when none is given; and the weight's source
+        portion_limit=env.portion_limit,
         gpu=gpu if gpu is not None else env.gpu,
         gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",
@@ -123,6 +128,8 @@ def attach_with(
         pod_uid=env.pod_uid,
         fills=True,
         prefetch=True,
+        grows=True,  # the sim backend asks before it grows past a bound (a node lends
+        # bounds only on simulated GPUs: the torch backend's allocator cannot wait yet)
         **gang_fields(),  # a rank of a distributed job: granted with the others
     )
     if reconnect_timeout is None:
@@ -218,6 +225,8 @@ class Session:
         self.gpu_name = welcome.gpu_name
         self.simulated = welcome.simulated
         self.memory_limit = welcome.memory_limit
+        # what the node guarantees and packs by (its limit unless it asked for less)
+        self.memory_request = welcome.memory_request or welcome.memory_limit
         self.weight = welcome.weight
         self.idle_release_s = welcome.idle_release_s
         self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)

@@ -24,11 +24,12 @@ class GrantAction:
     thaw: bool = False  # the process was frozen: continue it before telling it
     room: int = 0  # swap in only up to this many resident bytes until a RoomAction
     resume: bool = False  # the lease the session claimed after a node restart, given back
+    bound: int = 0  # the most it may have without asking again (0: its limit)
 
 
 @dataclass(frozen=True)
 class RoomAction:
-    """A filling holder may now have ``room`` bytes on the GPU (its limit: no bound)."""
+    """A filling holder may now have ``room`` bytes on the GPU (its bound: no bound but that)."""
 
     session: int
     room: int

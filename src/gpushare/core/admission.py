@@ -1,10 +1,13 @@
 """Admission: who joins the holders, and when.
 
 In mode ``exclusive`` the GPU is one session's (or one gang's) at a time; in mode
-``auto`` sessions hold together while the memory limits of all who want the GPU fit. A
-grant is made only when the grantee's limit fits beside everyone's count (core/planner.py's
-rule); when it does not, the planner asks for swap-outs, and a client that can fill is
-granted at once into what is free and what those swap-outs free. Nothing is granted
+``auto`` sessions hold together while the memory requests of all who want the GPU fit
+(a request is the limit unless the session gave a smaller one). A grant is made only
+when the grantee's bound (core/ledger.bound_for) fits beside everyone's count
+(core/planner.py's rule); when it does not, the planner asks for swap-outs (bytes above
+requests first), a holder that holds memory lent above its request gives it back (a
+revoke, reason ``reclaim``), and a client that can fill is granted at once into what is
+free and what those swap-outs free. Nothing is granted
 during a node's recovery window, while a verified claim has not yielded, or while the
 GPU is kept for a gang on several GPUs (core/coordinator.py).
 """
@@ -13,10 +16,12 @@ from __future__ import annotations
 
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
+from gpushare.core.events import Reclaim
 from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
+from gpushare.core.ledger import bound_for
 from gpushare.core.planner import plan_grant
-from gpushare.core.sessions import SessionState
+from gpushare.core.sessions import SessionState, State
 from gpushare.core.state import GpuState
 from gpushare.core.window import Window
 
@@ -48,16 +53,16 @@ class Admission:
             return True
         if self.st.settings.mode == "exclusive":
             return False
-        # Do the limits of all who want the GPU fit (a quantum waiting for its holder
-        # included; a gang's ranks all, as they may all ask at any time)? Stop at the
-        # first that does not: the queue is long only when they do not.
+        # Do the requests of all who want the GPU fit (a quantum waiting for its holder
+        # included; a gang's ranks' limits all, as they may all ask at any time)? Stop at
+        # the first that does not: the queue is long only when they do not.
         total = 0
         w = self.window.holder
         gangs: set[str] = set()
         for i in (*st.holders, *(() if w is None else (w,)), *st.queue):
             s = st.sessions[i]
             if not s.rank.gang:
-                total += s.memory.limit
+                total += s.memory.guaranteed
             elif s.rank.gang not in gangs:
                 gangs.add(s.rank.gang)
                 total += self.gangs.limits(s.rank.gang)
@@ -79,6 +84,7 @@ class Admission:
                 return
             granted = self._grant_head(head)
             if not granted:
+                self._reclaim_for(head)
                 return
             if head.rank.gang:  # its peers that ask join it
                 self.gangs.grant_joining(now, self.leases.grant)
@@ -94,12 +100,12 @@ class Admission:
         for h in st.holders:
             x = st.sessions[h].memory
             if x.room:
-                filling += x.limit - x.room
+                filling += x.held - x.room
         # A rank's grant makes its gang hold: its peers then count at their limits.
         peers = self.gangs.peers_to_count(head)
         others = self.st.used_bytes() - head.used + filling + peers
-        if others + head.memory.limit <= self.st.capacity:
-            self.leases.grant(head)
+        if others + bound_for(head, st.settings.mode) <= self.st.capacity:
+            self.leases.grant(head, lent=True)
             return True
         plan = plan_grant(self.st.capacity, self.gangs.views(head, peers), head.id)
         if plan.fits:
@@ -123,9 +129,45 @@ class Admission:
         """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
         else a revoke."""
         others = self.st.used_bytes() - s.used
-        if self.may_join() and others + s.memory.limit <= self.st.capacity:
+        if self.may_join() and others + bound_for(s, self.st.settings.mode) <= self.st.capacity:
             self.st.queue.remove(s.id)
             self.st.queue.appendleft(s.id)
             self.leases.grant(s, resume=True)
         else:
             self.claims.tell_to_yield(s, lease, verified=True)
+
+    def _reclaim_for(self, head: SessionState) -> None:
+        """``head`` waits for memory while the requests fit (mode auto): holders whose
+        memory above their request was lent from what was free give it back at their
+        next safe point (a revoke; the planner then asks for those bytes first), the
+        most lent first, until the holders left fit beside the head. A holder that won
+        its memory by the quanta's rotation keeps its quantum (docs/scheduling.md)."""
+        st = self.st
+        lent = [
+            h
+            for h in map(st.sessions.__getitem__, st.holders)
+            if h.memory.lent and h.state is State.HOLDING
+        ]
+        if not lent or st.settings.mode != "auto":
+            return
+        over = st.used_bytes() - head.used + bound_for(head, st.settings.mode) - st.capacity
+        now = st.now()
+        for h in sorted(lent, key=lambda h: (h.memory.guaranteed - h.memory.held, h.id)):
+            if over <= 0:
+                break
+            m = h.memory
+            back = m.held - m.guaranteed
+            over -= back
+            m.lent = False
+            m.reclaims += 1
+            m.reclaimed += back
+            st.out.emit(
+                Reclaim(
+                    session=h.id,
+                    lent_bytes=back,
+                    request_bytes=m.guaranteed,
+                    resident_bytes=m.resident,
+                    waiting_session=head.id,
+                )
+            )
+            self.leases.revoke(h, now, reason="reclaim")

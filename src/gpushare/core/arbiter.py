@@ -165,6 +165,8 @@ class Arbiter:
         *,
         name: str,
         memory_limit: int,
+        memory_request: int | None = None,
+        grows: bool = False,
         weight: float = 1.0,
         resident: int = 0,
         swapped: int = 0,
@@ -187,14 +189,18 @@ class Arbiter:
         overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
         told. ``gang``: the node's key of the distributed job it is a rank of
         (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
-        ranks elsewhere too)."""
+        ranks elsewhere too). ``memory_request``: what the node guarantees and packs by in
+        mode auto (default: the limit); ``grows``: its client asks (a release with a need)
+        before it has more than its grant's bound."""
         st = self.st
         limit = memory_limit
         weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
+        request = self._check_request(memory_request, limit)
         if gang:
             self.gangs.check(gang, limit, spans_nodes)
         now = self.clock.monotonic()
-        s = SessionState(id=sid, name=name, weight=weight, memory=Memory(limit, fills=fills))
+        mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
+        s = SessionState(id=sid, name=name, weight=weight, memory=mem)
         s.attached = s.lease.idle_since = now
         s.prefetch.enabled = prefetch
         s.share.credit = self.turns.first_credit()
@@ -211,6 +217,7 @@ class Arbiter:
                 limit_bytes=limit,
                 weight=weight,
                 resumed=resumed,
+                request_bytes=mem.request or None,
                 resident_bytes=resident,
                 swapped_bytes=swapped,
                 gang=gang or None,
@@ -257,6 +264,19 @@ class Arbiter:
                 f" in use on GPU {self.gpu} ({self.capacity} usable)"
             )
         return weight
+
+    def _check_request(self, request: int | None, limit: int) -> int:
+        """A memory request: bytes, at most the limit (checked after the limit)."""
+        if request is None:
+            return limit
+        if isinstance(request, bool) or not isinstance(request, int) or request <= 0:
+            raise FieldError(f"memory_request must be a positive number of bytes, not {request!r}")
+        if request > limit:
+            raise FieldError(
+                f"memory request {format_size(request)} is more than the memory limit"
+                f" {format_size(limit)}: ask for a limit at least as large as the request"
+            )
+        return request
 
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
@@ -352,16 +372,25 @@ class Arbiter:
         swapped_out: int = 0,
         seconds: float = 0.0,
         swapping_out: int = 0,
+        need: int = 0,
     ) -> list[Action]:
         """The burst ended, or the holder yielded (``again``). ``swapped_out`` bytes went
         on the way (older clients); ``swapping_out`` bytes are going now, after the release,
         reported as they go (:meth:`report`) and when done (:meth:`swap_done`): the GPU work
-        has stopped, so the next holder's swap-in may overlap that swap-out."""
+        has stopped, so the next holder's swap-in may overlap that swap-out. ``need``
+        (with ``again``, from a holder): an allocation needs room for this many bytes,
+        more than its bound: it asks again, ahead of the queue with the rest of its
+        quantum, and is granted when that fits (docs/scheduling.md)."""
         s = self.st.get(sid)
         now = self.clock.monotonic()
         self.st.ledger.check_figures(s, "release", resident, swapped)
         count("release: swapping_out", swapping_out, s.memory.limit)
         count("release: swapped_out", swapped_out, s.memory.limit)
+        count("release: need", need, s.memory.limit)
+        if need and not (again and s.holding and s.memory.grows):
+            raise FieldError(
+                "release: need is for a holder that asks again, with a client that grows"
+            )
         took = _seconds("release: seconds", seconds)
         if s.state is State.WAITING and not again:
             self._end_burst_waiting(s, now, resident, swapped)
@@ -370,7 +399,11 @@ class Arbiter:
         elif not s.holding:
             raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
         else:
-            self._release_lease(s, now, resident, swapped, again, swapped_out, took, swapping_out)
+            s.memory.need = max(s.memory.need, need)
+            grow = bool(need)
+            self._release_lease(
+                s, now, resident, swapped, again, swapped_out, took, swapping_out, grow
+            )
         return self._decide()
 
     def swap_done(
@@ -514,6 +547,7 @@ class Arbiter:
         out: int,
         took: float,
         swapping_out: int,
+        grow: bool = False,
     ) -> None:
         st, ls, m = self.st, s.lease, s.memory
         revoked = s.state is State.YIELDING
@@ -537,17 +571,22 @@ class Arbiter:
         m.pending_out = min(swapping_out, m.resident)
         if m.pending_out:  # swapping out after the release, as a non-holder: a deadline
             st.deadlines.set_swap_out(s, now + self.settings.grace_s)
-        reason = "revoked" if revoked else ("yield" if again else "burst_end")
+        reason = "revoked" if revoked else ("grow" if grow else ("yield" if again else "burst_end"))
         lease, ls.number = ls.number, 0
         s.esc.escalated = False
         window = 0.0
+        m.lent = False
+        if grow and not revoked and not s.share.resume_s:  # yielded to grow: the rest of its
+            left = ls.quantum_end - now  # quantum next, ahead of the queue
+            s.share.resume_s = max(0.0, left) if math.isfinite(left) else ls.quantum_len
         if again:
-            self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused by a turn: it goes on next
+            self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused: it goes on next
             if revoked and s.rank.gang:  # its gang holds the GPU until every member yields
                 self.gangs.park(s, now)
         else:
             s.state = State.IDLE
             ls.idle_since = now
+            m.need = 0
             s.share.resume_s = 0.0
             Shares.went_idle(s)
             sh = s.share

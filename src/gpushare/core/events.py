@@ -50,6 +50,7 @@ class Attach(Event):
     limit_bytes: int
     weight: float
     resumed: bool
+    request_bytes: int | None = None  # its memory request, when below its limit
     resident_bytes: int
     swapped_bytes: int
     gang: str | None = None  # a rank of a distributed job: its gang, and as its client says
@@ -73,6 +74,7 @@ class Grant(Event):
     quantum_s: float
     shared: bool
     room_bytes: int | None = None
+    bound_bytes: int | None = None  # below its limit: the most it may have without asking
     continued: bool | None = None
     turn: bool | None = None
     resumed: bool | None = None
@@ -178,6 +180,18 @@ class Recovery(Event):
     reason: str | None = None
 
 
+@dataclass(kw_only=True, slots=True)
+class Reclaim(Event):
+    """A holder gives back memory lent above its request (a revoke follows, reason
+    ``reclaim``): ``waiting_session`` did not fit beside it."""
+
+    kind: ClassVar[str] = "reclaim"
+    lent_bytes: int
+    request_bytes: int
+    resident_bytes: int
+    waiting_session: int
+
+
 KINDS: tuple[type[Event], ...] = (
     Attach,
     Detach,
@@ -192,4 +206,5 @@ KINDS: tuple[type[Event], ...] = (
     Escalate,
     Refused,
     Recovery,
+    Reclaim,
 )

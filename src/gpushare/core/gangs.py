@@ -243,12 +243,12 @@ class Gangs(Mapping[str, Gang]):
         """Every session as the planner sees it; where ``s``'s grant makes its gang hold
         (``peers``, its :meth:`peers_to_count`, is not 0), as that grant would make it:
         its peers at their limits, not victims."""
-        now = self.st.now()
+        now, mode = self.st.now(), self.st.settings.mode
         ss = self.st.sessions.values()
         if not peers:
-            return [view(v, now) for v in ss]
+            return [view(v, now, mode) for v in ss]
         members = self._gangs[s.rank.gang].members - {s.id}
-        return [at_limit(v) if v.id in members else view(v, now) for v in ss]
+        return [at_limit(v) if v.id in members else view(v, now, mode) for v in ss]
 
     # --- the gang as one holder ----------------------------------------------------
 

@@ -19,7 +19,7 @@ from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
 from gpushare.core.events import Grant, Release, Revoke
 from gpushare.core.gangs import Gangs
-from gpushare.core.ledger import released
+from gpushare.core.ledger import bound_for, released
 from gpushare.core.planner import MemoryView, plan_grant
 from gpushare.core.sessions import SessionState, State
 from gpushare.core.shares import Shares
@@ -65,9 +65,15 @@ class Leases:
         s.share.turn, s.share.resume_s = False, 0.0
         self.enqueue(s)
 
-    def grant(self, s: SessionState, room: int = 0, resume: bool = False) -> None:
+    def grant(
+        self, s: SessionState, room: int = 0, resume: bool = False, lent: bool = False
+    ) -> None:
+        """``lent``: it fits beside the others as things are; granted in the decision
+        that asked, what its bound holds above its request is lent from free memory and
+        given back on demand (core/admission.py's reclaim)."""
         st = self.st
         now = self.st.now()
+        asked_now = s.lease.wait_start == now
         if st.queue[0] == s.id:
             st.queue.popleft()
         else:  # a gang member joining its gang's lease, ahead of the queue
@@ -94,6 +100,9 @@ class Leases:
             if regroup:  # parked, its peers still holding: on to its next safe point
                 kind["regroup"] = True
         m = s.memory
+        bound = bound_for(s, st.settings.mode)
+        m.bound = bound if bound < m.limit else 0
+        m.lent = lent and asked_now and m.held > m.guaranteed
         ls.quantum_len = q
         m.room = room
         m.swapping_in = bool(m.swapped)
@@ -121,10 +130,11 @@ class Leases:
                 quantum_s=q,
                 shared=shared,
                 room_bytes=room or None,
+                bound_bytes=m.bound or None,
                 **kind,
             )
         )
-        st.out.act(GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume))
+        st.out.act(GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume, m.bound))
         # Its gang is on its way out: it goes on to its next safe point only.
         if g is not None and self.gangs.yielding(g):
             self.revoke(s, now, g.reason or "quantum")
@@ -157,10 +167,10 @@ class Leases:
             if not m.room:
                 continue
             free = self.st.capacity - (self.st.used_bytes() - m.room)
-            if free >= m.limit:
+            if free >= m.held:
                 m.room = 0
                 st.ledger.recount(s)
-                st.out.act(RoomAction(s.id, m.limit))
+                st.out.act(RoomAction(s.id, m.held))
                 if math.isinf(s.lease.quantum_end):  # bounded again, even if it never reports
                     s.lease.quantum_end = self._quantum_end(s)
                 continue
@@ -203,12 +213,14 @@ class Leases:
     def _fits_after_release(self, s: SessionState, head: SessionState) -> bool:
         """Would the planner find that ``head`` fits with holder ``s`` counted as if
         released (:meth:`_views_released`)? Its sum without scanning: holders count at
-        their limits there (rooms here), ``s`` at what it has."""
-        planned = self.st.used_bytes() - head.used - s.used + s.memory.resident + head.memory.limit
+        their bounds there (rooms here), ``s`` at what it has."""
+        st = self.st
+        planned = st.used_bytes() - head.used - s.used + s.memory.resident
+        planned += bound_for(head, st.settings.mode)
         for h in self.st.holders:
             if h != s.id:
                 v = self.st.sessions[h]
-                planned += v.memory.limit - v.used
+                planned += v.memory.held - v.used
         return planned <= self.st.capacity
 
     def _views_released(self, s: SessionState) -> list[MemoryView]:

@@ -79,28 +79,45 @@ class Ledger:
         return wrong
 
 
-def view(s: SessionState, now: float) -> MemoryView:
-    """``s`` as the planner sees it: a holder (a quantum waiting for it, a rank whose gang
-    holds) at its limit and never a victim; pinned where it cannot be asked now."""
+def bound_for(s: SessionState, mode: str) -> int:
+    """What a grant lets ``s`` have without asking again: its limit, except in mode auto
+    for a client that asks before it grows (``grows``) and is no rank of a gang: the
+    most of its request, what it has (resident and swapped) and what it last asked for,
+    up to its limit. So a session packed by its request holds at its request until it
+    asks for more (docs/scheduling.md, "Memory request and limit")."""
+    m = s.memory
+    if mode != "auto" or not m.grows or s.rank.gang:
+        return m.limit
+    return min(m.limit, max(m.guaranteed, m.resident + m.swapped, m.need))
+
+
+def view(s: SessionState, now: float, mode: str) -> MemoryView:
+    """``s`` as the planner sees it: a holder (a quantum waiting for it) at its bound, a
+    rank whose gang holds at its limit, never victims; anyone else sized at what a grant
+    would let it have (:func:`bound_for`); pinned where it cannot be asked now."""
     pinned = s.esc.frozen or s.esc.swap_failed_until > now or s.prefetch.active
-    resident = s.memory.resident if s.holding else s.used
+    m = s.memory
+    resident = m.resident if s.holding else s.used
     holding = s.holding or s.share.window or s.rank.held
+    size = m.limit if s.rank.held and not s.holding else (m.held if holding else bound_for(s, mode))
     return MemoryView(
         s.id,
-        s.memory.limit,
+        size,
         resident,
         holding,
         s.lease.last_served,
-        s.memory.pending_out,
+        m.pending_out,
         pinned,
         s.expected_back(now),
+        m.guaranteed,
     )
 
 
 def released(s: SessionState) -> MemoryView:
     """Holder ``s`` as if it had released: at what it has, a possible victim."""
     m = s.memory
-    return MemoryView(s.id, m.limit, m.resident, False, s.lease.last_served, m.pending_out)
+    # Rotated by its quantum: every byte of it may go for the next holder.
+    return MemoryView(s.id, m.held, m.resident, False, s.lease.last_served, m.pending_out)
 
 
 def at_limit(s: SessionState) -> MemoryView:

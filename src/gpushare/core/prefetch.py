@@ -47,7 +47,8 @@ def plan_prefetch(st: GpuState, now: float, *, taken: bool) -> None:
         (v for v in st.sessions.values() if v.state is State.IDLE and not v.share.window),
         key=lambda v: (v.expected_back(now), v.lease.last_served, v.id),
     )
-    victims = [view(v, now) for v in idle if not v.expected_back(now)]
-    victims += [view(st.sessions[q], now) for q in reversed(st.queue) if q != h.id]
+    mode = st.settings.mode
+    victims = [view(v, now, mode) for v in idle if not v.expected_back(now)]
+    victims += [view(st.sessions[q], now, mode) for q in reversed(st.queue) if q != h.id]
     for sid, n in take_from(victims, need)[0]:
         st.ask_swap_out(sid, n)

@@ -29,9 +29,18 @@ class State(StrEnum):
 
 @dataclass
 class Memory:
-    """Its memory: the limit it is held to, what it has where, and what is on its way."""
+    """Its memory: the limit it is held to, the request it is packed by, what it has
+    where, and what is on its way."""
 
     limit: int  # the most it may have on the GPU (memory_limit on the wire)
+    # What the node guarantees and packs by in mode auto (memory_request; 0: its limit).
+    request: int = 0
+    grows: bool = False  # its client asks (a need) before it has more than its bound
+    # Holding: the most it may have without asking again (0: its limit). In mode auto a
+    # growing client's grant lends what it asks, up to its limit (core/ledger.bound_for).
+    bound: int = 0
+    need: int = 0  # this burst: the room its last ask named (an allocation past its bound)
+    lent: bool = False  # holding above its request on memory that was free: given back on demand
     resident: int = 0
     swapped: int = 0
     pending_out: int = 0  # asked to swap out, not yet gone
@@ -40,6 +49,18 @@ class Memory:
     swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
     over_limit: bool = False  # escalated for this stretch over its limit
     counted: int = 0  # its part of the ledger's running total (Ledger.recount)
+    reclaims: int = 0  # bursts given back (revoked for being above its request)
+    reclaimed: int = 0  # bytes above its request it was asked to give back
+
+    @property
+    def held(self) -> int:
+        """What it may have while it holds (its bound, else its limit)."""
+        return self.bound or self.limit
+
+    @property
+    def guaranteed(self) -> int:
+        """Its request: what it is packed by."""
+        return self.request or self.limit
 
 
 @dataclass
@@ -169,14 +190,16 @@ class SessionState:
 
     @property
     def used(self) -> int:
-        """What it may have on the GPU: a holder its limit (its room while filling), a
-        session whose quantum waits for it its limit too, as does a rank whose gang holds
-        (it may join at any time), a prefetching one its room, anyone else what is there
-        now."""
+        """What it may have on the GPU: a holder its bound (its limit, unless a growing
+        client's grant lent less; its room while filling), a session whose quantum waits
+        for it its bound too, a rank whose gang holds its limit (it may join at any
+        time), a prefetching one its room, anyone else what is there now."""
         m = self.memory
         if self.holding:
-            return m.room or m.limit
-        if self.share.window or self.rank.held:
+            return m.room or m.held
+        if self.share.window:
+            return m.held
+        if self.rank.held:
             return m.limit
         if m.swapping_in:  # frozen mid swap-in: all of it may have landed
             return m.resident + m.swapped

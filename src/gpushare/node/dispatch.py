@@ -116,6 +116,7 @@ class Dispatch:
                         token=token,
                         resume=a.resume,
                         ask=c.ask,
+                        bound=a.bound,
                     ),
                 )
             elif isinstance(a, ThawAction):

@@ -89,6 +89,16 @@ _SESSION_COUNTERS: list[tuple[str, str, str]] = [
     ("escalations", "escalations_total", "Escalations applied to this session."),
     ("bursts", "bursts_total", "Bursts (requests for the GPU) this session made."),
     (
+        "reclaims",
+        "reclaims_total",
+        "Bursts this session gave back (memory lent above its request).",
+    ),
+    (
+        "reclaimed_bytes",
+        "reclaimed_bytes_total",
+        "Bytes lent above this session's request that its reclaims took back.",
+    ),
+    (
         "utilization_seconds",
         "utilization_seconds_total",
         "GPU utilization attributed to this session through its lease, in busy-seconds.",
@@ -98,6 +108,11 @@ _SESSION_GAUGES: list[tuple[str, str, str]] = [
     ("resident_bytes", "resident_bytes", "Bytes of this session's memory on the GPU."),
     ("swapped_bytes", "swapped_bytes", "Bytes of this session's GPU memory in host memory."),
     ("memory_limit_bytes", "memory_limit_bytes", "This session's GPU memory limit."),
+    (
+        "memory_request_bytes",
+        "memory_request_bytes",
+        "This session's GPU memory request (what the node guarantees and packs by).",
+    ),
     ("weight", "weight", "This session's weight under policy weighted."),
 ]
 # (metric, help, the fields out and in) for per-session counters by direction

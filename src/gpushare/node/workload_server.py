@@ -71,6 +71,18 @@ def check_hello(h: p.Hello) -> None:
             "attach",
             f"hello: portion must be a fraction in (0, 1] (KAI's GPU_PORTION), not {h.portion}",
         )
+    pl = h.portion_limit
+    if pl is not None and not (
+        h.portion is not None
+        and isinstance(pl, int | float)
+        and math.isfinite(pl)
+        and h.portion <= pl <= 1
+    ):
+        raise Refused(
+            "attach",
+            "hello: portion_limit must be a fraction in [portion, 1] beside a portion"
+            f" (KAI's gpu-memory.portion.limit), not {pl}",
+        )
     if not 0 <= h.gang_size <= MAX_GANG or not -1 <= h.rank < max(h.gang_size, 1):
         raise Refused(
             "attach",
@@ -258,6 +270,8 @@ class WorkloadServer:
                 sid,
                 name=name,
                 memory_limit=limit,
+                memory_request=_request_of(h, arb.capacity, limit),
+                grows=h.grows and g.simulated,  # real GPUs: not yet (docs/scheduling.md)
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
@@ -302,6 +316,7 @@ class WorkloadServer:
                 gpu_uuid=g.uuid,
                 simulated=g.simulated,
                 memory_limit=limit,
+                memory_request=arb.sessions[sid].memory.request,
                 weight=weight,
                 idle_release_s=cfg.idle_release,
                 sim_scale=cfg.sim_scale,
@@ -356,6 +371,7 @@ class WorkloadServer:
                 swapped_out=msg.swapped_out,
                 seconds=msg.seconds,
                 swapping_out=msg.swapping_out,
+                need=msg.need,
             )
         if isinstance(msg, p.SwapDone):
             return arb.swap_done(
@@ -406,9 +422,20 @@ def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
 
 
 def _limit_of(h: p.Hello, capacity: int) -> int:
-    """The memory limit a hello asks for: its own, its pod's portion, or the whole GPU."""
+    """The memory limit a hello asks for: its own, its pod's portion limit or portion,
+    or the whole GPU."""
     if h.memory_limit is not None:
         return h.memory_limit
     if h.portion is not None:
-        return max(1, int(capacity * h.portion))
+        return max(1, int(capacity * (h.portion_limit or h.portion)))
     return capacity
+
+
+def _request_of(h: p.Hello, capacity: int, limit: int) -> int | None:
+    """The memory request a hello asks for: its own, its pod's portion (when a portion
+    limit makes the limit larger), else none (the limit). The arbiter checks it."""
+    if h.memory_request is not None:
+        return h.memory_request
+    if h.portion is not None and h.portion_limit is not None and h.memory_limit is None:
+        return max(1, int(capacity * h.portion))
+    return None

@@ -344,7 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--memory",
         metavar="SIZE",
-        help="memory limit (default GPUSHARE_MEMORY, else KAI's GPU_PORTION of the GPU)",
+        help="memory request: what the node guarantees and packs by, and the limit unless"
+        " --memory-limit says more (default GPUSHARE_MEMORY, else KAI's gpu-memory or"
+        " GPU_PORTION of the GPU)",
+    )
+    r.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        help="the most memory the program may use: above the request it is lent while"
+        " free and given back when needed, never a reason to end it (default"
+        " GPUSHARE_MEMORY_LIMIT, else KAI's limit annotations, else the request)",
     )
     r.add_argument(
         "--weight",
@@ -577,15 +586,17 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
         from gpushare.client.runner import run
 
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-        if args.memory is not None:
+        for flag, value in (("--memory", args.memory), ("--memory-limit", args.memory_limit)):
+            if value is None:
+                continue
             try:
-                if parse_size(args.memory) == 0:  # a clear error before anything starts
-                    raise ValueError("a memory limit must be more than 0: like --memory 10GiB")
+                if parse_size(value) == 0:  # a clear error before anything starts
+                    raise ValueError(f"memory must be more than 0: like {flag} 10GiB")
             except ValueError as e:
-                print(f"gpushare run: error: --memory: {e}", file=sys.stderr)
+                print(f"gpushare run: error: {flag}: {e}", file=sys.stderr)
                 return 2
         socket = getattr(args, "socket", None)
-        return run(cmd, args.memory, args.weight, args.name, socket, args.gpu)
+        return run(cmd, args.memory, args.weight, args.name, socket, args.gpu, args.memory_limit)
     if args.cmd == "top":
         from gpushare.tools.top import run_top
 

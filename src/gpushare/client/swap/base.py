@@ -29,6 +29,9 @@ class SwapHooks:
     on_change: Callable[[], None] = _nothing  # memory figures changed: report them
     check_access: Callable[[], None] = _nothing  # raises outside a lease
     wait_room: Callable[[int], None] = _no_bound  # blocks until that much is allowed
+    # Before an allocation: blocks until the session may have that many bytes in all
+    # (past its grant's bound it asks the node again, yielding meanwhile).
+    grow: Callable[[int], None] = _no_bound
 
 
 NO_HOOKS = SwapHooks()
@@ -60,6 +63,7 @@ class SwapBackend(ABC):
         self.on_change: Callable[[], None] = hooks.on_change
         self.check_access: Callable[[], None] = hooks.check_access
         self.wait_room: Callable[[int], None] = hooks.wait_room
+        self.grow: Callable[[int], None] = hooks.grow
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 

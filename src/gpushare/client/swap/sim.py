@@ -178,6 +178,10 @@ class SimBackend(SwapBackend):
                 " memory, or attach with a larger limit (memory=, GPUSHARE_MEMORY,"
                 " gpushare run --memory)"
             )
+        # Past what its grant lent it (mode auto): the node is asked first; the session
+        # yields meanwhile and holds again once that much fits.
+        self.grow(used + nbytes)
+        self.check_access()
         chunks = []
         left = nbytes
         while left > 0:

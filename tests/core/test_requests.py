@@ -1,0 +1,145 @@
+"""Memory request and limit (docs/scheduling.md, "Memory request and limit"): sessions
+packed by what they request, bursts lent while memory is free and given back, never a
+session ended for memory between its request and its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction, SwapOutAction
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.checks import FieldError
+from gpushare.core.sessions import State
+from gpushare.settings import GpuSettings
+from tests.core.model import GiB, actions_of, events_of
+
+
+def arb(clock, mode="auto", capacity=80 * GiB, **kw):
+    return Arbiter(0, capacity, clock, GpuSettings(mode=mode, tq_s=10, **kw))
+
+
+def three_at_request(a):
+    """Three sessions requesting 20 GiB with a 60 GiB limit, each holding 20 GiB."""
+    for i in (1, 2, 3):
+        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.acquire(i)
+        a.report(i, resident=20 * GiB, swapped=0)
+
+
+def test_sessions_hold_together_while_their_requests_fit(clock):
+    a = arb(clock)
+    three_at_request(a)
+    assert list(a.holders) == [1, 2, 3]  # limits 180 GiB on 80: held together by requests
+    assert a.used_bytes() == 60 * GiB  # each counted at its bound: its request
+    assert all(a.sessions[i].memory.bound == 20 * GiB for i in (1, 2, 3))
+
+
+def test_limit_only_packing_is_unchanged_without_a_request(clock):
+    a = arb(clock)
+    for i in (1, 2, 3):
+        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, grows=True)
+        a.acquire(i)
+    assert list(a.holders) == [1] and list(a.queue) == [2, 3]
+    assert a.used_bytes() == 60 * GiB
+
+
+def test_exclusive_mode_counts_a_holder_at_its_limit(clock):
+    a = arb(clock, mode="exclusive")
+    a.attach(1, name="a", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+    a.acquire(1)
+    assert a.sessions[1].memory.bound == 0 and a.used_bytes() == 60 * GiB
+
+
+def test_a_client_that_cannot_ask_holds_at_its_limit(clock):
+    a = arb(clock)
+    a.attach(1, name="a", memory_limit=60 * GiB, memory_request=20 * GiB)  # grows=False
+    a.acquire(1)
+    assert a.used_bytes() == 60 * GiB
+
+
+def test_a_burst_is_lent_from_free_memory_at_once(clock):
+    a = arb(clock)
+    for i in (1, 2):
+        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.acquire(i)
+        a.report(i, resident=15 * GiB, swapped=0)
+    out = a.release(1, resident=15 * GiB, swapped=0, again=True, need=50 * GiB)
+    (g,) = actions_of(out, GrantAction)
+    assert (g.session, g.bound, g.swap_in) == (1, 50 * GiB, 0)
+    assert events_of(out, "release")[0]["reason"] == "grow"
+    assert events_of(out, "grant")[0]["resumed"] is True  # the rest of its quantum
+    assert a.sessions[1].memory.lent and a.used_bytes() == 70 * GiB
+
+
+def test_a_lent_burst_is_given_back_when_a_request_needs_it(clock):
+    a = arb(clock)
+    for i in (1, 2, 3):
+        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+    for i in (1, 2):
+        a.acquire(i)
+        a.report(i, resident=15 * GiB, swapped=0)
+    a.release(1, resident=15 * GiB, swapped=0, again=True, need=50 * GiB)
+    a.report(1, resident=50 * GiB, swapped=0)  # it grew into what was lent
+    out = a.acquire(3)  # 50 + 20 + 20 > 80, but the requests (60) fit
+    assert actions_of(out, GrantAction) == []
+    (rv,) = actions_of(out, RevokeAction)
+    assert rv.session == 1
+    (ev,) = events_of(out, "reclaim")
+    assert (ev["session"], ev["lent_bytes"], ev["waiting_session"]) == (1, 30 * GiB, 3)
+    assert a.sessions[2].state is State.HOLDING  # at its request: untouched
+    # it yields at its next safe point; the planner asks for its bytes above its request
+    out = a.release(1, resident=50 * GiB, swapped=0, again=True)
+    asks = actions_of(out, SwapOutAction)
+    assert asks == [SwapOutAction(1, 10 * GiB)]
+    out = a.swap_done(
+        1, direction="out", nbytes=10 * GiB, seconds=0.1, resident=40 * GiB, swapped=10 * GiB
+    )
+    assert [g.session for g in actions_of(out, GrantAction)] == [3]
+    assert actions_of(out, EscalateAction) == []
+    assert a.sessions[1].memory.reclaims == 1 and a.sessions[1].memory.reclaimed == 30 * GiB
+
+
+def test_a_burst_that_does_not_fit_waits_for_the_quanta_and_nobody_is_ended(clock):
+    """The issue's case: three at 20 GiB of their 60 on 80 GiB; one grows to 50 GiB."""
+    a = arb(clock)
+    three_at_request(a)
+    out = a.release(1, resident=20 * GiB, swapped=0, again=True, need=50 * GiB)
+    assert actions_of(out, GrantAction) == []  # no room: it waits, it is not refused
+    assert list(a.queue) == [1] and list(a.holders) == [2, 3]
+    # the holders at their request are not swapped out for the burst: rotated by quanta
+    assert actions_of(out, SwapOutAction) == [] and actions_of(out, RevokeAction) == []
+    clock.advance(10)
+    out = a.tick()
+    revoked = sorted(r.session for r in actions_of(out, RevokeAction))
+    assert revoked == [2, 3]
+    out = a.release(2, resident=20 * GiB, swapped=0, again=True)
+    assert actions_of(out, SwapOutAction) == [SwapOutAction(2, 10 * GiB)]
+    out = a.swap_done(
+        2, direction="out", nbytes=10 * GiB, seconds=0.1, resident=10 * GiB, swapped=10 * GiB
+    )
+    assert [g.session for g in actions_of(out, GrantAction)] == [1]
+    assert a.sessions[1].memory.bound == 50 * GiB
+    assert not a.sessions[1].memory.lent  # won by the rotation: it keeps its quantum
+    assert a.used_bytes() <= a.capacity
+    a.report(1, resident=50 * GiB, swapped=0)
+    a.release(3, resident=20 * GiB, swapped=0, again=True)
+    # session 3 waiting does not take session 1's burst back before its quantum ends
+    out = a.tick()
+    assert actions_of(out, RevokeAction) == []
+    assert not any(isinstance(x, EscalateAction) for x in out)
+
+
+def test_request_checks(clock):
+    a = arb(clock)
+    with pytest.raises(FieldError, match="more than the memory limit"):
+        a.attach(1, name="a", memory_limit=20 * GiB, memory_request=30 * GiB)
+    with pytest.raises(FieldError, match="positive"):
+        a.attach(1, name="a", memory_limit=20 * GiB, memory_request=0)
+    a.attach(1, name="a", memory_limit=20 * GiB, memory_request=10 * GiB)
+    a.acquire(1)
+    with pytest.raises(FieldError, match="need"):  # its client did not say it grows
+        a.release(1, resident=0, swapped=0, again=True, need=15 * GiB)
+    a.attach(2, name="b", memory_limit=20 * GiB, memory_request=10 * GiB, grows=True)
+    with pytest.raises(FieldError, match="need"):  # more than its limit
+        a.acquire(2)
+        a.release(2, resident=0, swapped=0, again=True, need=25 * GiB)
