@@ -42,4 +42,4 @@ async def test_the_header_says_holders_are_counted_at_their_limits(node: InProce
     await a.expect(p.Grant)
     header = shown(node).splitlines()[0]
     # 10 GiB in use while the row says RESIDENT 0 B: the header says why
-    assert "in use 10.0 GiB of 16.0 GiB (holders counted at their limits; resident 0 B)" in header
+    assert "in use 10.0 GiB of 16.0 GiB (holders counted at their bounds; resident 0 B)" in header

@@ -22,7 +22,7 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         out.write(
             f"GPU {g.index}  {g.name}{sim}  mode {g.mode}  policy {g.policy}"
             f"  TQ {g.tq_s:g} s  in use {format_size(g.used_bytes)}"
-            f" of {format_size(g.usable_bytes)} (holders counted at their limits;"
+            f" of {format_size(g.usable_bytes)} (holders counted at their bounds;"
             f" resident {format_size(sum(s.resident_bytes for s in g.sessions))})\n"
         )
         names = {s.id: s.name for s in g.sessions}
@@ -38,7 +38,8 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         w = max(16, *(len(s.name) for s in g.sessions))
         out.write(
             f"  {'ID':>4} {'NAME':<{w}} {'STATE':<15} {'RESIDENT':>10} {'SWAPPED':>10}"
-            f" {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}\n"
+            f" {'REQUEST':>10} {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}"
+            f" {'RECLAIMED':>10}\n"
         )
         for s in g.sessions:
             state = s.state
@@ -47,8 +48,10 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
             out.write(
                 f"  {s.id:>4} {s.name:<{w}} {state:<15}"
                 f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
+                f" {format_size(s.memory_request_bytes or s.memory_limit_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
-                f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}\n"
+                f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}"
+                f" {format_size(s.reclaimed_bytes_total):>10}\n"
             )
         if g.sessions_omitted:
             out.write(

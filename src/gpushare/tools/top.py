@@ -48,10 +48,16 @@ def render(status: NodeStatus, shares: dict[tuple[int, int], float], width: int)
         lines.append(cut("  " + holders_line(status, g.index), width))
         lines.append(cut(f"  {'SESSION':<{name_w}}" + HEADER[NAME_W:], width))
         for r in by_gpu[g.index]:
+            mem = bar(
+                r.resident_bytes,
+                r.swapped_bytes,
+                r.memory_limit_bytes,
+                request=r.memory_request_bytes,
+            )
             lines.append(
                 f"  {cut(r.who, name_w):<{name_w}} {r.state:<9} {r.share:>6.1%}"
                 f" {r.wait_seconds_p95:>6.2f}s"
-                f" {bar(r.resident_bytes, r.swapped_bytes, r.memory_limit_bytes)}"
+                f" {mem}"
                 f" {gib(r):>11} {r.swap_out_total:>3}/{r.swap_in_total:<3}"
             )
         if not g.sessions:

@@ -57,6 +57,8 @@ class Row:
     resident_bytes: int
     swapped_bytes: int
     memory_limit_bytes: int
+    memory_request_bytes: int
+    reclaimed_bytes_total: int
     swap_out_total: int
     swap_in_total: int
 
@@ -95,6 +97,8 @@ def rows(
                 resident_bytes=s.resident_bytes,
                 swapped_bytes=s.swapped_bytes,
                 memory_limit_bytes=s.memory_limit_bytes,
+                memory_request_bytes=s.memory_request_bytes or s.memory_limit_bytes,
+                reclaimed_bytes_total=s.reclaimed_bytes_total,
                 swap_out_total=s.swap_out_total,
                 swap_in_total=s.swap_in_total,
             )
@@ -117,10 +121,16 @@ def cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
-def bar(resident: int, swapped: int, limit: int, width: int = BAR) -> str:
+def bar(resident: int, swapped: int, limit: int, width: int = BAR, request: int = 0) -> str:
+    """Resident (#), swapped (~) and free (.) of the limit; a request below the limit
+    is a | where the bar's free part crosses it (what is beyond it is lent)."""
     r = round(width * resident / limit) if limit else 0
     w = min(round(width * swapped / limit) if limit else 0, width - r)
-    return "[" + "#" * r + "~" * w + "." * (width - r - w) + "]"
+    cells = list("#" * r + "~" * w + "." * (width - r - w))
+    q = round(width * request / limit) if limit and 0 < request < limit else 0
+    if 0 < q < width and cells[q] == ".":
+        cells[q] = "|"
+    return "[" + "".join(cells) + "]"
 
 
 def gib(r: Row) -> str:

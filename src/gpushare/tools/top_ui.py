@@ -68,7 +68,8 @@ gpushare top: a live view of the node's GPUs and sessions
   q                              quit
 
 SHARE: the session's share of GPU time over the last minute (since it attached, when
-younger). MEM: # resident on the GPU, ~ swapped to host memory, . free, of its limit.
+younger). MEM: # resident on the GPU, ~ swapped to host memory, . free, of its limit;
+| its request, where below the limit (beyond it, memory is lent while free).
 A name too long for its column ends in "…": widen the terminal, or press Enter.
 """
 
@@ -86,7 +87,9 @@ class SessionRow(urwid.WidgetWrap[urwid.AttrMap[urwid.Columns]]):
             round(BAR * r.swapped_bytes / r.memory_limit_bytes) if r.memory_limit_bytes else 0,
             BAR - resident,
         )
-        mem = bar(r.resident_bytes, r.swapped_bytes, r.memory_limit_bytes)
+        mem = bar(
+            r.resident_bytes, r.swapped_bytes, r.memory_limit_bytes, request=r.memory_request_bytes
+        )
         mem_markup: list[Any] = [
             "[",
             ("resident", mem[1 : 1 + resident]),

@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from gpushare.client.session import Session, attach
@@ -49,6 +50,7 @@ class _Checker:
         self.checks = 0
         self.failures = 0
         self.steps = 0
+        self.extra: SimMemory | None = None  # a burst's memory past the request, while held
         _checkers.append(self)
 
     def figures(self) -> dict[str, Any]:
@@ -60,6 +62,21 @@ class _Checker:
             self.checks += 1
             if not self.m.verify(self.seed):
                 self.failures += 1
+            if self.extra is not None and not self.extra.verify(self.seed + 1):
+                self.failures += 1
+
+    def grow(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` more (inside the burst: past a lent bound it waits for
+        room), with a pattern of its own."""
+        self.extra = self.s.backend.allocate(nbytes)  # type: ignore[attr-defined]
+        self.extra.fill(self.seed + 1)
+
+    def shrink(self) -> None:
+        if self.extra is not None:
+            if not self.extra.verify(self.seed + 1):
+                self.failures += 1
+            self.extra.free()
+            self.extra = None
 
 
 def _turn_s(s: Session) -> float:
@@ -68,16 +85,40 @@ def _turn_s(s: Session) -> float:
     return 2 * (s.tq_s or 1.0)
 
 
+@dataclass(frozen=True)
+class Burst:
+    """A batch job's stretch past its request: ``extra`` bytes more from ``at`` seconds
+    into the run, for ``seconds`` (then freed, its pattern checked)."""
+
+    extra: int = 0
+    at: float = 0.0
+    seconds: float = 0.0
+
+
 def batch(
-    s: Session, seconds: float, memory: int, seed: int, deadline: bool = False
+    s: Session,
+    seconds: float,
+    memory: int,
+    seed: int,
+    deadline: bool = False,
+    burst: Burst = Burst(),
 ) -> dict[str, Any]:
     """One long burst of steps until time is up, yielding at checkpoints when revoked;
-    with ``deadline`` (``--until``), ending the burst rather than waiting past the end."""
+    with ``deadline`` (``--until``), ending the burst rather than waiting past the end;
+    with a ``burst``, growing past its memory for a while."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
+    grown = False
     with s.gpu():
         while time.monotonic() < end:
+            t = time.monotonic() - start
+            if burst.extra and not grown and t >= burst.at:
+                check.grow(burst.extra)
+                grown = True
+            elif check.extra is not None and t >= burst.at + burst.seconds:
+                check.shrink()
             check()
             time.sleep(STEP_S)
             check.steps += 1
@@ -161,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
     ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
+    ap.add_argument("--memory-limit", default=None, help="the limit, when above --memory")
+    ap.add_argument("--grow", default="0", help="batch: allocate this much more, at --grow-at")
+    ap.add_argument("--grow-at", type=float, default=0.0, help="batch: seconds into the run")
+    ap.add_argument("--grow-for", type=float, default=0.0, help="batch: seconds it is kept")
     a = ap.parse_args(argv)
     if a.until is not None:  # however late this process started, all end together
         a.seconds = max(0.0, a.until - time.time())
@@ -170,12 +215,19 @@ def main(argv: list[str] | None = None) -> int:
         raise TimeUp
 
     signal.signal(signal.SIGTERM, time_up)
-    s = attach(memory=memory, socket=a.socket, name=a.name or a.kind, weight=a.weight)
+    s = attach(
+        memory=memory,
+        memory_limit=a.memory_limit,
+        socket=a.socket,
+        name=a.name or a.kind,
+        weight=a.weight,
+    )
     try:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, memory, a.seed, a.bursts)
         elif a.kind == "batch":
-            out = batch(s, a.seconds, memory, a.seed, deadline=a.until is not None)
+            grow = Burst(parse_size(a.grow), a.grow_at, a.grow_for)
+            out = batch(s, a.seconds, memory, a.seed, a.until is not None, grow)
         elif a.kind == "short":
             out = short(s, a.seconds, memory, a.seed)
         else:
@@ -194,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         grants=s.grants,
         wait_mean_s=sum(waits) / len(waits),
         wait_max_s=max(waits),
+        grows=s._lease.grows,
     )
     print(json.dumps(out), flush=True)
     return 1 if out["failures"] else 0

@@ -1,0 +1,78 @@
+"""Memory request and limit through a real node and real workload processes: sessions
+packed by their requests hold a GPU together, a burst past the request waits for room
+(it is never refused nor ended), and every byte comes back intact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpushare
+from gpushare.errors import GpushareError
+from tests.support import sim, wait_until
+
+G = 2**30
+
+
+def _out(p):
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_three_requests_hold_together_and_one_grows_to_50_gib(node_factory):
+    """The issue's case: three sessions requesting 20 GiB with a 60 GiB limit on an
+    80 GiB GPU hold it together; one then grows to 50 GiB; all finish, bytes intact,
+    nobody ended or escalated."""
+    node = node_factory(*sim("80GiB", mode="auto", tq="1", sim_bandwidth="1e12"))
+    common = ("--memory", "20GiB", "--memory-limit", "60GiB", "--seconds", "8")
+    grower = node.workload("batch", *common, "--name", "grower", "--grow", "30GiB",
+                           "--grow-at", "2", "--grow-for", "3")  # fmt: skip
+    others = [node.workload("batch", *common, "--name", f"s{i}", "--seed", str(i + 2))
+              for i in (1, 2)]  # fmt: skip
+    together = wait_until(
+        lambda: len(node.status()["gpus"][0]["holders"]) == 3, timeout=60, what="3 holders"
+    )
+    assert together
+    st = node.status()["gpus"][0]
+    assert st["used_bytes"] == 60 * G  # each at its request, not its 60 GiB limit
+    rows = {s["name"]: s for s in st["sessions"]}
+    assert {r["memory_request_bytes"] for r in rows.values()} == {20 * G}
+    assert {r["memory_limit_bytes"] for r in rows.values()} == {60 * G}
+    outs = [_out(p) for p in (grower, *others)]
+    assert all(o["failures"] == 0 and o["checks"] >= 1 for o in outs), outs
+    assert outs[0]["grows"] >= 1  # it asked past its bound, and was granted
+    ev = node.event_list()
+    assert not [e for e in ev if e["event"] == "escalate"]
+    assert not [e for e in ev if e["event"] == "detach" and e["reason"] == "ended"]
+    grow = [e for e in ev if e["event"] == "release" and e["reason"] == "grow"]
+    assert grow and all(e["session"] == outs[0]["session"] for e in grow)
+    bounds = [e.get("bound_bytes") for e in ev if e["event"] == "grant"]
+    assert 50 * G in bounds  # the grower held with 50 GiB on the GPU
+    # and the other two kept working beside it until then: they held together, 3 at once
+    assert max(len(g) for g in _holder_sets(ev)) == 3
+
+
+def _holder_sets(ev):
+    holding: set[int] = set()
+    out = []
+    for e in ev:
+        if e["event"] == "grant":
+            holding.add(e["session"])
+        elif e["event"] == "release":
+            holding.discard(e["session"])
+        out.append(set(holding))
+    return out
+
+
+def test_limit_below_request_is_one_clear_error(node_factory):
+    node = node_factory(*sim("16GiB"))
+    with pytest.raises(ValueError, match="below the memory request"):
+        gpushare.attach("8GiB", memory_limit="4GiB", socket=node.socket)
+
+
+def test_request_over_the_gpu_is_refused_naming_the_fix(node_factory):
+    node = node_factory(*sim("16GiB"))
+    with pytest.raises(GpushareError, match="more than GPU 0's usable"):
+        gpushare.attach("20GiB", memory_limit="30GiB", socket=node.socket)
