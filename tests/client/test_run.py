@@ -136,6 +136,33 @@ def test_two_programs_take_turns_at_the_hooks(node_factory, script):
             holder = None
 
 
+def test_three_programs_requesting_less_than_their_limits_hold_together(node_factory, script):
+    """Limits of 60 GiB each on 80 GiB would take turns; requests of 20 GiB hold together
+    (mode auto), each program's session told its request and its limit."""
+    node = node_factory(*sim("80GiB", mode="auto", tq="0.5", idle_release="0.3"))
+    procs = [
+        gs_run(node, "--memory", "20GiB", "--memory-limit", "60GiB", "--name", f"job{i}",
+               "--", sys.executable, str(script), "3.0")
+        for i in range(3)
+    ]  # fmt: skip
+    for pr in procs:
+        out, err = pr.communicate(timeout=90)
+        assert pr.returncode == 0, err
+        assert lines(out)[1]["steps"] > 10
+        assert "memory request 20.0 GiB, memory limit 60.0 GiB" in err, err
+    ev = node.event_list()
+    holding: set[int] = set()
+    most = 0
+    for e in ev:
+        if e["event"] == "grant":
+            holding.add(e["session"])
+        elif e["event"] in ("release", "detach"):
+            holding.discard(e["session"])
+        most = max(most, len(holding))
+    assert most == 3
+    assert not [e for e in ev if e["event"] == "revoke"]  # nobody had to wait for memory
+
+
 def test_gpu_portion_sets_the_limit(node_factory, script):
     node = node_factory(*sim("16GiB"))
     pr = gs_run(node, "--", sys.executable, str(script), "0.1", extra_env={"GPU_PORTION": "0.25"})
@@ -425,6 +452,10 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
         (["--memory", "1e400"], {}, "more than any GPU has"),
         ([], {"GPUSHARE_MEMORY": "1e30"}, "GPUSHARE_MEMORY: size 1e30 is more than any GPU"),
         (["--memory", "0"], {}, "--memory: a memory limit must be more than 0"),
+        (["--memory-limit", "0"], {}, "--memory-limit: a memory limit must be more than 0"),
+        (["--memory", "8GiB", "--memory-limit", "4GiB"], {}, "is below the memory request 8.0"),
+        (["--memory", "8GiB"], {"GPUSHARE_MEMORY_LIMIT": "2GiB"}, "below the memory request"),
+        (["--memory-limit", "2x"], {}, "--memory-limit: "),
         # ... and a wrong weight was said to be fixed with --memory
         (["--weight", "0"], {}, "argument --weight: weight '0' is not a number from 0.001"),
         (["--weight", "-1"], {}, "argument --weight: weight '-1' is not a number from 0.001"),

@@ -591,7 +591,7 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
                 continue
             try:
                 if parse_size(value) == 0:  # a clear error before anything starts
-                    raise ValueError(f"memory must be more than 0: like {flag} 10GiB")
+                    raise ValueError(f"a memory limit must be more than 0: like {flag} 10GiB")
             except ValueError as e:
                 print(f"gpushare run: error: {flag}: {e}", file=sys.stderr)
                 return 2
