@@ -145,13 +145,14 @@ def test_env_limits_in_order_of_precedence(tmp_path):
     env = {
         "GPUSHARE_MEMORY_LIMIT": "12GiB",
         "GPU_MEMORY_LIMIT": str(10 * GiB),
+        "NVIDIA_GPU_MEMORY_LIMIT": "9216",
         "CUDA_DEVICE_MEMORY_LIMIT": "8192m",
     }
     seen = []
     for var in [*env, None]:
         seen.append(read_env(env, pod).memory_limit)
         env.pop(var or "", None)
-    assert seen == [12 * GiB, 10 * GiB, 8 * GiB, 16 * GiB]
+    assert seen == [12 * GiB, 10 * GiB, 9 * GiB, 8 * GiB, 16 * GiB]
 
 
 @pytest.mark.parametrize(
@@ -193,6 +194,39 @@ def test_nvfractions_request_and_limit_of_this_container(tmp_path):
         assert (env.memory, env.memory_limit) == (4096 * MiB, 8 * GiB)
     env = read_env({"CONTAINER_NAME": "sidecar"}, pod)  # the fraction is another's
     assert (env.memory, env.memory_limit) == (None, None)
+
+
+def test_nvfractions_node_runtime_env_in_mib(tmp_path):
+    # kai-gpu-fractioning's fractiond injects both, whole MiB, before the container starts.
+    env = {"NVIDIA_GPU_MEMORY_REQUEST": "4096", "NVIDIA_GPU_MEMORY_LIMIT": "8192"}
+    pod = podinfo(tmp_path, **{NV.format("t", "request"): "4Gi", NV.format("t", "limit"): "8Gi"})
+    for folder in (pod, FIX / "nowhere"):  # with or without the downward-API volume
+        got = read_env(env, folder)
+        assert (got.memory, got.memory_limit) == (4 * GiB, 8 * GiB)
+    with pytest.raises(ValueError, match=r"NVIDIA_GPU_MEMORY_LIMIT='8Gi'.*whole number of MiB"):
+        read_env({"NVIDIA_GPU_MEMORY_LIMIT": "8Gi"}, FIX / "nowhere")
+
+
+def test_nvfractions_fraction_pod_is_held_to_what_the_driver_enforces(tmp_path):
+    # A gpu-fraction pod: the binder wrote sizes from the fractions, fractiond injected
+    # them; the request stays the fraction, the limit is the size the driver enforces.
+    pod = podinfo(
+        tmp_path,
+        **{
+            "gpu-fraction": "0.5",
+            PORTION_LIMIT.format("t"): "0.8",
+            NV.format("t", "request"): "40960Mi",
+            NV.format("t", "limit"): "65536Mi",
+        },
+    )
+    env = {"NVIDIA_GPU_MEMORY_REQUEST": "40960", "NVIDIA_GPU_MEMORY_LIMIT": "65536"}
+    got = read_env(env, pod)
+    assert (got.portion, got.memory, got.memory_limit, got.portion_limit) == (
+        0.5,
+        None,
+        64 * GiB,
+        None,
+    )
 
 
 def test_annotations_for_two_containers_need_container_name(tmp_path):

@@ -5,15 +5,18 @@ setting.
 The memory REQUEST (what the node guarantees and packs by), in order of precedence:
 ``GPUSHARE_MEMORY``; KAI's ``gpu-memory`` annotation (MiB); KAI's fraction
 (``GPU_PORTION``, else the ``gpu-fraction`` annotation) of the GPU's memory, applied by
-the node; else NvFractions' ``nvidia.com/container.<name>.gpu-memory.request`` (a
-Kubernetes quantity), or its limit where only that is written (KAI schedules a limit-only
-pod by its limit). The fraction is also the session's weight.
+the node; else ``NVIDIA_GPU_MEMORY_REQUEST`` (MiB), or NvFractions'
+``nvidia.com/container.<name>.gpu-memory.request`` (a Kubernetes quantity), or its limit
+where only that is written (KAI schedules a limit-only pod by its limit). The fraction is
+also the session's weight.
 
 The memory LIMIT (what the workload is held to) is one figure, a size or a fraction:
 ``GPUSHARE_MEMORY_LIMIT``; ``GPU_MEMORY_LIMIT`` (bytes, or a size with its unit);
-``CUDA_DEVICE_MEMORY_LIMIT`` (what KAI's ``hamicore`` binder plugin writes for HAMi-core:
-``<MiB>m``); the container's ``kai.scheduler/container.<name>.gpu-memory.portion.limit``,
-else the pod's ``gpu-fraction.limit`` (fractions); the container's
+``NVIDIA_GPU_MEMORY_LIMIT`` (MiB: what KAI's NvFractions node runtime, fractiond,
+injects, and the driver enforces); ``CUDA_DEVICE_MEMORY_LIMIT`` (what KAI's ``hamicore``
+binder plugin writes for HAMi-core: ``<MiB>m``); the container's
+``kai.scheduler/container.<name>.gpu-memory.portion.limit``, else the pod's
+``gpu-fraction.limit`` (fractions); the container's
 ``nvidia.com/container.<name>.gpu-memory.limit``, else the pod's ``gpu-memory.limit``
 (Kubernetes quantities). None: the limit is the request (the caller's rule).
 
@@ -59,6 +62,10 @@ _QUANTITY = re.compile(
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _QUANTITY_UNITS |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 _QUANTITY_UNITS |= {"Pi": 2**50, "Ei": 2**60}
+# What KAI's node runtime for NvFractions (kai-gpu-fractioning's fractiond) injects into
+# the container, in whole MiB; the driver holds the container to the limit.
+_FRACTIOND_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
+_FRACTIOND_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
 # HAMi-core's CUDA_DEVICE_MEMORY_LIMIT: bytes, or k/m/g, binary (KAI writes "<MiB>m").
 _HAMI = re.compile(r"^([0-9]+)([kKmMgG]?)$")
 _HAMI_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -135,6 +142,16 @@ def _size(value: str, source: str) -> int:
         return parse_size(value)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
+
+
+def _mib(value: str, source: str) -> int:
+    n = int(value.strip()) if value.strip().isdigit() else 0
+    if not 0 < n * 2**20 <= MAX_SIZE:
+        raise ValueError(
+            f"{source}={value!r} is not a whole number of MiB, as KAI's fractiond writes it:"
+            " unset it, or write it like 4096"
+        )
+    return n * 2**20
 
 
 def _kai_memory_limit(value: str) -> int:
@@ -224,6 +241,8 @@ def _request(
     if memory is None and portion is None:
         # NvFractions' own request; with a fraction, KAI's binder writes it from the
         # fraction, which stays the request. Only a limit: KAI schedules by the limit.
+        if e.get(_FRACTIOND_REQUEST):
+            return _mib(e[_FRACTIOND_REQUEST], _FRACTIOND_REQUEST), _FRACTIOND_REQUEST, None
         for suffix in (_NV_REQUEST, _NV_LIMIT):
             if suffix in mine:
                 key, value = mine[suffix]
@@ -279,6 +298,8 @@ def _limit(
         )
     if e.get("GPU_MEMORY_LIMIT"):
         return _kai_memory_limit(e["GPU_MEMORY_LIMIT"]), None, "GPU_MEMORY_LIMIT"
+    if e.get(_FRACTIOND_LIMIT):
+        return _mib(e[_FRACTIOND_LIMIT], _FRACTIOND_LIMIT), None, _FRACTIOND_LIMIT
     if e.get("CUDA_DEVICE_MEMORY_LIMIT"):
         return _hami_limit(e["CUDA_DEVICE_MEMORY_LIMIT"]), None, "CUDA_DEVICE_MEMORY_LIMIT"
     # A fraction first: where both are written, KAI's binder wrote the size from it.
