@@ -203,6 +203,9 @@ def test_nvfractions_node_runtime_env_in_mib(tmp_path):
     for folder in (pod, FIX / "nowhere"):  # with or without the downward-API volume
         got = read_env(env, folder)
         assert (got.memory, got.memory_limit) == (4 * GiB, 8 * GiB)
+    plural = {"NVIDIA_GPU_MEMORY_REQUESTS": "4096", "NVIDIA_GPU_MEMORY_LIMITS": "8192"}
+    got = read_env(plural, FIX / "nowhere")  # fractiond's first spelling
+    assert (got.memory, got.memory_limit) == (4 * GiB, 8 * GiB)
     with pytest.raises(ValueError, match=r"NVIDIA_GPU_MEMORY_LIMIT='8Gi'.*whole number of MiB"):
         read_env({"NVIDIA_GPU_MEMORY_LIMIT": "8Gi"}, FIX / "nowhere")
 

@@ -64,8 +64,9 @@ _QUANTITY_UNITS |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2*
 _QUANTITY_UNITS |= {"Pi": 2**50, "Ei": 2**60}
 # What KAI's node runtime for NvFractions (kai-gpu-fractioning's fractiond) injects into
 # the container, in whole MiB; the driver holds the container to the limit.
-_FRACTIOND_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
-_FRACTIOND_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+# Its first versions wrote them plural (the toolkit's CDI hook reads the singular only).
+_FRACTIOND_REQUEST = ("NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_REQUESTS")
+_FRACTIOND_LIMIT = ("NVIDIA_GPU_MEMORY_LIMIT", "NVIDIA_GPU_MEMORY_LIMITS")
 # HAMi-core's CUDA_DEVICE_MEMORY_LIMIT: bytes, or k/m/g, binary (KAI writes "<MiB>m").
 _HAMI = re.compile(r"^([0-9]+)([kKmMgG]?)$")
 _HAMI_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -218,6 +219,22 @@ def _sharing_mode(notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]])
     return next(iter(modes.values()), "")
 
 
+def _nvfractions_request(
+    e: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
+) -> tuple[int | None, str]:
+    """NvFractions' own request, read only where no gpu-memory or fraction is given:
+    beside a fraction KAI's binder writes it from the fraction, which stays the request.
+    Only a limit written: KAI schedules by the limit."""
+    for var in _FRACTIOND_REQUEST:
+        if e.get(var):
+            return _mib(e[var], var), var
+    for suffix in (_NV_REQUEST, _NV_LIMIT):
+        if suffix in mine:
+            key, value = mine[suffix]
+            return parse_quantity(value, f"annotation {key}"), f"annotation {key}"
+    return None, ""
+
+
 def _request(
     e: Mapping[str, str], notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
 ) -> tuple[int | None, str, float | None]:
@@ -239,18 +256,7 @@ def _request(
     elif notes.get("gpu-fraction"):
         portion = _fraction(notes["gpu-fraction"], "gpu-fraction annotation")
     if memory is None and portion is None:
-        # NvFractions' own request; with a fraction, KAI's binder writes it from the
-        # fraction, which stays the request. Only a limit: KAI schedules by the limit.
-        if e.get(_FRACTIOND_REQUEST):
-            return _mib(e[_FRACTIOND_REQUEST], _FRACTIOND_REQUEST), _FRACTIOND_REQUEST, None
-        for suffix in (_NV_REQUEST, _NV_LIMIT):
-            if suffix in mine:
-                key, value = mine[suffix]
-                memory, request_from = (
-                    parse_quantity(value, f"annotation {key}"),
-                    f"annotation {key}",
-                )
-                break
+        memory, request_from = _nvfractions_request(e, mine)
     return memory, request_from, portion
 
 
@@ -298,8 +304,9 @@ def _limit(
         )
     if e.get("GPU_MEMORY_LIMIT"):
         return _kai_memory_limit(e["GPU_MEMORY_LIMIT"]), None, "GPU_MEMORY_LIMIT"
-    if e.get(_FRACTIOND_LIMIT):
-        return _mib(e[_FRACTIOND_LIMIT], _FRACTIOND_LIMIT), None, _FRACTIOND_LIMIT
+    for var in _FRACTIOND_LIMIT:
+        if e.get(var):
+            return _mib(e[var], var), None, var
     if e.get("CUDA_DEVICE_MEMORY_LIMIT"):
         return _hami_limit(e["CUDA_DEVICE_MEMORY_LIMIT"]), None, "CUDA_DEVICE_MEMORY_LIMIT"
     # A fraction first: where both are written, KAI's binder wrote the size from it.
