@@ -1,13 +1,30 @@
-"""What a workload's environment says: socket, memory limit, GPU, pod identity, and what
-KAI Scheduler gave the pod, so that a pod placed by KAI needs no other setting.
+"""What a workload's environment says: socket, memory request and limit, GPU, pod
+identity, and what KAI Scheduler gave the pod, so that a pod placed by KAI needs no other
+setting.
 
-Read, in order of precedence for the memory limit: ``GPUSHARE_MEMORY``; KAI's
-``gpu-memory`` annotation (MiB); KAI's fraction (``GPU_PORTION``, else the
-``gpu-fraction`` annotation) of the GPU's memory, applied by the node. The fraction is
-also the session's weight. ``NVIDIA_VISIBLE_DEVICES`` names the GPU by index or UUID.
-Annotations come from a downward-API volume (``GPUSHARE_PODINFO``, default
-``/etc/podinfo``, file ``annotations``). The environment and that folder are parameters,
-so recorded pod environments can be tested.
+The memory REQUEST (what the node guarantees and packs by), in order of precedence:
+``GPUSHARE_MEMORY``; KAI's ``gpu-memory`` annotation (MiB); KAI's fraction
+(``GPU_PORTION``, else the ``gpu-fraction`` annotation) of the GPU's memory, applied by
+the node; else ``NVIDIA_GPU_MEMORY_REQUEST`` (MiB), or NvFractions'
+``nvidia.com/container.<name>.gpu-memory.request`` (a Kubernetes quantity), or its limit
+where only that is written (KAI schedules a limit-only pod by its limit). The fraction is
+also the session's weight.
+
+The memory LIMIT (what the workload is held to) is one figure, a size or a fraction:
+``GPUSHARE_MEMORY_LIMIT``; ``GPU_MEMORY_LIMIT`` (bytes, or a size with its unit);
+``NVIDIA_GPU_MEMORY_LIMIT`` (MiB: what KAI's NvFractions node runtime, fractiond,
+injects, and the driver enforces); ``CUDA_DEVICE_MEMORY_LIMIT`` (what KAI's ``hamicore``
+binder plugin writes for HAMi-core: ``<MiB>m``); the container's
+``kai.scheduler/container.<name>.gpu-memory.portion.limit``, else the pod's
+``gpu-fraction.limit`` (fractions); the container's
+``nvidia.com/container.<name>.gpu-memory.limit``, else the pod's ``gpu-memory.limit``
+(Kubernetes quantities). None: the limit is the request (the caller's rule).
+
+KAI's ``kai.scheduler/gpu-compute-sharing-mode`` (or NvFractions' per-container
+``.gpu-compute.mode``) is the pod's compute-sharing mode. ``NVIDIA_VISIBLE_DEVICES``
+names the GPU by index or UUID. Annotations come from a downward-API volume
+(``GPUSHARE_PODINFO``, default ``/etc/podinfo``, file ``annotations``). The environment
+and that folder are parameters, so recorded pod environments can be tested.
 """
 
 from __future__ import annotations
@@ -17,29 +34,60 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
 
-from gpushare.units import format_size, parse_size
+from gpushare.units import MAX_SIZE, format_size, parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
 DEFAULT_ADMIN_SOCKET = "/run/gpushare/admin.sock"
 DEFAULT_PODINFO = "/etc/podinfo"
 _ANNOTATION = re.compile(r'^([^=]+)="(.*)"$')
 
+# KAI Scheduler's names (kai-scheduler/KAI-Scheduler pkg/common/constants, and
+# kai-scheduler/api constants/constants.go). Per-container keys are prefix + name + suffix.
+SHARING_MODE_ANNOTATION = "kai.scheduler/gpu-compute-sharing-mode"
+SHARING_MODES = ("time-slicing", "sm-sharing")
+_NV = "nvidia.com/container."  # NvFractions: Kubernetes quantities
+_KAI = "kai.scheduler/container."
+_NV_REQUEST = ".gpu-memory.request"
+_NV_LIMIT = ".gpu-memory.limit"
+_NV_MODE = ".gpu-compute.mode"
+_KAI_PORTION_LIMIT = ".gpu-memory.portion.limit"
+_PER_CONTAINER = ((_NV, _NV_REQUEST), (_NV, _NV_LIMIT), (_NV, _NV_MODE), (_KAI, _KAI_PORTION_LIMIT))
+# Kubernetes quantity suffixes a memory size is written with (k8s.io/apimachinery).
+_QUANTITY = re.compile(
+    r"^\+?((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([KMGTPE]i|[kMGTPE]?)$"
+)
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+_QUANTITY_UNITS |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_QUANTITY_UNITS |= {"Pi": 2**50, "Ei": 2**60}
+# What KAI's node runtime for NvFractions (kai-gpu-fractioning's fractiond) injects into
+# the container, in whole MiB; the driver holds the container to the limit.
+# Its first versions wrote them plural (the toolkit's CDI hook reads the singular only).
+_FRACTIOND_REQUEST = ("NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_REQUESTS")
+_FRACTIOND_LIMIT = ("NVIDIA_GPU_MEMORY_LIMIT", "NVIDIA_GPU_MEMORY_LIMITS")
+# HAMi-core's CUDA_DEVICE_MEMORY_LIMIT: bytes, or k/m/g, binary (KAI writes "<MiB>m").
+_HAMI = re.compile(r"^([0-9]+)([kKmMgG]?)$")
+_HAMI_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
 
 @dataclass(frozen=True)
 class WorkloadEnv:
     socket: str
-    memory: int | None
-    portion: float | None  # the fraction of the GPU this pod was given (KAI)
+    memory: int | None  # the memory REQUEST, bytes
+    portion: float | None  # the fraction of the GPU this pod was given (KAI): a request
     gpu: int | None
     gpu_uuid: str
     pod: str
     namespace: str
     container: str
     pod_uid: str
-    memory_limit: int | None = None  # the most it may use, when more than its request
-    portion_limit: float | None = None  # the limit as a fraction of the GPU (KAI)
+    # The memory LIMIT: at most one of the two is set (a size, or a fraction of the GPU);
+    # neither: the limit is the request.
+    memory_limit: int | None = None
+    portion_limit: float | None = None
+    sharing_mode: str = ""  # "", or one of SHARING_MODES
 
 
 def read_annotations(podinfo: str | Path) -> dict[str, str]:
@@ -59,25 +107,157 @@ def read_annotations(podinfo: str | Path) -> dict[str, str]:
     return out
 
 
-def _fraction(value: str, source: str) -> float:
+def _fraction(value: str, source: str, fix: str = "fix the pod's gpu-fraction annotation") -> float:
     try:
         f = float(value)
     except ValueError:
         f = -1.0
     if not 0 < f <= 1:
-        raise ValueError(
-            f"{source}={value!r} is not a fraction in (0, 1]: fix the pod's gpu-fraction annotation"
-        )
+        raise ValueError(f"{source}={value!r} is not a fraction in (0, 1]: {fix}")
     return f
 
 
-def _size(e: Mapping[str, str], var: str) -> int | None:
-    if not e.get(var):
-        return None
+def parse_quantity(value: str, source: str, *, unit_required: bool = False) -> int:
+    """A Kubernetes memory quantity (``8Gi``, ``7680Mi``, ``8G``, bytes) in bytes,
+    rounded up as Kubernetes rounds a quantity's value."""
+    m = _QUANTITY.match(value.strip())
+    if m is None or (unit_required and not m.group(2)):
+        unit = "with its unit, " if unit_required else ""
+        raise ValueError(
+            f"{source}={value!r} is not a Kubernetes memory quantity: write it {unit}like"
+            " 8Gi or 7680Mi"
+        )
     try:
-        return parse_size(e[var])
+        exact = Decimal(m.group(1)) * _QUANTITY_UNITS[m.group(2)]
+    except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
+        exact = Decimal(-1)
+    if not 0 < exact <= MAX_SIZE:
+        raise ValueError(
+            f"{source}={value!r} is not a size from 1 byte to 1024 TiB: write it like 8Gi"
+        )
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
+def _size(value: str, source: str) -> int:
+    try:
+        return parse_size(value)
     except ValueError as err:
-        raise ValueError(f"{var}: {err}") from None
+        raise ValueError(f"{source}: {err}") from None
+
+
+def _mib(value: str, source: str) -> int:
+    n = int(value.strip()) if value.strip().isdigit() else 0
+    if not 0 < n * 2**20 <= MAX_SIZE:
+        raise ValueError(
+            f"{source}={value!r} is not a whole number of MiB, as KAI's fractiond writes it:"
+            " unset it, or write it like 4096"
+        )
+    return n * 2**20
+
+
+def _kai_memory_limit(value: str) -> int:
+    """``GPU_MEMORY_LIMIT``: KAI issue 1367 specifies bytes; a size with a unit is read
+    too. A bare number under 1 MiB is refused: it was most likely meant as MiB (as KAI's
+    withdrawn first version of the variable wrote it), and would hold the workload to
+    nothing."""
+    n = _size(value, "GPU_MEMORY_LIMIT")
+    if value.strip().isdigit() and n < 2**20:
+        raise ValueError(
+            f"GPU_MEMORY_LIMIT={value!r} reads as {n} bytes: write it with its unit"
+            f" (GPU_MEMORY_LIMIT={value.strip()}MiB)"
+        )
+    return n
+
+
+def _hami_limit(value: str) -> int:
+    m = _HAMI.match(value.strip())
+    n = int(m.group(1)) * _HAMI_UNITS[m.group(2).lower()] if m else 0
+    if not 0 < n <= MAX_SIZE:
+        raise ValueError(
+            f"CUDA_DEVICE_MEMORY_LIMIT={value!r} is not a size as HAMi-core reads it: write"
+            " it like 20480m or 20g"
+        )
+    return n
+
+
+def _container_notes(notes: Mapping[str, str], container: str) -> dict[str, tuple[str, str]]:
+    """This container's per-container annotations: suffix -> (key, value). KAI allows
+    one fractional container a pod; where CONTAINER_NAME is unset, the one container the
+    annotations name is taken to be this one."""
+    named: dict[str, dict[str, tuple[str, str]]] = {}
+    for key, value in notes.items():
+        for prefix, suffix in _PER_CONTAINER:
+            if key.startswith(prefix) and key.endswith(suffix) and value:
+                name = key[len(prefix) : -len(suffix)]
+                if name:
+                    named.setdefault(name, {})[suffix] = (key, value)
+    if container:
+        return named.get(container, {})
+    if len(named) > 1:
+        raise ValueError(
+            f"the pod's annotations give GPU memory to containers {', '.join(sorted(named))}:"
+            " set CONTAINER_NAME to this container's name"
+        )
+    return next(iter(named.values()), {})
+
+
+def _sharing_mode(notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]) -> str:
+    modes = {}
+    if notes.get(SHARING_MODE_ANNOTATION):
+        modes[SHARING_MODE_ANNOTATION] = notes[SHARING_MODE_ANNOTATION]
+    if _NV_MODE in mine:
+        modes[mine[_NV_MODE][0]] = mine[_NV_MODE][1]
+    for key, value in modes.items():
+        if value not in SHARING_MODES:
+            raise ValueError(
+                f"annotation {key}={value!r} is not a compute-sharing mode: write"
+                f" {' or '.join(SHARING_MODES)}"
+            )
+    if len(set(modes.values())) > 1:
+        (k1, v1), (k2, v2) = modes.items()
+        raise ValueError(f"annotations {k1}={v1!r} and {k2}={v2!r} differ: keep one")
+    return next(iter(modes.values()), "")
+
+
+def _nvfractions_request(
+    e: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
+) -> tuple[int | None, str]:
+    """NvFractions' own request, read only where no gpu-memory or fraction is given:
+    beside a fraction KAI's binder writes it from the fraction, which stays the request.
+    Only a limit written: KAI schedules by the limit."""
+    for var in _FRACTIOND_REQUEST:
+        if e.get(var):
+            return _mib(e[var], var), var
+    for suffix in (_NV_REQUEST, _NV_LIMIT):
+        if suffix in mine:
+            key, value = mine[suffix]
+            return parse_quantity(value, f"annotation {key}"), f"annotation {key}"
+    return None, ""
+
+
+def _request(
+    e: Mapping[str, str], notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
+) -> tuple[int | None, str, float | None]:
+    """(size, where it was read, fraction): the memory request."""
+    memory, request_from = None, ""
+    if e.get("GPUSHARE_MEMORY"):
+        memory, request_from = _size(e["GPUSHARE_MEMORY"], "GPUSHARE_MEMORY"), "GPUSHARE_MEMORY"
+    elif notes.get("gpu-memory"):
+        try:
+            memory = int(notes["gpu-memory"]) * 2**20  # KAI writes MiB
+        except ValueError:
+            raise ValueError(
+                f"gpu-memory annotation {notes['gpu-memory']!r} is not a number of MiB"
+            ) from None
+        request_from = "annotation gpu-memory"
+    portion = None
+    if e.get("GPU_PORTION"):
+        portion = _fraction(e["GPU_PORTION"], "GPU_PORTION")
+    elif notes.get("gpu-fraction"):
+        portion = _fraction(notes["gpu-fraction"], "gpu-fraction annotation")
+    if memory is None and portion is None:
+        memory, request_from = _nvfractions_request(e, mine)
+    return memory, request_from, portion
 
 
 def read_env(
@@ -85,20 +265,11 @@ def read_env(
 ) -> WorkloadEnv:
     e = os.environ if environ is None else environ
     notes = read_annotations(podinfo or e.get("GPUSHARE_PODINFO") or DEFAULT_PODINFO)
-    memory = _size(e, "GPUSHARE_MEMORY")
-    if memory is None and notes.get("gpu-memory"):
-        try:
-            memory = int(notes["gpu-memory"]) * 2**20  # KAI writes MiB
-        except ValueError:
-            raise ValueError(
-                f"gpu-memory annotation {notes['gpu-memory']!r} is not a number of MiB"
-            ) from None
-    limit = _size(e, "GPUSHARE_MEMORY_LIMIT")
-    portion = None
-    if e.get("GPU_PORTION"):
-        portion = _fraction(e["GPU_PORTION"], "GPU_PORTION")
-    elif notes.get("gpu-fraction"):
-        portion = _fraction(notes["gpu-fraction"], "gpu-fraction annotation")
+    container = e.get("CONTAINER_NAME", "")
+    mine = _container_notes(notes, container)
+    memory, request_from, portion = _request(e, notes, mine)
+    memory_limit, portion_limit, limit_from = _limit(e, notes, mine)
+    _check(memory, request_from, portion, memory_limit, portion_limit, limit_from)
     gpu, uuid = None, ""
     first = e.get("NVIDIA_VISIBLE_DEVICES", "").split(",")[0].strip()
     if first.isdigit():
@@ -113,10 +284,83 @@ def read_env(
         gpu_uuid=uuid,
         pod=e.get("POD_NAME", ""),
         namespace=e.get("POD_NAMESPACE", ""),
-        container=e.get("CONTAINER_NAME", ""),
+        container=container,
         pod_uid=e.get("POD_UID", ""),
-        memory_limit=limit,
+        memory_limit=memory_limit,
+        portion_limit=portion_limit,
+        sharing_mode=_sharing_mode(notes, mine),
     )
+
+
+def _limit(
+    e: Mapping[str, str], notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
+) -> tuple[int | None, float | None, str]:
+    """(size, fraction, where it was read): the first source set, in precedence order."""
+    if e.get("GPUSHARE_MEMORY_LIMIT"):
+        return (
+            _size(e["GPUSHARE_MEMORY_LIMIT"], "GPUSHARE_MEMORY_LIMIT"),
+            None,
+            "GPUSHARE_MEMORY_LIMIT",
+        )
+    if e.get("GPU_MEMORY_LIMIT"):
+        return _kai_memory_limit(e["GPU_MEMORY_LIMIT"]), None, "GPU_MEMORY_LIMIT"
+    for var in _FRACTIOND_LIMIT:
+        if e.get(var):
+            return _mib(e[var], var), None, var
+    if e.get("CUDA_DEVICE_MEMORY_LIMIT"):
+        return _hami_limit(e["CUDA_DEVICE_MEMORY_LIMIT"]), None, "CUDA_DEVICE_MEMORY_LIMIT"
+    # A fraction first: where both are written, KAI's binder wrote the size from it.
+    portion_keys = [mine[_KAI_PORTION_LIMIT]] if _KAI_PORTION_LIMIT in mine else []
+    if notes.get("gpu-fraction.limit"):
+        portion_keys.append(("gpu-fraction.limit", notes["gpu-fraction.limit"]))
+    for key, value in portion_keys[:1]:
+        fix = "write it like 0.8 (KAI admits up to 0.99999)"
+        return None, _fraction(value, f"annotation {key}", fix), f"annotation {key}"
+    if _NV_LIMIT in mine:
+        key, value = mine[_NV_LIMIT]
+        return parse_quantity(value, f"annotation {key}"), None, f"annotation {key}"
+    if notes.get("gpu-memory.limit"):
+        value = notes["gpu-memory.limit"]
+        size = parse_quantity(value, "annotation gpu-memory.limit", unit_required=True)
+        return size, None, "annotation gpu-memory.limit"
+    return None, None, ""
+
+
+def _check(
+    memory: int | None,
+    request_from: str,
+    portion: float | None,
+    memory_limit: int | None,
+    portion_limit: float | None,
+    limit_from: str,
+) -> None:
+    """The combinations KAI refuses, refused here in one line each. A size against a
+    fraction is the node's to check: it knows the GPU's memory."""
+    from_annotation = limit_from.startswith("annotation ")
+    if portion_limit is not None and portion is None:
+        raise ValueError(
+            f"{limit_from} is a fraction of the GPU and needs a gpu-fraction request (KAI"
+            " refuses it beside a size): add the gpu-fraction annotation, or write the"
+            " limit as a size (gpu-memory.limit, or nvidia.com/container.<name>.gpu-memory.limit)"
+        )
+    if memory_limit is not None and from_annotation and memory is None:
+        raise ValueError(
+            f"{limit_from} is a size and needs a size request (KAI refuses it beside"
+            " gpu-fraction): write the limit as kai.scheduler/container.<name>"
+            ".gpu-memory.portion.limit, or request a size (gpu-memory)"
+        )
+    if memory_limit is not None and memory is not None and memory_limit < memory:
+        raise ValueError(
+            f"the memory limit {format_size(memory_limit)} ({limit_from}) is below the"
+            f" request {format_size(memory)} ({request_from}): raise the limit or lower"
+            " the request"
+        )
+    if portion_limit is not None and portion is not None and portion_limit < portion:
+        raise ValueError(
+            f"the memory limit {portion_limit:g} of the GPU ({limit_from}) is below the"
+            f" request {portion:g} (GPU_PORTION or gpu-fraction): raise the limit or lower"
+            " the request"
+        )
 
 
 def program_name(argv0: str, orig_argv: Sequence[str]) -> str:
