@@ -29,6 +29,9 @@ from gpushare.core.turns import Turns
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
 SWAP_FLOOR_BPS = 1e9
+# A grant this soon after its ask moved nothing for it: what its bound holds above its
+# request was free, lent, and is given back on demand (core/admission.py's reclaim).
+LENT_WITHIN_S = 1e-3
 
 
 class Leases:
@@ -68,12 +71,11 @@ class Leases:
     def grant(
         self, s: SessionState, room: int = 0, resume: bool = False, lent: bool = False
     ) -> None:
-        """``lent``: it fits beside the others as things are; granted in the decision
-        that asked, what its bound holds above its request is lent from free memory and
-        given back on demand (core/admission.py's reclaim)."""
+        """``lent``: it fits beside the others as things are; granted at once after its
+        ask (:data:`LENT_WITHIN_S`), what its bound holds above its request is lent from
+        free memory and given back on demand (core/admission.py's reclaim)."""
         st = self.st
         now = self.st.now()
-        asked_now = s.lease.wait_start == now
         if st.queue[0] == s.id:
             st.queue.popleft()
         else:  # a gang member joining its gang's lease, ahead of the queue
@@ -102,7 +104,8 @@ class Leases:
         m = s.memory
         bound = bound_for(s, st.settings.mode)
         m.bound = bound if bound < m.limit else 0
-        m.lent = lent and asked_now and m.held > m.guaranteed
+        m.need = 0  # answered: a later grant lends what it has then (its burst freed or not)
+        m.lent = lent and waited < LENT_WITHIN_S and m.held > m.guaranteed
         ls.quantum_len = q
         m.room = room
         m.swapping_in = bool(m.swapped)

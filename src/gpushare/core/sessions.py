@@ -39,7 +39,7 @@ class Memory:
     # Holding: the most it may have without asking again (0: its limit). In mode auto a
     # growing client's grant lends what it asks, up to its limit (core/ledger.bound_for).
     bound: int = 0
-    need: int = 0  # this burst: the room its last ask named (an allocation past its bound)
+    need: int = 0  # the room its ask named (an allocation past its bound), until granted
     lent: bool = False  # holding above its request on memory that was free: given back on demand
     resident: int = 0
     swapped: int = 0

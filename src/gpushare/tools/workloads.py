@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
     ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
     ap.add_argument("--memory-limit", default=None, help="the limit, when above --memory")
+    ap.add_argument("--allocate", default=None, help="what it allocates (default --memory)")
     ap.add_argument("--grow", default="0", help="batch: allocate this much more, at --grow-at")
     ap.add_argument("--grow-at", type=float, default=0.0, help="batch: seconds into the run")
     ap.add_argument("--grow-for", type=float, default=0.0, help="batch: seconds it is kept")
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.until is not None:  # however late this process started, all end together
         a.seconds = max(0.0, a.until - time.time())
     memory = parse_size(a.memory)
+    allocated = parse_size(a.allocate) if a.allocate else memory
 
     def time_up(_sig: int, _frame: object) -> None:
         raise TimeUp
@@ -224,14 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if a.kind == "cycles":
-            out = cycles(s, a.seconds, memory, a.seed, a.bursts)
+            out = cycles(s, a.seconds, allocated, a.seed, a.bursts)
         elif a.kind == "batch":
             grow = Burst(parse_size(a.grow), a.grow_at, a.grow_for)
-            out = batch(s, a.seconds, memory, a.seed, a.until is not None, grow)
+            out = batch(s, a.seconds, allocated, a.seed, a.until is not None, grow)
         elif a.kind == "short":
-            out = short(s, a.seconds, memory, a.seed)
+            out = short(s, a.seconds, allocated, a.seed)
         else:
-            out = interactive(s, a.seconds, memory, a.seed, deadline=a.until is not None)
+            out = interactive(s, a.seconds, allocated, a.seed, deadline=a.until is not None)
     except TimeUp:  # stopped where it was: what it did until then
         out = _checkers[-1].figures() if _checkers else {"steps": 0, "checks": 0, "failures": 0}
     finally:

@@ -175,8 +175,8 @@ class SimBackend(SwapBackend):
             raise OutOfMemoryError(
                 f"allocating {format_size(nbytes)} would take this session past its memory"
                 f" limit of {format_size(self.limit)} ({format_size(used)} in use): free"
-                " memory, or attach with a larger limit (memory=, GPUSHARE_MEMORY,"
-                " gpushare run --memory)"
+                " memory, or attach with a larger limit (memory_limit=, GPUSHARE_MEMORY_LIMIT,"
+                " gpushare run --memory-limit)"
             )
         # Past what its grant lent it (mode auto): the node is asked first; the session
         # yields meanwhile and holds again once that much fits.
