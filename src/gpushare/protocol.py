@@ -46,6 +46,9 @@ class Hello(_Msg, tag="hello"):
     memory_request: int | None = None
     portion_limit: float | None = None
     grows: bool = False  # it asks (a Release with a need) before it has more than its bound
+    # Its pod's compute-sharing mode (KAI's gpu-compute-sharing-mode): "time-slicing",
+    # "sm-sharing", or "" (the GPU's mode).
+    sharing: str = ""
     gpu: int | None = None
     gpu_uuid: str = ""  # from NVIDIA_VISIBLE_DEVICES; the node maps it to its index
     backend: str = "sim"

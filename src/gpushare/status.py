@@ -35,6 +35,8 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     memory_bound_bytes: int = 0
     reclaims_total: int = 0
     reclaimed_bytes_total: int = 0
+    # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
+    sharing: str = ""
     resident_bytes: int
     swapped_bytes: int
     pending_swap_out_bytes: int

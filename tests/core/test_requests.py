@@ -143,3 +143,32 @@ def test_request_checks(clock):
     with pytest.raises(FieldError, match="need"):  # more than its limit
         a.acquire(2)
         a.release(2, resident=0, swapped=0, again=True, need=25 * GiB)
+
+
+def test_a_pods_compute_sharing_mode_is_its_sessions_mode(clock):
+    """KAI's gpu-compute-sharing-mode per pod: time-slicing takes exclusive quanta on a
+    GPU in mode auto; sm-sharing holds beside others on a GPU in mode exclusive."""
+    a = arb(clock)  # mode auto
+    a.attach(1, name="a", memory_limit=10 * GiB)
+    a.attach(2, name="ts", memory_limit=10 * GiB, sharing="time-slicing")
+    a.attach(3, name="c", memory_limit=10 * GiB)
+    a.acquire(1)
+    a.acquire(2)
+    assert list(a.holders) == [1] and list(a.queue) == [2]  # it waits for a quantum of its own
+    a.acquire(3)
+    assert list(a.holders) == [1]  # and nobody passes it
+    clock.advance(10)
+    a.tick()
+    a.release(1, resident=0, swapped=0, again=False)
+    assert list(a.holders) == [2]
+    a.release(2, resident=0, swapped=0, again=False)
+    clock.advance(1)  # its quantum's window for it to ask again (rule 1) passes
+    a.tick()
+    assert list(a.holders) == [3]
+    b = arb(clock, mode="exclusive")
+    for i in (1, 2):
+        b.attach(i, name=f"sm{i}", memory_limit=10 * GiB, sharing="sm-sharing")
+        b.acquire(i)
+    assert list(b.holders) == [1, 2]
+    with pytest.raises(FieldError, match="sharing must be one of"):
+        b.attach(3, name="x", memory_limit=GiB, sharing="mps")

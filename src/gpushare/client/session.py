@@ -119,6 +119,7 @@ def attach_with(
         weight=weight if weight is not None else env.portion,
         portion=env.portion,  # the limit's share when none is given; and the weight's source
         portion_limit=env.portion_limit,
+        sharing=env.sharing_mode,
         gpu=gpu if gpu is not None else env.gpu,
         gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",

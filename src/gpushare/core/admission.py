@@ -51,7 +51,7 @@ class Admission:
             return False  # kept for a gang on several GPUs: its ranks only (grant_joining)
         if not self.taken():
             return True
-        if self.st.settings.mode == "exclusive":
+        if self._exclusive():
             return False
         # Do the requests of all who want the GPU fit (a quantum waiting for its holder
         # included; a gang's ranks' limits all, as they may all ask at any time)? Stop at
@@ -69,6 +69,18 @@ class Admission:
             if total > self.st.capacity:
                 return False
         return True
+
+    def _exclusive(self) -> bool:
+        """The head, or one who holds (a quantum waiting for its holder included), is in
+        mode exclusive (the GPU's, or its pod's time-slicing): nobody joins."""
+        st, mode = self.st, self.st.settings.mode
+        if st.queue and st.sessions[st.queue[0]].mode_of(mode) == "exclusive":
+            return True
+        w = self.window.holder
+        return any(
+            st.sessions[i].mode_of(mode) == "exclusive"
+            for i in (*st.holders, *(() if w is None else (w,)))
+        )
 
     def grant_what_fits(self) -> None:
         st = self.st
@@ -148,7 +160,7 @@ class Admission:
             for h in map(st.sessions.__getitem__, st.holders)
             if h.memory.lent and h.state is State.HOLDING
         ]
-        if not lent or st.settings.mode != "auto":
+        if not lent or head.mode_of(st.settings.mode) != "auto":
             return
         over = st.used_bytes() - head.used + bound_for(head, st.settings.mode) - st.capacity
         now = st.now()

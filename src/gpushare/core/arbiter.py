@@ -40,7 +40,7 @@ from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
 from gpushare.core.ledger import Ledger
 from gpushare.core.prefetch import plan_prefetch
-from gpushare.core.sessions import Memory, SessionState, State
+from gpushare.core.sessions import SHARING_MODES, Memory, SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
 from gpushare.core.turns import Turns
@@ -167,6 +167,7 @@ class Arbiter:
         memory_limit: int,
         memory_request: int | None = None,
         grows: bool = False,
+        sharing: str = "",
         weight: float = 1.0,
         resident: int = 0,
         swapped: int = 0,
@@ -191,16 +192,23 @@ class Arbiter:
         (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
         ranks elsewhere too). ``memory_request``: what the node guarantees and packs by in
         mode auto (default: the limit); ``grows``: its client asks (a release with a need)
-        before it has more than its grant's bound."""
+        before it has more than its grant's bound. ``sharing``: its pod's compute-sharing
+        mode (``time-slicing``: exclusive quanta; ``sm-sharing``: mode auto), else the
+        GPU's mode."""
         st = self.st
         limit = memory_limit
         weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
         request = self._check_request(memory_request, limit)
+        if sharing and sharing not in SHARING_MODES:
+            raise FieldError(
+                f"sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
+                f" gpu-compute-sharing-mode), not {sharing!r}"
+            )
         if gang:
             self.gangs.check(gang, limit, spans_nodes)
         now = self.clock.monotonic()
         mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
-        s = SessionState(id=sid, name=name, weight=weight, memory=mem)
+        s = SessionState(id=sid, name=name, weight=weight, memory=mem, sharing=sharing)
         s.attached = s.lease.idle_since = now
         s.prefetch.enabled = prefetch
         s.share.credit = self.turns.first_credit()

@@ -86,7 +86,7 @@ def bound_for(s: SessionState, mode: str) -> int:
     up to its limit. So a session packed by its request holds at its request until it
     asks for more (docs/scheduling.md, "Memory request and limit")."""
     m = s.memory
-    if mode != "auto" or not m.grows or s.rank.gang:
+    if s.mode_of(mode) != "auto" or not m.grows or s.rank.gang:
         return m.limit
     return min(m.limit, max(m.guaranteed, m.resident + m.swapped, m.need))
 

@@ -16,6 +16,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# KAI's gpu-compute-sharing-mode of a pod, as the mode its session is in: time-slicing
+# takes exclusive quanta, sm-sharing holds beside others when memory fits.
+SHARING_MODES = {"time-slicing": "exclusive", "sm-sharing": "auto"}
+
 # Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
 WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -176,6 +180,7 @@ class SessionState:
     weight: float
     memory: Memory
     attached: float = 0.0  # monotonic
+    sharing: str = ""  # its pod's compute-sharing mode (SHARING_MODES; "": the GPU's mode)
     state: State = State.IDLE
     lease: Lease = field(default_factory=Lease)
     esc: Escalation = field(default_factory=Escalation)
@@ -206,6 +211,10 @@ class SessionState:
         if self.prefetch.active:
             return max(m.resident, self.prefetch.room)
         return m.resident
+
+    def mode_of(self, gpu_mode: str) -> str:
+        """The mode this session is in: its pod's compute-sharing mode, else the GPU's."""
+        return SHARING_MODES.get(self.sharing, gpu_mode) if self.sharing else gpu_mode
 
     def expected_back(self, now: float) -> bool:
         """Idle, and it usually asks again soon (within twice its usual gap)."""

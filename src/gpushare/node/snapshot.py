@@ -83,6 +83,7 @@ def session(
         memory_bound_bytes=s.memory.held if s.holding else 0,
         reclaims_total=s.memory.reclaims,
         reclaimed_bytes_total=s.memory.reclaimed,
+        sharing=s.sharing,
         resident_bytes=s.memory.resident,
         swapped_bytes=s.memory.swapped,
         pending_swap_out_bytes=s.memory.pending_out,

@@ -271,7 +271,8 @@ class WorkloadServer:
                 name=name,
                 memory_limit=limit,
                 memory_request=_request_of(h, arb.capacity, limit),
-                grows=h.grows and g.simulated,  # real GPUs: not yet (docs/scheduling.md)
+                grows=h.grows and g.simulated,
+                sharing=h.sharing,  # real GPUs: not yet (docs/scheduling.md)
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
