@@ -49,6 +49,7 @@ class Hello(_Msg, tag="hello"):
     # Its pod's compute-sharing mode (KAI's gpu-compute-sharing-mode): "time-slicing",
     # "sm-sharing", or "" (the GPU's mode).
     sharing: str = ""
+    compute_limit: float | None = None  # the most of the GPU's time it may take (0, 1]
     gpu: int | None = None
     gpu_uuid: str = ""  # from NVIDIA_VISIBLE_DEVICES; the node maps it to its index
     backend: str = "sim"

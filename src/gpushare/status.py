@@ -37,6 +37,10 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     reclaimed_bytes_total: int = 0
     # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
     sharing: str = ""
+    # its compute limit (the most of the GPU's time it may take; 0: none) and the GPU
+    # seconds it may hold now before it rests (core/caps.py)
+    compute_limit: float = 0.0
+    compute_left_s: float = 0.0
     resident_bytes: int
     swapped_bytes: int
     pending_swap_out_bytes: int

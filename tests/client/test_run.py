@@ -456,6 +456,8 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
         (["--memory", "8GiB", "--memory-limit", "4GiB"], {}, "is below the memory request 8.0"),
         (["--memory", "8GiB"], {"GPUSHARE_MEMORY_LIMIT": "2GiB"}, "below the memory request"),
         (["--memory-limit", "2x"], {}, "--memory-limit: "),
+        (["--compute-limit", "2"], {}, "is not a fraction of the GPU's time in (0, 1]"),
+        ([], {"GPUSHARE_COMPUTE_LIMIT": "x"}, "GPUSHARE_COMPUTE_LIMIT='x' is not a fraction"),
         # ... and a wrong weight was said to be fixed with --memory
         (["--weight", "0"], {}, "argument --weight: weight '0' is not a number from 0.001"),
         (["--weight", "-1"], {}, "argument --weight: weight '-1' is not a number from 0.001"),

@@ -14,8 +14,8 @@ from gpushare.settings import GpuSettings
 from tests.core.model import GiB, actions_of, events_of
 
 
-def arb(clock, mode="auto", capacity=80 * GiB, **kw):
-    return Arbiter(0, capacity, clock, GpuSettings(mode=mode, tq_s=10, **kw))
+def arb(clock, mode="auto", capacity=80 * GiB, tq_s=10.0, **kw):
+    return Arbiter(0, capacity, clock, GpuSettings(mode=mode, tq_s=tq_s, **kw))
 
 
 def three_at_request(a):
@@ -172,3 +172,42 @@ def test_a_pods_compute_sharing_mode_is_its_sessions_mode(clock):
     assert list(b.holders) == [1, 2]
     with pytest.raises(FieldError, match="sharing must be one of"):
         b.attach(3, name="x", memory_limit=GiB, sharing="mps")
+
+
+def test_a_compute_limit_caps_the_share_even_when_the_gpu_would_idle(clock):
+    from gpushare.core.caps import WINDOW_S
+
+    a = arb(clock, tq_s=1)
+    a.attach(1, name="capped", memory_limit=GiB, compute_limit=0.25)
+    a.acquire(1)
+    held, t, revokes = 0.0, 0.0, 0
+    while t < 120:  # alone on the GPU, always wanting it, yielding at once when revoked
+        step = 0.05
+        clock.advance(step)
+        t += step
+        if a.sessions[1].state is State.HOLDING:
+            held += step
+        for _ in actions_of(a.tick(), RevokeAction):
+            revokes += 1
+            a.release(1, resident=0, swapped=0, again=True)
+    assert revokes >= 5
+    assert 0.25 * 120 - 0.5 <= held <= 0.25 * 120 + 0.25 * WINDOW_S, held
+
+
+def test_a_resting_capped_session_lets_the_others_go_first(clock):
+    a = arb(clock, tq_s=1, mode="exclusive")
+    a.attach(1, name="capped", memory_limit=GiB, compute_limit=0.1)  # a 1 s bucket
+    a.attach(2, name="free", memory_limit=GiB)
+    a.acquire(1)
+    clock.advance(1.2)
+    (rv,) = actions_of(a.tick(), RevokeAction)
+    assert rv.session == 1 and events_of(a.tick(), "revoke") == []
+    a.release(1, resident=0, swapped=0, again=True)  # it waits, resting
+    out = a.acquire(2)
+    assert [g.session for g in actions_of(out, GrantAction)] == [2]
+    assert list(a.queue) == [1]
+    # the other is not revoked for a session that rests
+    clock.advance(2)
+    assert actions_of(a.tick(), RevokeAction) == []
+    with pytest.raises(FieldError, match="compute_limit"):
+        a.attach(3, name="x", memory_limit=GiB, compute_limit=1.5)

@@ -76,3 +76,22 @@ def test_request_over_the_gpu_is_refused_naming_the_fix(node_factory):
     node = node_factory(*sim("16GiB"))
     with pytest.raises(GpushareError, match="more than GPU 0's usable"):
         gpushare.attach("20GiB", memory_limit="30GiB", socket=node.socket)
+
+
+def test_a_compute_limit_holds_a_lone_workload_to_its_share(node_factory):
+    """Alone on the GPU, a workload with compute limit 0.1 (a 1 s bucket) holds it for
+    about a tenth of its run, not all of it: revoked for its limit, the GPU idle."""
+    import os
+
+    node = node_factory(*sim("16GiB", tq="0.5"))
+    env = {**os.environ, "GPUSHARE_COMPUTE_LIMIT": "0.1"}
+    p = node.workload("batch", "--memory", "1GiB", "--seconds", "8", env=env)
+    wait_until(lambda: node.status()["gpus"][0]["sessions"], timeout=30, what="the session")
+    row = node.status()["gpus"][0]["sessions"][0]
+    assert row["compute_limit"] == 0.1
+    out = _out(p)
+    assert out["failures"] == 0
+    ev = node.event_list()
+    held = sum(e["seconds"] for e in ev if e["event"] == "release")
+    assert held < 0.1 * 8 + 1.0 + 1.0, held  # its share, its bucket, and slack for load
+    assert [e for e in ev if e["event"] == "revoke" and e["reason"] == "compute_limit"]

@@ -30,6 +30,7 @@ and that folder are parameters, so recorded pod environments can be tested.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -430,3 +431,20 @@ def memory_figures(
             f" {format_size(request)}: give a limit at least as large as the request"
         )
     return (request if request != limit else None), limit
+
+
+def compute_limit_of(given: float | None, var: str | None) -> float | None:
+    """The compute limit, checked here as the node checks it: one line naming the fix."""
+    value: object = given if given is not None else var
+    if value is None or value == "":
+        return None
+    where = "compute_limit" if given is not None else "GPUSHARE_COMPUTE_LIMIT"
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        f = math.nan
+    if not (math.isfinite(f) and 0 < f <= 1):
+        raise ValueError(
+            f"{where}={value!r} is not a fraction of the GPU's time in (0, 1]: like 0.5"
+        )
+    return f

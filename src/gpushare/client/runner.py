@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from gpushare.client import launchers
-from gpushare.client.env import memory_figures, rank_gpu, read_env
+from gpushare.client.env import compute_limit_of, memory_figures, rank_gpu, read_env
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def child_env(  # noqa: C901
     gpu: int | None,
     notes: list[str] | None = None,
     memory_limit: str | None = None,
+    compute_limit: str | None = None,
 ) -> dict[str, str]:
     """The command's environment: what the sitecustomize in it needs. What had to be
     changed besides is said in ``notes``."""
@@ -69,6 +70,8 @@ def child_env(  # noqa: C901
         env["GPUSHARE_MEMORY"] = str(parse_size(memory))
     if memory_limit is not None:
         env["GPUSHARE_MEMORY_LIMIT"] = str(parse_size(memory_limit))
+    if compute_limit is not None:
+        env["GPUSHARE_COMPUTE_LIMIT"] = compute_limit
     for key, value in (
         ("GPUSHARE_WEIGHT", weight),
         ("GPUSHARE_NAME", name),
@@ -147,6 +150,7 @@ def run(
     socket: str | None = None,
     gpu: int | None = None,
     memory_limit: str | None = None,
+    compute_limit: str | None = None,
 ) -> int:
     if not command:
         print(
@@ -164,12 +168,15 @@ def run(
         return 2
     notes: list[str] = []
     try:
-        env = child_env(dict(os.environ), memory, weight, name, socket, gpu, notes, memory_limit)
+        env = child_env(
+            dict(os.environ), memory, weight, name, socket, gpu, notes, memory_limit, compute_limit
+        )
         # What the program's attach will read (GPUSHARE_MEMORY, GPU_PORTION, the pod's
         # annotations): a wrong value is a usage error said here, as --memory's is; so
         # is a limit below the request.
         e = read_env(env)
         memory_figures(None, None, e)
+        compute_limit_of(None, env.get("GPUSHARE_COMPUTE_LIMIT"))
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2

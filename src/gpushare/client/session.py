@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 from gpushare import protocol as p
-from gpushare.client.env import memory_figures, program_name, read_env
+from gpushare.client.env import compute_limit_of, memory_figures, program_name, read_env
 from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
 from gpushare.client.swap.base import SwapBackend, SwapHooks
@@ -57,6 +57,7 @@ def attach(
     memory: str | int | None = None,
     *,
     memory_limit: str | int | None = None,
+    compute_limit: float | None = None,
     socket: str | None = None,
     gpu: int | None = None,
     name: str | None = None,
@@ -73,6 +74,8 @@ def attach(
     ``memory_limit`` is the most it may use (default ``GPUSHARE_MEMORY_LIMIT``, KAI's
     limit annotations, else the request): between the two, memory is lent while it is
     free and given back when it is needed, never a reason to end the workload.
+    ``compute_limit`` (default ``GPUSHARE_COMPUTE_LIMIT``, else none) caps the session's
+    share of GPU time, a fraction in (0, 1], even when the GPU would otherwise idle.
     ``timeout`` bounds connecting (a busy node is tried again within it) and the
     handshake. ``reconnect_timeout`` (default ``GPUSHARE_RECONNECT_TIMEOUT``, else 60 s)
     bounds how long a new burst waits for a node that went away. Raises
@@ -82,6 +85,7 @@ def attach(
     return attach_with(
         memory,
         memory_limit=memory_limit,
+        compute_limit=compute_limit,
         socket=socket,
         gpu=gpu,
         name=name,
@@ -96,6 +100,7 @@ def attach_with(
     memory: str | int | None = None,
     *,
     memory_limit: str | int | None = None,
+    compute_limit: float | None = None,
     socket: str | None = None,
     gpu: int | None = None,
     name: str | None = None,
@@ -120,6 +125,7 @@ def attach_with(
         portion=env.portion,  # the limit's share when none is given; and the weight's source
         portion_limit=env.portion_limit,
         sharing=env.sharing_mode,
+        compute_limit=compute_limit_of(compute_limit, os.environ.get("GPUSHARE_COMPUTE_LIMIT")),
         gpu=gpu if gpu is not None else env.gpu,
         gpu_uuid=env.gpu_uuid if gpu is None else "",
         backend=backend or "",

@@ -14,6 +14,7 @@ GPU is kept for a gang on several GPUs (core/coordinator.py).
 
 from __future__ import annotations
 
+from gpushare.core.caps import Caps
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
 from gpushare.core.events import Reclaim
@@ -35,8 +36,9 @@ class Admission:
         claims: Claims,
         window: Window,
         escalation: Escalation,
+        caps: Caps,
     ) -> None:
-        self.st, self.leases, self.gangs = st, leases, gangs
+        self.st, self.leases, self.gangs, self.caps = st, leases, gangs, caps
         self.claims, self.window, self.escalation = claims, window, escalation
 
     def taken(self) -> bool:
@@ -90,6 +92,8 @@ class Admission:
         if self.gangs:
             self.gangs.hold_all()
             self.gangs.grant_joining(now, self.leases.grant)
+        if not self.caps.rest(now):
+            return  # all who wait rest for their compute limits
         while st.queue and self.may_join():
             head = self.gangs.head()
             if head is None or head.rank.parked:  # (parked: its gang yields, not free yet)

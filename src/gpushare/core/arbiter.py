@@ -21,8 +21,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from gpushare.core import caps
 from gpushare.core.actions import Action, Outbox
 from gpushare.core.admission import Admission
+from gpushare.core.caps import Caps
 from gpushare.core.checks import (
     MAX_COUNT,
     ArbiterError,
@@ -95,8 +97,9 @@ class Arbiter:
         self.leases = Leases(
             self.st, self.shares, self.turns, self.gangs, self.claims, self.escalation, lease_base
         )
+        self.caps = Caps(self.st)
         self.admission = Admission(
-            self.st, self.leases, self.gangs, self.claims, self.window, self.escalation
+            self.st, self.leases, self.gangs, self.claims, self.window, self.escalation, self.caps
         )
 
     # --- what the rest of the node reads ----------------------------------------------
@@ -149,6 +152,10 @@ class Arbiter:
         live = self.clock.monotonic() - s.lease.wait_start if s.state is State.WAITING else 0.0
         return s.totals.wait_s + live
 
+    def compute_left(self, s: SessionState) -> float:
+        """GPU seconds a session with a compute limit may hold now before it rests."""
+        return caps.left(s, self.clock.monotonic()) if s.share.cap else 0.0
+
     def gang_here(self, key: str) -> bool:
         return self.gangs.here(key)
 
@@ -168,6 +175,7 @@ class Arbiter:
         memory_request: int | None = None,
         grows: bool = False,
         sharing: str = "",
+        compute_limit: float | None = None,
         weight: float = 1.0,
         resident: int = 0,
         swapped: int = 0,
@@ -194,7 +202,8 @@ class Arbiter:
         mode auto (default: the limit); ``grows``: its client asks (a release with a need)
         before it has more than its grant's bound. ``sharing``: its pod's compute-sharing
         mode (``time-slicing``: exclusive quanta; ``sm-sharing``: mode auto), else the
-        GPU's mode."""
+        GPU's mode. ``compute_limit``: the most of the GPU's time it may take over a
+        window (core/caps.py), even when the GPU would otherwise idle."""
         st = self.st
         limit = memory_limit
         weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
@@ -208,7 +217,11 @@ class Arbiter:
             self.gangs.check(gang, limit, spans_nodes)
         now = self.clock.monotonic()
         mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
+        cap = self._check_compute_limit(compute_limit)
         s = SessionState(id=sid, name=name, weight=weight, memory=mem, sharing=sharing)
+        if cap < 1.0:
+            s.share.cap, s.share.cap_left, s.share.cap_at = cap, cap * caps.WINDOW_S, now
+            self.caps.count += 1
         s.attached = s.lease.idle_since = now
         s.prefetch.enabled = prefetch
         s.share.credit = self.turns.first_credit()
@@ -286,6 +299,21 @@ class Arbiter:
             )
         return request
 
+    @staticmethod
+    def _check_compute_limit(limit: float | None) -> float:
+        if limit is None:
+            return 1.0
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int | float)
+            or not math.isfinite(limit)
+            or not 0 < limit <= 1
+        ):
+            raise FieldError(
+                f"compute_limit must be a fraction of the GPU's time in (0, 1], not {limit!r}"
+            )
+        return float(limit)
+
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
         knew are back, or the window ended). Leases claimed meanwhile wait for the end."""
@@ -314,6 +342,8 @@ class Arbiter:
             st.queue.remove(sid)
         if s.share.window:
             self.window.close(s)
+        if s.share.cap:
+            self.caps.count -= 1
         del st.sessions[sid]
         st.deadlines.forget(sid)
         self.claims.forget(sid)
@@ -558,6 +588,7 @@ class Arbiter:
         grow: bool = False,
     ) -> None:
         st, ls, m = self.st, s.lease, s.memory
+        caps.settle(s, now)  # (holding still: its GPU time spent from the bucket)
         revoked = s.state is State.YIELDING
         held = now - ls.start
         s.totals.lease_s += held
@@ -644,6 +675,7 @@ class Arbiter:
         if w is not None:
             times.append(w)
         times += self.gangs.deadlines()
+        times += self.caps.deadlines()
         return times
 
     def verify(self) -> None:
@@ -703,11 +735,13 @@ class Arbiter:
         for sid in list(st.holders):
             s = st.sessions[sid]
             if s.state is State.HOLDING and s.lease.quantum_end <= now:
-                if self.gangs.others_wait(s):
+                if self.gangs.others_wait(s) and not self.caps.all_resting(now):
                     self.leases.revoke(s, now)
+                elif caps.dry(s, now):  # its compute limit: it rests, the GPU idle or not
+                    self.leases.revoke(s, now, reason="compute_limit")
                 else:  # nobody waits: a new quantum, no needless switch
                     Turns.over(s)
-                    s.lease.quantum_len = self.quantum(s)
+                    s.lease.quantum_len = caps.capped_quantum(s, self.quantum(s), now)
                     s.lease.quantum_end = now + s.lease.quantum_len
             elif (
                 s.state is State.YIELDING and not s.esc.escalated and s.lease.revoke_deadline <= now

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gpushare.core import caps
 from gpushare.core.actions import GrantAction, RevokeAction, RoomAction
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
@@ -55,6 +56,7 @@ class Leases:
         it waits for its turn (its memory stays where it is: a stopped process cannot
         swap)."""
         st = self.st
+        caps.settle(s, now)
         s.totals.lease_s += now - s.lease.start
         st.holders.remove(s.id)
         held = now - s.lease.start
@@ -80,6 +82,7 @@ class Leases:
             st.queue.popleft()
         else:  # a gang member joining its gang's lease, ahead of the queue
             st.queue.remove(s.id)
+        caps.settle(s, now)  # (before it holds: the wait filled its bucket)
         regroup, s.rank.parked = s.rank.parked, False
         waited = st.end_wait(s, now)
         self.shares.collect_credit(s)
@@ -92,6 +95,8 @@ class Leases:
         self.grants_total += 1
         ls.start = now
         q, kind = self._quantum_of_grant(s, now)
+        if s.share.cap:  # its compute limit: no longer than its bucket lasts
+            q = caps.capped_quantum(s, q, now)
         g = self.gangs.of(s)
         if g is not None:  # the gang's quantum is its first holder's: no more than what is left
             self.gangs.hold(g, True)
@@ -197,11 +202,10 @@ class Leases:
         # Plan the next grant as if this holder had already yielded, so that its swap-out
         # and everyone else's start now, in parallel with its wind-down.
         swap_out = 0
-        head = st.queue[0]
-        if self._fits_after_release(s, st.sessions[head]):
-            asks: list[tuple[int, int]] = []  # what the planner would say, without it
-        else:
-            asks = plan_grant(self.st.capacity, self._views_released(s), head).swap_outs
+        asks: list[tuple[int, int]] = []  # what the planner would say, without it
+        # (nobody waits: a compute limit's revoke; the memory stays)
+        if st.queue and not self._fits_after_release(s, st.sessions[st.queue[0]]):
+            asks = plan_grant(self.st.capacity, self._views_released(s), st.queue[0]).swap_outs
         if self.st.settings.mode == "exclusive" or len(st.holders) == 1:
             for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke

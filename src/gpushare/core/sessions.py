@@ -120,6 +120,10 @@ class Share:
     # to it (others held past theirs while it waited), added to later ones (4)
     debt: float = 0.0
     owed_mark: float = 0.0  # the shares' owed total when it began to wait
+    # Its compute limit (core/caps.py: 0 none): the bucket's GPU seconds at cap_at.
+    cap: float = 0.0
+    cap_left: float = 0.0
+    cap_at: float = 0.0
 
 
 @dataclass

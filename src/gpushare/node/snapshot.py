@@ -84,6 +84,8 @@ def session(
         reclaims_total=s.memory.reclaims,
         reclaimed_bytes_total=s.memory.reclaimed,
         sharing=s.sharing,
+        compute_limit=s.share.cap,
+        compute_left_s=a.compute_left(s),
         resident_bytes=s.memory.resident,
         swapped_bytes=s.memory.swapped,
         pending_swap_out_bytes=s.memory.pending_out,

@@ -272,7 +272,8 @@ class WorkloadServer:
                 memory_limit=limit,
                 memory_request=_request_of(h, arb.capacity, limit),
                 grows=h.grows and g.simulated,
-                sharing=h.sharing,  # real GPUs: not yet (docs/scheduling.md)
+                sharing=h.sharing,
+                compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
                 weight=weight,
                 resident=resident,
                 swapped=swapped,

@@ -356,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
         " GPUSHARE_MEMORY_LIMIT, else KAI's limit annotations, else the request)",
     )
     r.add_argument(
+        "--compute-limit",
+        metavar="F",
+        help="the most of the GPU's time the program may take, a fraction in (0, 1], even"
+        " when the GPU would otherwise idle (default GPUSHARE_COMPUTE_LIMIT, else none)",
+    )
+    r.add_argument(
         "--weight",
         type=_weight,
         metavar="W",
@@ -596,7 +602,16 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
                 print(f"gpushare run: error: {flag}: {e}", file=sys.stderr)
                 return 2
         socket = getattr(args, "socket", None)
-        return run(cmd, args.memory, args.weight, args.name, socket, args.gpu, args.memory_limit)
+        return run(
+            cmd,
+            args.memory,
+            args.weight,
+            args.name,
+            socket,
+            args.gpu,
+            args.memory_limit,
+            args.compute_limit,
+        )
     if args.cmd == "top":
         from gpushare.tools.top import run_top
 
