@@ -113,6 +113,7 @@ class Lease:
         self.swap_gen = -1  # the connection whose grant the swap-in follows
         self.told = (0, 0)  # the resident and swapped bytes this connection heard last
         self.depth = 0  # threads inside gpu()
+        self._mine = threading.local()  # n: the calling thread's gpu() blocks open
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
         self.busy = 0  # threads inside working(): no release for idleness meanwhile
         self.bursts = 0
@@ -144,6 +145,7 @@ class Lease:
                 self.cond.notify_all()
                 raise
             self.implicit = False
+            self._mine.n = getattr(self._mine, "n", 0) + 1
 
     def exit(self) -> None:
         """``gpu()``'s exit: the last thread out releases."""
@@ -151,6 +153,7 @@ class Lease:
             return
         with self.cond:
             self.depth -= 1
+            self._mine.n = getattr(self._mine, "n", 1) - 1
             if self.depth == 0 and self.phase is Phase.HOLDING:
                 self._release(again=False)
             self.cond.notify_all()
@@ -177,11 +180,14 @@ class Lease:
         """Give the lease back for a while of CPU work inside a burst (torch.compile
         compiling inside a forward, where no safe point comes for seconds): released as
         at a burst's end (a revoke pending is answered, its swap-out done), so that the
-        node need not escalate. True if it was given back: :meth:`resume_work` then asks again.
-        Only an implicit burst (``gpushare run``'s hooks): ``gpu()`` keeps what it holds."""
+        node need not escalate. True if it was given back: :meth:`resume_work` then asks
+        again. Only a burst of the calling thread alone: an implicit one (``gpushare
+        run``'s hooks), or ``gpu()`` blocks of this thread with no other thread inside
+        one (that thread's GPU work would lose the lease under it)."""
         self._not_forked()
         with self.cond:
-            if not (self.phase is Phase.HOLDING and self.depth == 0 and self.implicit):
+            mine = getattr(self._mine, "n", 0)
+            if not (self.phase is Phase.HOLDING and self.depth == mine and (mine or self.implicit)):
                 return False
             self.backend.synchronize()  # the GPU work queued is done before the lease goes
             self.implicit = False
@@ -190,12 +196,13 @@ class Lease:
             return True
 
     def resume_work(self) -> None:
-        """After :meth:`pause_work`: the burst asks again, and waits to hold (swapped in)."""
+        """After :meth:`pause_work`: the burst asks again, and waits to hold (swapped in);
+        inside ``gpu()`` as that block's burst, else as an implicit one."""
         self._not_forked()
         with self.cond:
             self.usable()
             if self.phase is not Phase.HOLDING:
-                self._hold(implicit=True)
+                self._hold(implicit=self.depth == 0)
 
     def begin_work(self) -> None:
         with self.cond:
