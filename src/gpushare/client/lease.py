@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -116,6 +117,7 @@ class Lease:
         self._mine = threading.local()  # n: the calling thread's gpu() blocks open
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
         self.busy = 0  # threads inside working(): no release for idleness meanwhile
+        self.said_loop = False  # a wait on an asyncio loop's thread was said
         self.bursts = 0
         self.grants = 0
         self.waits: list[float] = []
@@ -258,6 +260,8 @@ class Lease:
             if st is Link.CLOSED:
                 raise GpushareError("session is closed")
             if st is Link.ENDED:
+                if self.link.on_ended is not None:
+                    self._park()
                 raise DaemonUnavailableError(
                     f"the gpushare node ended this session: {self.link.reason}"
                 )
@@ -268,6 +272,35 @@ class Lease:
                     f" ({self.link.reason}); set GPUSHARE_RECONNECT_TIMEOUT to wait longer"
                 )
             self.cond.wait(left)
+
+    def _park(self) -> None:
+        """The node ended the session and ``on_ended`` stops the program (``gpushare
+        run``: SIGTERM, SIGKILL after 10 s): a thread that waits for the GPU, or reaches
+        a safe point, stays here until the program ends. An error raised here went to
+        the program, which logged or answered it (a server answered the request waiting
+        for the lease with HTTP 500 and a traceback through gpushare's hooks, issue 28)."""
+        while True:
+            self.cond.wait()
+
+    def _say_if_on_a_loop(self) -> None:
+        """A wait for the lease on the thread of a running asyncio event loop stops the
+        loop for as long (a server's other requests, its health checks, go unanswered):
+        said once, with the fix. The wait cannot be moved off the loop from inside the
+        synchronous call that waits."""
+        if self.said_loop or "asyncio" not in sys.modules:
+            return
+        try:
+            sys.modules["asyncio"].get_running_loop()
+        except RuntimeError:
+            return  # no loop runs in this thread
+        self.said_loop = True
+        sys.stderr.write(
+            f"gpushare: session {self.link.session} waits for the GPU on the thread of a"
+            " running asyncio event loop, which answers nothing meanwhile (a server's health"
+            " checks fail): run the GPU work off the loop, 'await asyncio.to_thread(model,"
+            " x)', or in a sync endpoint ('def', not 'async def') (said once)\n"
+        )
+        sys.stderr.flush()
 
     def _hold(self, implicit: bool) -> None:
         """Until this burst holds the lease: ask (IDLE), or wait for the thread that
@@ -291,6 +324,7 @@ class Lease:
 
     def _await(self, t0: float) -> None:
         """ACQUIRING (or YIELDING to ask again) until HOLDING; withdraws if interrupted."""
+        self._say_if_on_a_loop()
         try:
             while True:
                 self.usable()  # may wait for a reconnect: look at the grant after it
