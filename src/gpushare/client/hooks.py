@@ -289,7 +289,12 @@ def _say_spawned_ranks_run_ungated() -> list[_Unpatch]:
                     f" torchrun --nproc-per-node {nprocs} train.py (docs/run.md)\n"
                 )
                 sys.stderr.flush()
-            return original(fn, args, nprocs, *a, **kw)
+            # said for them: the processes it starts say nothing of their own at CUDA start
+            os.environ["GPUSHARE_UNGATED_SAID"] = "1"
+            try:
+                return original(fn, args, nprocs, *a, **kw)
+            finally:
+                os.environ.pop("GPUSHARE_UNGATED_SAID", None)
 
         return start_processes
 
