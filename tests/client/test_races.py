@@ -448,3 +448,27 @@ def test_a_compile_while_another_thread_is_inside_gpu_keeps_the_lease():
         assert not s._lease.pause_work()
         assert s.holding and node.said(s) == []
         b.exit()
+
+
+def test_a_compile_that_keeps_the_lease_says_so_once_and_its_hooks_step_aside(capsys):
+    from types import SimpleNamespace
+
+    from gpushare.client import hooks
+
+    dynamo = SimpleNamespace(callback_trigger=SimpleNamespace(name="DYNAMO"))
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=1)  # another thread's gpu() block: the lease stays
+        saved, said = hooks._compile_session[:], hooks._said_holding[:]
+        hooks._compile_session[:], hooks._said_holding[:] = [s], [False]
+        try:
+            for _ in range(2):
+                hooks._compile_start(dynamo)
+                assert hooks._compiles.n == 1  # the hooks step aside in this thread
+                hooks._compile_end(dynamo)
+                assert hooks._compiles.n == 0
+        finally:
+            hooks._compile_session[:], hooks._said_holding[:] = saved, said
+        assert s.holding and node.said(s) == []
+        b.exit()
+    err = capsys.readouterr().err
+    assert err.count("holds the GPU while torch.compile compiles") == 1, err
