@@ -418,3 +418,57 @@ def test_a_resumed_lease_comes_with_a_new_token():
         node.drop()
         assert node.take().token == "t9"  # shown to the next restart
         b.exit()
+
+
+def test_a_compile_inside_this_threads_gpu_block_gives_the_lease_back_and_asks_again():
+    # issue 25: a compile inside `with session.gpu():` held the lease through it (no safe
+    # point for seconds: escalated past the grace); the calling thread's block alone is
+    # given back, and asked again before the block goes on
+    with fake_session() as (s, node):
+        answer = threading.Thread(target=lambda: (node.recv(), node.send(grant(1))))
+        answer.start()
+        with s.gpu():
+            answer.join(10)
+            assert s._lease.pause_work()
+            assert s._lease.phase is Phase.IDLE and not s.holding
+            assert [type(m) for m in node.said(s)] == [p.Release]
+            answer = threading.Thread(target=lambda: (node.recv(), node.send(grant(2))))
+            answer.start()
+            s._lease.resume_work()
+            answer.join(10)
+            assert s.holding and s._lease.lease == 2 and not s._lease.implicit
+        assert s._lease.phase is Phase.IDLE
+        assert [type(m) for m in node.said(s)] == [p.Release]
+
+
+def test_a_compile_while_another_thread_is_inside_gpu_keeps_the_lease():
+    # that thread's GPU work would lose the lease under it
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=1)  # entered on a thread of its own
+        assert not s._lease.pause_work()
+        assert s.holding and node.said(s) == []
+        b.exit()
+
+
+def test_a_compile_that_keeps_the_lease_says_so_once_and_its_hooks_step_aside(capsys):
+    from types import SimpleNamespace
+
+    from gpushare.client import hooks
+
+    dynamo = SimpleNamespace(callback_trigger=SimpleNamespace(name="DYNAMO"))
+    with fake_session() as (s, node):
+        b = hold(s, node, lease=1)  # another thread's gpu() block: the lease stays
+        saved, said = hooks._compile_session[:], hooks._said_holding[:]
+        hooks._compile_session[:], hooks._said_holding[:] = [s], [False]
+        try:
+            for _ in range(2):
+                hooks._compile_start(dynamo)
+                assert hooks._compiles.n == 1  # the hooks step aside in this thread
+                hooks._compile_end(dynamo)
+                assert hooks._compiles.n == 0
+        finally:
+            hooks._compile_session[:], hooks._said_holding[:] = saved, said
+        assert s.holding and node.said(s) == []
+        b.exit()
+    err = capsys.readouterr().err
+    assert err.count("holds the GPU while torch.compile compiles") == 1, err

@@ -559,7 +559,11 @@ def test_ranks_of_torch_multiprocessing_spawn_are_said_to_run_ungated(node_facto
         import torch.multiprocessing as mp
 
         def rank(i):
-            pass
+            import torch
+            try:
+                torch.cuda.init()  # said for them by the parent: nothing of their own
+            except (AssertionError, RuntimeError):
+                pass
 
         if __name__ == "__main__":
             mp.spawn(rank, nprocs=2)
@@ -574,6 +578,7 @@ def test_ranks_of_torch_multiprocessing_spawn_are_said_to_run_ungated(node_facto
     assert len(said) == 1, err  # once
     assert "starts 2 processes that run ungated: only this one (pid" in said[0]
     assert "gpushare run -- torchrun --nproc-per-node 2 train.py" in said[0]
+    assert "uses CUDA ungated" not in err, err
 
 
 def test_a_command_that_is_not_python_is_said_to_run_ungated(node_factory, short_tmp):
@@ -592,3 +597,42 @@ def test_a_command_that_is_not_python_is_said_to_run_ungated(node_factory, short
     pr = gs_run(node, "--", str(script))
     _, err = pr.communicate(timeout=60)
     assert "not a Python program" not in err, err
+
+
+def test_a_spawned_child_that_uses_cuda_is_said_to_run_ungated(node_factory, short_tmp):
+    # issue 28: a multiprocessing child (spawn, forkserver: an engine's workers) is not a
+    # session, and used the GPU ungated without a word; one that never asks for CUDA
+    # says nothing
+    prog = short_tmp / "children.py"
+    prog.write_text(
+        textwrap.dedent("""
+        import multiprocessing as mp, sys
+
+        def uses_cuda():
+            import torch
+            try:
+                torch.cuda.init()  # a CPU build raises; asking for CUDA is what is said
+            except (AssertionError, RuntimeError):
+                pass
+
+        def cpu_only():
+            import torch
+            torch.zeros(2).sum()
+
+        if __name__ == "__main__":
+            for method in ("spawn", "forkserver"):
+                for target in (uses_cuda, cpu_only):
+                    p = mp.get_context(method).Process(target=target)
+                    p.start()
+                    p.join()
+                    assert p.exitcode == 0, p.exitcode
+    """)
+    )
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, str(prog))
+    _, err = pr.communicate(timeout=240)
+    assert pr.returncode == 0, err
+    said = [line for line in err.splitlines() if "uses CUDA ungated" in line]
+    assert len(said) == 2, err  # the two children that asked for CUDA, once each
+    assert all(f"started by the session's process {pr.pid}" in x for x in said), err
+    assert "gpushare.attach()" in said[0] and "torchrun" in said[0]

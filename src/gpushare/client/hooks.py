@@ -66,6 +66,19 @@ class _CompiledCalls(threading.local):
 # compiles every Python frame it meets: there the hooks return at once, reading only
 # this (no Python call), and their own frames are marked for dynamo to skip.
 _compiled_calls = _CompiledCalls()
+
+
+class _Compiles(threading.local):
+    n = 0  # compiles under way that started in this thread: the hooks step aside
+
+
+# Read after compiling(), never while dynamo traces (compiling() is True there): dynamo
+# guards on the globals it reads, and this one, 1 while it traces, 0 when the compiled
+# code runs, made every call recompile (8 times, up to the cache limit).
+_compiles = _Compiles()
+# Compiles under way in the process, read first: where none is (nearly always), one
+# global's read; a thread-local's was 110 ns more per hook call.
+_compiles_open = [0]
 _skip: list[types.CodeType] = []  # code dynamo must not compile as frames of their own
 
 
@@ -105,7 +118,7 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         return _forks == forks and not (cuda and torch.cuda.is_current_stream_capturing())
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
-        if _compiled_calls.n or compiling():
+        if _compiled_calls.n or compiling() or (_compiles_open[0] and _compiles.n):
             return
         if ours():
             session.checkpoint()
@@ -113,7 +126,12 @@ def install(session: Session) -> list[Any]:  # noqa: C901
     # A forward may outlast idle_release (one big module, a compiled model): from the
     # outermost module's start to its end the burst is not ended for idleness.
     def forward_pre(*_args: Any) -> None:
-        if _compiled_calls.n or compiling() or _forks != forks:
+        if (
+            _compiled_calls.n
+            or compiling()
+            or (_compiles_open[0] and _compiles.n)
+            or _forks != forks
+        ):
             return
         n = getattr(depth, "n", 0)
         depth.n = n + 1  # first: the post hook runs even when this one raises
@@ -128,7 +146,7 @@ def install(session: Session) -> list[Any]:  # noqa: C901
             gate()
 
     def forward_post(*_args: Any) -> None:
-        if _compiled_calls.n or compiling():
+        if _compiled_calls.n or compiling() or (_compiles_open[0] and _compiles.n):
             return
         n = getattr(depth, "n", 0)
         if _forks != forks or n <= 0:  # its pre hook never ran (another one raised first)
@@ -163,13 +181,13 @@ def install(session: Session) -> list[Any]:  # noqa: C901
 GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
 
-class _Compiles(threading.local):
-    paused = 0  # compiles under way in this thread that gave the lease back
-
-
-_compiles = _Compiles()
+# The compile under way (dynamo runs its callbacks once for nested compiles, the start
+# and the end maybe in two threads): the step-aside counter of the thread it started in
+# (that thread's _compiles), and whether it gave the lease back.
+_compile_open: list[tuple[dict[str, Any], bool]] = []
 _compile_session: list[Session] = []  # the session whose lease a compile gives back
 _said_compiling = [False]
+_said_holding = [False]
 # Dynamo's triggers that are compiling (CPU work): a frame, a backward compiled lazily.
 COMPILE_TRIGGERS = ("DYNAMO", "LAZY_BACKWARD")
 
@@ -178,28 +196,51 @@ def _compile_start(args: Any) -> None:
     """dynamo's on_compile_start: torch.compile compiles inside the forward that first
     meets a frame, for seconds (11-21 s seen) with no safe point, so a revoke would wait
     past the grace and the program be escalated (killed, with --escalation kill). The
-    lease is given back while it compiles (CPU work), and asked again at the end."""
+    lease is given back while it compiles (CPU work), and asked again at the end.
+
+    Until the end every hook steps aside in the compiling thread: AOT autograd traces
+    the backward by calling ``torch.autograd.grad`` (gated: a safe point), which asked
+    the lease back at once, and inductor then compiled holding it, unrevocable (issue 25:
+    killed after 11 s with --escalation kill, grace 1 s)."""
     trigger = getattr(getattr(args, "callback_trigger", None), "name", "")
     if trigger not in COMPILE_TRIGGERS or not _compile_session or _forks:
         return
     session = _compile_session[0]
-    if session.gang:  # a rank: its gang is granted and revoked as one, not rank by rank
-        return
-    if session._lease.pause_work():
-        _compiles.paused += 1
-        if not _said_compiling[0]:
-            _said_compiling[0] = True
-            sys.stderr.write(
-                f"gpushare run: session {session.id} ({session.name}) gives the GPU back while"
-                " torch.compile compiles (CPU work), and asks again after (said once)\n"
-            )
-            sys.stderr.flush()
+    # A rank keeps its lease: its gang is granted and revoked as one, not rank by rank.
+    paused = not session.gang and session._lease.pause_work()
+    steps = _compiles.__dict__
+    steps["n"] = steps.get("n", 0) + 1
+    _compile_open.append((steps, paused))
+    _compiles_open[0] = len(_compile_open)
+    if paused and not _said_compiling[0]:
+        _said_compiling[0] = True
+        _say(
+            f"gpushare run: session {session.id} ({session.name}) gives the GPU back while"
+            " torch.compile compiles (CPU work), and asks again after (said once)"
+        )
+    elif not paused and not session.gang and session.holding and not _said_holding[0]:
+        _said_holding[0] = True
+        _say(
+            f"gpushare run: session {session.id} ({session.name}) holds the GPU while"
+            " torch.compile compiles: another thread is inside 'with session.gpu():', so a"
+            " revoke waits for the compile's end (escalated past the node's grace);"
+            " compile outside that block, or with one thread inside it (said once)"
+        )
 
 
 def _compile_end(_args: Any) -> None:
-    if _compiles.paused and _compile_session:
-        _compiles.paused -= 1
+    if not _compile_open:  # a trigger that is not compiling (cudagraph recording)
+        return
+    steps, paused = _compile_open.pop()
+    steps["n"] -= 1
+    _compiles_open[0] = len(_compile_open)
+    if paused and _compile_session:
         _compile_session[0]._lease.resume_work()
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _on_dynamo_loaded() -> None:
@@ -258,7 +299,12 @@ def _say_spawned_ranks_run_ungated() -> list[_Unpatch]:
                     f" torchrun --nproc-per-node {nprocs} train.py (docs/run.md)\n"
                 )
                 sys.stderr.flush()
-            return original(fn, args, nprocs, *a, **kw)
+            # said for them: the processes it starts say nothing of their own at CUDA start
+            os.environ["GPUSHARE_UNGATED_SAID"] = "1"
+            try:
+                return original(fn, args, nprocs, *a, **kw)
+            finally:
+                os.environ.pop("GPUSHARE_UNGATED_SAID", None)
 
         return start_processes
 
@@ -332,7 +378,12 @@ def _hold_through_backward(
 
     def held(original: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if _compiled_calls.n or compiling() or not ours():
+            if (
+                _compiled_calls.n
+                or compiling()
+                or (_compiles_open[0] and _compiles.n)
+                or not ours()
+            ):
                 return original(*args, **kwargs)
             with session.working():
                 return original(*args, **kwargs)
@@ -371,7 +422,7 @@ def _gate_tensor_methods(gate: Callable[[], None], compiling: Callable[[], bool]
 
     def gated(original: Any, always: bool) -> Callable[..., Any]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _compiled_calls.n or compiling():
+            if _compiled_calls.n or compiling() or (_compiles_open[0] and _compiles.n):
                 return original(self, *args, **kwargs)
             # Cheap first: most calls are on CUDA tensors or name no CUDA device.
             if (
@@ -405,7 +456,7 @@ def _gate_factories(gate: Callable[[], None], compiling: Callable[[], bool]) -> 
 
     def gated(original: Any, like: bool) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if _compiled_calls.n or compiling():
+            if _compiled_calls.n or compiling() or (_compiles_open[0] and _compiles.n):
                 return original(*args, **kwargs)
             device = kwargs.get("device")
             # A device asked for, or (the _like ones) the device of the tensor given.

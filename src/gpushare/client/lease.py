@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -115,8 +116,10 @@ class Lease:
         self.swap_gen = -1  # the connection whose grant the swap-in follows
         self.told = (0, 0)  # the resident and swapped bytes this connection heard last
         self.depth = 0  # threads inside gpu()
+        self._mine = threading.local()  # n: the calling thread's gpu() blocks open
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
         self.busy = 0  # threads inside working(): no release for idleness meanwhile
+        self.said_loop = False  # a wait on an asyncio loop's thread was said
         self.bursts = 0
         self.grants = 0
         self.waits: list[float] = []
@@ -146,6 +149,7 @@ class Lease:
                 self.cond.notify_all()
                 raise
             self.implicit = False
+            self._mine.n = getattr(self._mine, "n", 0) + 1
 
     def exit(self) -> None:
         """``gpu()``'s exit: the last thread out releases."""
@@ -153,6 +157,7 @@ class Lease:
             return
         with self.cond:
             self.depth -= 1
+            self._mine.n = getattr(self._mine, "n", 1) - 1
             if self.depth == 0 and self.phase is Phase.HOLDING:
                 self._release(again=False)
             self.cond.notify_all()
@@ -179,11 +184,14 @@ class Lease:
         """Give the lease back for a while of CPU work inside a burst (torch.compile
         compiling inside a forward, where no safe point comes for seconds): released as
         at a burst's end (a revoke pending is answered, its swap-out done), so that the
-        node need not escalate. True if it was given back: :meth:`resume_work` then asks again.
-        Only an implicit burst (``gpushare run``'s hooks): ``gpu()`` keeps what it holds."""
+        node need not escalate. True if it was given back: :meth:`resume_work` then asks
+        again. Only a burst of the calling thread alone: an implicit one (``gpushare
+        run``'s hooks), or ``gpu()`` blocks of this thread with no other thread inside
+        one (that thread's GPU work would lose the lease under it)."""
         self._not_forked()
         with self.cond:
-            if not (self.phase is Phase.HOLDING and self.depth == 0 and self.implicit):
+            mine = getattr(self._mine, "n", 0)
+            if not (self.phase is Phase.HOLDING and self.depth == mine and (mine or self.implicit)):
                 return False
             self.backend.synchronize()  # the GPU work queued is done before the lease goes
             self.implicit = False
@@ -192,12 +200,13 @@ class Lease:
             return True
 
     def resume_work(self) -> None:
-        """After :meth:`pause_work`: the burst asks again, and waits to hold (swapped in)."""
+        """After :meth:`pause_work`: the burst asks again, and waits to hold (swapped in);
+        inside ``gpu()`` as that block's burst, else as an implicit one."""
         self._not_forked()
         with self.cond:
             self.usable()
             if self.phase is not Phase.HOLDING:
-                self._hold(implicit=True)
+                self._hold(implicit=self.depth == 0)
 
     def begin_work(self) -> None:
         with self.cond:
@@ -253,6 +262,8 @@ class Lease:
             if st is Link.CLOSED:
                 raise GpushareError("session is closed")
             if st is Link.ENDED:
+                if self.link.on_ended is not None:
+                    self._park()
                 raise DaemonUnavailableError(
                     f"the gpushare node ended this session: {self.link.reason}"
                 )
@@ -263,6 +274,35 @@ class Lease:
                     f" ({self.link.reason}); set GPUSHARE_RECONNECT_TIMEOUT to wait longer"
                 )
             self.cond.wait(left)
+
+    def _park(self) -> None:
+        """The node ended the session and ``on_ended`` stops the program (``gpushare
+        run``: SIGTERM, SIGKILL after 10 s): a thread that waits for the GPU, or reaches
+        a safe point, stays here until the program ends. An error raised here went to
+        the program, which logged or answered it (a server answered the request waiting
+        for the lease with HTTP 500 and a traceback through gpushare's hooks, issue 28)."""
+        while True:
+            self.cond.wait()
+
+    def _say_if_on_a_loop(self) -> None:
+        """A wait for the lease on the thread of a running asyncio event loop stops the
+        loop for as long (a server's other requests, its health checks, go unanswered):
+        said once, with the fix. The wait cannot be moved off the loop from inside the
+        synchronous call that waits."""
+        if self.said_loop or "asyncio" not in sys.modules:
+            return
+        try:
+            sys.modules["asyncio"].get_running_loop()
+        except RuntimeError:
+            return  # no loop runs in this thread
+        self.said_loop = True
+        sys.stderr.write(
+            f"gpushare: session {self.link.session} waits for the GPU on the thread of a"
+            " running asyncio event loop, which answers nothing meanwhile (a server's health"
+            " checks fail): run the GPU work off the loop, 'await asyncio.to_thread(model,"
+            " x)', or in a sync endpoint ('def', not 'async def') (said once)\n"
+        )
+        sys.stderr.flush()
 
     def _hold(self, implicit: bool) -> None:
         """Until this burst holds the lease: ask (IDLE), or wait for the thread that
@@ -286,6 +326,7 @@ class Lease:
 
     def _await(self, t0: float) -> None:
         """ACQUIRING (or YIELDING to ask again) until HOLDING; withdraws if interrupted."""
+        self._say_if_on_a_loop()
         try:
             while True:
                 self.usable()  # may wait for a reconnect: look at the grant after it

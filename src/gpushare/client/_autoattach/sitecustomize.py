@@ -3,9 +3,11 @@ first on its PYTHONPATH): attach the process as a session, then run the sitecust
 this one shadows, if there is one. A Python that cannot import gpushare is refused here,
 before the program runs ungated."""
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 # "1": the command gpushare run started; this process's own pid: the session's program
 # exec'd itself or another program (os.execv keeps the pid: it stays the session); any
@@ -23,6 +25,51 @@ if os.environ.get("GPUSHARE_AUTOATTACH") in ("1", str(os.getpid())):
         sys.stderr.flush()
         os._exit(3)  # SystemExit would be reported and ignored in sitecustomize
     child_start()
+elif os.environ.get("GPUSHARE_AUTOATTACH", "").isdigit() and not os.environ.get(
+    "GPUSHARE_UNGATED_SAID"
+):
+    # A Python process the session's process started (multiprocessing's spawn or
+    # forkserver, an engine's workers): not a session. Nothing is said unless it uses
+    # CUDA, then one line at its CUDA start (torch.cuda._lazy_init, which every first
+    # use goes through), where its GPU work ran ungated without a word. No gpushare
+    # import here: a child that never uses CUDA pays a look at each import's name.
+
+    class _SayCudaUngated:
+        def find_spec(
+            self, name: str, path: object = None, target: object = None
+        ) -> importlib.machinery.ModuleSpec | None:
+            if name != "torch.cuda":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            loader = getattr(spec, "loader", None)
+            if loader is None or not hasattr(loader, "exec_module"):
+                return spec
+            run = loader.exec_module
+
+            def exec_module(module: types.ModuleType) -> None:
+                run(module)
+                names = vars(module)
+                init = names["_lazy_init"]
+
+                def _lazy_init() -> object:
+                    names["_lazy_init"] = init  # said once: the original from now on
+                    os.write(
+                        2,
+                        f"gpushare run: process {os.getpid()}, started by the session's process"
+                        f" {os.environ['GPUSHARE_AUTOATTACH']}, uses CUDA ungated (not a session:"
+                        f" its GPU work is not gated, its memory not counted): start GPU"
+                        f" processes with a launcher (gpushare run -- torchrun ...), or call"
+                        f" gpushare.attach() in them (docs/run.md)\n".encode(),
+                    )
+                    return init()
+
+                names["_lazy_init"] = _lazy_init
+
+            loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _SayCudaUngated())
 
 _here = os.path.dirname(os.path.abspath(__file__))
 for _entry in sys.path:
