@@ -211,3 +211,20 @@ def test_a_resting_capped_session_lets_the_others_go_first(clock):
     assert actions_of(a.tick(), RevokeAction) == []
     with pytest.raises(FieldError, match="compute_limit"):
         a.attach(3, name="x", memory_limit=GiB, compute_limit=1.5)
+
+
+def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
+    """The node believes only what it can check: more than the grant lent, not asked
+    for, is counted where it fits, and escalated where it does not (never over capacity)."""
+    a = arb(clock)
+    for i in (1, 2):
+        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.acquire(i)
+        a.report(i, resident=20 * GiB, swapped=0)
+    out = a.report(1, resident=40 * GiB, swapped=0)  # fits: 40 + 20 <= 80
+    assert actions_of(out, EscalateAction) == [] and a.sessions[1].memory.bound == 40 * GiB
+    out = a.report(2, resident=50 * GiB, swapped=0)  # 40 + 50 > 80: not believed
+    (esc,) = events_of(out, "escalate")
+    assert esc["reason"] == "over_memory_bound" and esc["session"] == 2
+    assert a.sessions[2].memory.bound == 20 * GiB and a.used_bytes() <= a.capacity
+    assert events_of(a.report(2, resident=51 * GiB, swapped=0), "escalate") == []  # once

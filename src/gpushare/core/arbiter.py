@@ -503,9 +503,28 @@ class Arbiter:
         count("report: swapped", swapped, s.memory.limit)
         if resident <= s.memory.limit:
             self.st.ledger.check_figures(s, "report", resident, swapped)
+            self._past_bound(s, resident)
             self.st.set_memory(s, resident, swapped)
         self.escalation.check_limit(s, resident, "resident_bytes")
         return self._decide()
+
+    def _past_bound(self, s: SessionState, resident: int) -> None:
+        """A holder with more than its grant lent, without asking (not the protocol): its
+        bound grows to what it has where that fits (as an ask would have been answered);
+        else it is escalated, once per stretch (the count keeps its bound: what it was
+        lent)."""
+        m = s.memory
+        if not (s.holding and m.bound and resident > m.held):
+            m.over_bound = False
+            return
+        st = self.st
+        if st.used_bytes() - s.used + resident <= st.capacity:
+            m.bound = resident if resident < m.limit else 0
+            st.ledger.recount(s)
+        elif not m.over_bound:
+            m.over_bound = True
+            fields = {"resident_bytes": resident, "bound_bytes": m.bound}
+            self.escalation.escalate(s, "over_memory_bound", fields)
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""

@@ -52,6 +52,7 @@ class Memory:
     room: int = 0  # while filling: the most it may have on the GPU (0: its limit)
     swapping_in: bool = False  # granted with bytes to bring back, not yet reported done
     over_limit: bool = False  # escalated for this stretch over its limit
+    over_bound: bool = False  # escalated for this stretch over its bound, not asked for
     counted: int = 0  # its part of the ledger's running total (Ledger.recount)
     reclaims: int = 0  # bursts given back (revoked for being above its request)
     reclaimed: int = 0  # bytes above its request it was asked to give back
