@@ -49,6 +49,14 @@ REFUSALS = [
     pytest.param(
         p.encode(p.Hello(version=1, gang="j", world_size=10**9)), "attach", id="world-size"
     ),
+    pytest.param(
+        p.encode(p.Hello(version=1, memory_limit=G, memory_request=2 * G)), "attach", id="request"
+    ),
+    pytest.param(p.encode(p.Hello(version=1, sharing="mps")), "attach", id="sharing"),
+    pytest.param(p.encode(p.Hello(version=1, compute_limit=2.0)), "attach", id="compute-limit"),
+    pytest.param(
+        p.encode(p.Hello(version=1, portion=0.5, portion_limit=0.25)), "attach", id="portion-limit"
+    ),
     *[
         pytest.param(HELLO + p.encode(m), "denied", id=f"denied-{type(m).__name__}")
         for m in NOT_MINE
@@ -103,12 +111,16 @@ async def test_refusals_name_the_fix(node):
         (p.Hello(version=1, gpu=7), "choose gpu=0..0"),
         (p.Hello(version=1, memory_limit=10**15), "909.5 TiB is more than GPU 0's usable 16.0"),
         (p.Hello(version=1, memory_limit=10**15), "ask for 16.0 GiB or less"),  # sizes, not bytes
+        (
+            p.Hello(version=1, memory_limit=G, memory_request=2 * G),
+            "ask for a limit at least as large as the request",
+        ),
     ]:
         peer = await Peer.connect(node.socket)
         await peer.send(hello)
         err = await peer.expect(p.Error)
         assert words in err.message, err.message
-    assert len(node.events("refused")) == 4 and not node.events("attach")
+    assert len(node.events("refused")) == 5 and not node.events("attach")
 
 
 @in_process()
