@@ -25,7 +25,8 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
 * mass attach: 600 and 1,000 ``gpushare.attach()`` at once (10 processes of 60 and 100
   threads, the default 10 s timeout) against a fresh node: how many succeed.
 
-Clients are this tree's in both columns; only the node (and the arbiter) differ. Figures
+Clients are this tree's in both columns (mass attach's excepted: each tree's own, since
+the client's retries are part of it); only the node (and the arbiter) differ. Figures
 depend on the machine and on what else runs on it: compare the columns of one run.
 
     python benchmarks/node_costs.py [--before REV|DIR] [--quick] [--parts P,...] [--json FILE]
@@ -552,8 +553,12 @@ def attach_client(sock: str, threads: int, go: Path, out: Path, stop: Path) -> N
         s.close()
 
 
-def mass_attach(sock: str, folder: Path, processes: int, threads: int) -> dict[str, Any]:
-    """``processes`` x ``threads`` attaches at once against the node at ``sock``."""
+def mass_attach(
+    sock: str, folder: Path, processes: int, threads: int, src: Path | None = None
+) -> dict[str, Any]:
+    """``processes`` x ``threads`` attaches at once against the node at ``sock``, by
+    the clients of ``src`` (default: this tree's)."""
+    env = {**os.environ, "PYTHONPATH": str(src)} if src is not None else None
     go, stop = folder / f"go{threads}", folder / f"stop{threads}"
     outs = [folder / f"attach{threads}-{i}.json" for i in range(processes)]
     procs = [
@@ -565,7 +570,8 @@ def mass_attach(sock: str, folder: Path, processes: int, threads: int) -> dict[s
                 sock,
                 str(threads),
                 *map(str, (go, o, stop)),
-            ]
+            ],
+            env=env,
         )
         for o in outs
     ]
@@ -626,7 +632,7 @@ def mass_part(src: Path, tmp: Path, counts: list[int]) -> dict[str, Any]:
     out = {}
     for n in counts:
         with node(src, tmp) as nd:
-            out[str(n)] = mass_attach(nd.socket, nd.dir, 10, n // 10)
+            out[str(n)] = mass_attach(nd.socket, nd.dir, 10, n // 10, src)
         with node(src, tmp) as nd:
             socks, out[str(n)]["refused_at_first_try"] = connect_burst(nd.proc, nd.socket, n)
             for s in socks:

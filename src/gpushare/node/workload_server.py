@@ -117,7 +117,7 @@ class WorkloadServer:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: C901
         try:
-            conn = self.guard.accept(writer)
+            conn = self.guard.accept(writer, name=False)
         except OSError:  # gone before the kernel could say who it was
             writer.close()
             return
@@ -125,7 +125,9 @@ class WorkloadServer:
         cfg = self._config()
         try:
             try:
-                self.guard.admit(conn)  # a bounded number wait for their hello
+                self.guard.may_wait(conn)  # refused at once: nothing more spent on it
+                self.guard.name(conn)  # its process, named for good as soon as may be
+                await self.guard.admit(conn)  # a bounded number say hello at once
                 hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
             except TimeoutError:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
@@ -139,6 +141,8 @@ class WorkloadServer:
                 )
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+            if reader.at_eof():  # its client gave up waiting (a burst on a slow node):
+                return  # no session for nobody, the node's time goes to the next
             arb = self._attach(conn, hello)
             while True:
                 msg = await read_frame(reader)
@@ -161,9 +165,11 @@ class WorkloadServer:
         except (Refused, p.ProtocolError) as e:
             self.guard.refuse(conn, "workload", e)
         finally:
+            self.guard.leave_budget(conn)
             if arb is not None and conn.session in self.conns:
                 self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
+                self.guard.left(conn)
                 self.utilization[arb.gpu].forget(conn.session)
                 reason = "ended" if conn.ended else "disconnected"
                 self.decisions.act(arb, arb.detach(conn.session, reason=reason))
@@ -292,6 +298,10 @@ class WorkloadServer:
             name=name,
         )
         self.conns[sid] = conn
+        self.guard.joined(conn)
+        self.guard.join_budget(
+            conn, f"pod {identity.pod_uid}" if identity.pod_uid else f"uid {conn.uid}"
+        )
         self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
         conn.send(
             p.Welcome(
