@@ -265,7 +265,10 @@ class NodeRun:
         self.port = free_port()
         cfg = self.dir / "node.toml"
         # attaches by the thousand, and sessions taking turns as fast as they can
-        cfg.write_text("max_sessions_per_uid = 5000\nmax_messages_per_s = 1e6\n")
+        text = "max_sessions_per_uid = 5000\nmax_messages_per_s = 1e6\n"
+        if "max_messages_per_s_per_user" in (src / "gpushare" / "settings.py").read_text():
+            text += "max_messages_per_s_per_user = 1e9\n"  # (issue 24's; older trees lack it)
+        cfg.write_text(text)
         env = {**os.environ, "PYTHONPATH": str(src)}
         self.proc = subprocess.Popen(
             [
