@@ -154,6 +154,7 @@ class Node:
             returned=lambda: self._end_recovery("every session on record is back"),
             pods=lambda: self.pods,
             retire=self._retire,
+            nvml_used=lambda gpu, pids: self.sampler.used_by(gpu, pids),
         )
         self.admin = AdminServer(
             live=self.live,

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from gpushare import protocol as p
 from gpushare.core.actions import Action
@@ -102,6 +102,7 @@ class WorkloadServer:
         returned: Callable[[], None],
         pods: Callable[[], PodCache | None],
         retire: Callable[[int, int], None] = lambda gpu, sid: None,
+        nvml_used: Callable[[int, Collection[int]], int | None] = lambda gpu, pids: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
@@ -111,6 +112,8 @@ class WorkloadServer:
         self.returned = returned  # every session on record is back: the window ends
         self.pods = pods
         self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
+        # (gpu, pids) -> the GPU memory NVML counts for them; None where it cannot say
+        self.nvml_used = nvml_used
 
     def socket_path(self) -> str:
         return self._config().socket
@@ -240,14 +243,13 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
-        resident, swapped = h.resident, h.swapped
-        if rec is None:
-            # Memory a session says it has on the GPU counts only where the node can
-            # check it: a new session cannot have any yet. (What it says it has swapped
-            # out, in its own host memory, only costs it swap-ins at its turns.)
-            sid, resident = self._new_id(conn, h, limit), 0
-        else:
-            sid = rec.id
+        swapped = h.swapped
+        # Memory a session says it has on the GPU counts only where the node can check
+        # it: on record from before a restart, or as NVML counts its process's (then no
+        # more than that). A new session with neither has nothing resident. (What it
+        # says it has swapped out, in its own host memory, only costs it swap-ins.)
+        sid = self._new_id(conn, h, limit) if rec is None else rec.id
+        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
         verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
@@ -281,7 +283,8 @@ class WorkloadServer:
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
-        conn.may_hold_memory = rec is not None  # else only once granted (dispatch)
+        # else only once granted (dispatch)
+        conn.may_hold_memory = rec is not None or resident > 0
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
@@ -344,14 +347,32 @@ class WorkloadServer:
                 f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
                 f" bytes within the memory limit of {limit} bytes",
             )
-        if h.resident:
+
+    def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
+        """What of the memory a hello says is resident the node believes: NVML's count
+        for the process where it has one (at most; all of it for a session on record
+        that NVML does not list, since a node outside the host's pid namespace sees no
+        pids of its); else all of it for a session on record, none for a new one."""
+        if claimed <= 0:
+            return 0
+        seen = self.nvml_used(gpu, {conn.pid})
+        if seen is None or (on_record and seen == 0):
+            believed = claimed if on_record else 0
+            why = "the session is not on record (new to this node), nor counted by NVML"
+        else:
+            believed = min(claimed, seen)
+            why = f"NVML counts {seen} bytes for its process"
+        if believed < claimed:
             log.warning(
-                "pid %d uid %d: hello says %d bytes are resident on the GPU, but the"
-                " session is not on record (new to this node): taken as 0",
+                "pid %d uid %d: hello says %d bytes are resident on GPU %d, but %s: taken as %d",
                 conn.pid,
                 conn.uid,
-                h.resident,
+                claimed,
+                gpu,
+                why,
+                believed,
             )
+        return believed
 
     @staticmethod
     def _message(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:
