@@ -811,7 +811,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
             (f"  grants per second, {n}, status polled", "/s", v["grants_per_s_polled"]),
             (f"  handoff p99, {n}, unpolled", "us", v["p99_us_alone"]),
             (f"  handoff p99, {n}, status polled", "us", v["p99_us_polled"]),
-            (f"  load average (1 min) after, {n}", "", v.get("load", 0.0)),
+            (f"  load average (1 min) after, status {n}", "", v.get("load", 0.0)),
         ]
     return out + mass_rows(r)
 
@@ -821,12 +821,12 @@ def mass_rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
     for part, what in (("mass_attach", ""), ("mass_attach_starved", ", node starved")):
         for n, v in r.get(part, {}).items():
             out.append((f"mass attach{what}: {n} at once, succeeded", "", v["ok"]))
-            out.append((f"  seconds to all answered, {n}", "s", v["seconds"]))
+            out.append((f"  seconds to all answered, {n}{what}", "s", v["seconds"]))
             if "node_cpu_ms_per_attach" in v:
-                out.append((f"  node CPU per attach, {n}", "ms", v["node_cpu_ms_per_attach"]))
-                out.append((f"  load average (1 min) after, {n}", "", v["load"]))
+                out.append((f"  node CPU per attach, {n}{what}", "ms", v["node_cpu_ms_per_attach"]))
+                out.append((f"  load average (1 min) after, {n}{what}", "", v["load"]))
             out.append(
-                (f"  connects refused at once, node busy, {n}", "", v["refused_at_first_try"])
+                (f"  connects refused at once, node busy, {n}{what}", "", v["refused_at_first_try"])
             )
     return out
 
