@@ -127,3 +127,17 @@ async def test_one_users_message_flood_does_not_delay_another_users_attach(node)
     assert 0.9 * (40_000 - before - 2_000) / 1_000 <= took <= 10 * 40_000 / 1_000
     for f in [*flooders, other]:
         f.close()
+
+
+@in_process(max_pending_per_uid=2, hello_timeout=30)
+async def test_a_stopping_node_ends_the_connections_waiting_in_line(node):
+    waiting = [await connect_as(node, 1000) for _ in range(2 + LINE_FACTOR * 2)]
+    await node.settle()
+    assert node.node.guard.waiting == LINE_FACTOR * 2
+    t0 = node.clock.monotonic()
+    await node.node.stop()
+    for w in waiting:  # ended at once, not after their 30 s
+        assert await w.closed(timeout=5)
+    assert node.clock.monotonic() - t0 < 5
+    handlers = [t for t in asyncio.all_tasks() if "handle" in repr(t.get_coro())]
+    assert handlers == []

@@ -440,6 +440,7 @@ class Node:
             srv.close()
         self.recovery.hold()  # the workloads outlive this node: the next one expects them
         self.events.end_followers()
+        self.guard.end_lines()  # connections waiting for room to say hello: not now
         await self._handlers.close()  # every connection ends; its session detaches
         self.decisions.close()
         for task in list(self._tasks):

@@ -275,6 +275,13 @@ class Guard:
                 if not line:
                     self._drop_line(conn.uid)
 
+    def end_lines(self) -> None:
+        """The node is stopping: every connection waiting in line ends now (it is told
+        ``busy``, and its client tries the next node)."""
+        for line in self.lines.values():
+            for turn in line:
+                _expire(turn)
+
     def _drop_line(self, uid: int) -> None:
         del self.lines[uid]
         self._turns.remove(uid)
