@@ -22,10 +22,14 @@ Side by side in one run, for this tree and (``--before``) another version of gpu
   to back, a connection each, as ctl makes them), and grants per second and the
   handoff's p99 (two sessions taking turns) alone and while another process polls the
   status back to back;
-* mass attach: 600 and 1,000 ``gpushare.attach()`` at once (10 processes of 60 and 100
-  threads, the default 10 s timeout) against a fresh node: how many succeed.
+* mass attach: 256 and 1,000 ``gpushare.attach()`` at once (8 processes of 32 threads, 10
+  of 100, the default 10 s timeout) against a fresh node: how many succeed, and the
+  node's CPU per attach; ``mass_attach_starved`` the same with the node held to
+  ``--node-cpu`` of one CPU (0.15; a cgroup's CPU quota, root only): a CPU-starved node
+  whatever else the machine runs.
 
-Clients are this tree's in both columns; only the node (and the arbiter) differ. Figures
+Clients are this tree's in both columns (mass attach's excepted: each tree's own, since
+the client's retries are part of it); only the node (and the arbiter) differ. Figures
 depend on the machine and on what else runs on it: compare the columns of one run.
 
     python benchmarks/node_costs.py [--before REV|DIR] [--quick] [--parts P,...] [--json FILE]
@@ -264,7 +268,10 @@ class NodeRun:
         self.port = free_port()
         cfg = self.dir / "node.toml"
         # attaches by the thousand, and sessions taking turns as fast as they can
-        cfg.write_text("max_sessions_per_uid = 5000\nmax_messages_per_s = 1e6\n")
+        text = "max_sessions_per_uid = 5000\nmax_messages_per_s = 1e6\n"
+        if "max_messages_per_s_per_user" in (src / "gpushare" / "settings.py").read_text():
+            text += "max_messages_per_s_per_user = 1e9\n"  # (issue 24's; older trees lack it)
+        cfg.write_text(text)
         env = {**os.environ, "PYTHONPATH": str(src)}
         self.proc = subprocess.Popen(
             [
@@ -442,6 +449,7 @@ def status_part(src: Path, tmp: Path, sizes: list[int], seconds: float) -> dict[
                 k += 1
             figures["status_node_ms"] = (nd.cpu() - c0) / k * 1e3
             figures["status_per_s"] = k / (time.monotonic() - t0)
+            figures["load"] = os.getloadavg()[0]
             out[str(n)] = figures
             for s in [*idle, *pair]:
                 s.close()
@@ -552,8 +560,12 @@ def attach_client(sock: str, threads: int, go: Path, out: Path, stop: Path) -> N
         s.close()
 
 
-def mass_attach(sock: str, folder: Path, processes: int, threads: int) -> dict[str, Any]:
-    """``processes`` x ``threads`` attaches at once against the node at ``sock``."""
+def mass_attach(
+    sock: str, folder: Path, processes: int, threads: int, src: Path | None = None
+) -> dict[str, Any]:
+    """``processes`` x ``threads`` attaches at once against the node at ``sock``, by
+    the clients of ``src`` (default: this tree's)."""
+    env = {**os.environ, "PYTHONPATH": str(src)} if src is not None else None
     go, stop = folder / f"go{threads}", folder / f"stop{threads}"
     outs = [folder / f"attach{threads}-{i}.json" for i in range(processes)]
     procs = [
@@ -565,7 +577,8 @@ def mass_attach(sock: str, folder: Path, processes: int, threads: int) -> dict[s
                 sock,
                 str(threads),
                 *map(str, (go, o, stop)),
-            ]
+            ],
+            env=env,
         )
         for o in outs
     ]
@@ -622,11 +635,48 @@ def connect_burst(
     return socks, refused
 
 
-def mass_part(src: Path, tmp: Path, counts: list[int]) -> dict[str, Any]:
+@contextlib.contextmanager
+def cpu_quota(pids: list[int], fraction: float | None) -> Iterator[None]:
+    """``pids`` held to ``fraction`` of one CPU (a cgroup's CPU quota: a CPU-starved node
+    whatever else the machine runs; needs root and a cgroup v1 ``cpu`` controller or
+    cgroup v2) while inside; nothing where ``fraction`` is None."""
+    if fraction is None:
+        yield
+        return
+    v1 = Path("/sys/fs/cgroup/cpu")
+    base = v1 if (v1 / "cgroup.procs").exists() else Path("/sys/fs/cgroup")
+    cg = base / f"gpushare-costs-{os.getpid()}"
+    cg.mkdir()
+    try:
+        if base == v1:
+            (cg / "cpu.cfs_period_us").write_text("100000")
+            (cg / "cpu.cfs_quota_us").write_text(str(int(fraction * 100000)))
+        else:
+            (cg / "cpu.max").write_text(f"{int(fraction * 100000)} 100000")
+        for pid in pids:
+            (cg / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for pid in (cg / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (base / "cgroup.procs").write_text(pid)
+        cg.rmdir()
+
+
+def mass_part(
+    src: Path, tmp: Path, counts: list[int], quota: float | None = None
+) -> dict[str, Any]:
+    """Per count: that many attaches at once (the node held to ``quota`` of a CPU, if
+    given), how many succeed, and the node's CPU per attach; then how many connects a
+    stopped node's listen backlog refuses."""
     out = {}
     for n in counts:
-        with node(src, tmp) as nd:
-            out[str(n)] = mass_attach(nd.socket, nd.dir, 10, n // 10)
+        procs = 10 if n % 10 == 0 else 8
+        with node(src, tmp) as nd, cpu_quota([nd.proc.pid, *children(nd.proc.pid)], quota):
+            c0 = nd.cpu()
+            out[str(n)] = mass_attach(nd.socket, nd.dir, procs, n // procs, src)
+            out[str(n)]["node_cpu_ms_per_attach"] = (nd.cpu() - c0) / n * 1e3
+            out[str(n)]["load"] = os.getloadavg()[0]
         with node(src, tmp) as nd:
             socks, out[str(n)]["refused_at_first_try"] = connect_burst(nd.proc, nd.socket, n)
             for s in socks:
@@ -666,11 +716,23 @@ def tree(before: str, tmp: Path) -> Iterator[Path]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)])
 
 
-PARTS = ("arbiter_us", "render", "node", "handoff64", "mass_attach", "status")
+PARTS = (
+    "arbiter_us",
+    "render",
+    "node",
+    "handoff64",
+    "mass_attach",
+    "mass_attach_starved",
+    "status",
+)
 
 
 def measure(
-    trees: dict[str, Path], tmp: Path, quick: bool, only: list[str] | None = None
+    trees: dict[str, Path],
+    tmp: Path,
+    quick: bool,
+    only: list[str] | None = None,
+    quota: float = 0.15,
 ) -> dict[str, dict[str, Any]]:
     """Each part for every tree in turn, so that both see the machine as it is then."""
     sizes = [16, 256] if quick else [16, 256, 1024]
@@ -684,7 +746,10 @@ def measure(
         "handoff64": lambda src: handoff_part(
             src, tmp, 64, 1000 if quick else 3000, 1 if quick else 3
         ),
-        "mass_attach": lambda src: mass_part(src, tmp, [300] if quick else [600, 1000]),
+        "mass_attach": lambda src: mass_part(src, tmp, [256] if quick else [256, 1000]),
+        "mass_attach_starved": lambda src: mass_part(
+            src, tmp, [256] if quick else [256, 1000], quota
+        ),
         "status": lambda src: status_part(
             src, tmp, [256] if quick else [256, 1000], 1.0 if quick else 2.0
         ),
@@ -693,6 +758,8 @@ def measure(
     for name, part in parts.items():
         if only and name not in only:
             continue
+        if name == "mass_attach_starved" and not only and os.geteuid() != 0:
+            continue  # a cgroup of its own needs root
         for label, src in trees.items():
             out[label][name] = part(src)
     return out
@@ -744,11 +811,23 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
             (f"  grants per second, {n}, status polled", "/s", v["grants_per_s_polled"]),
             (f"  handoff p99, {n}, unpolled", "us", v["p99_us_alone"]),
             (f"  handoff p99, {n}, status polled", "us", v["p99_us_polled"]),
+            (f"  load average (1 min) after, status {n}", "", v.get("load", 0.0)),
         ]
-    for n, v in r.get("mass_attach", {}).items():
-        out.append((f"mass attach: {n} at once, succeeded", "", v["ok"]))
-        out.append((f"  seconds to all answered, {n}", "s", v["seconds"]))
-        out.append((f"  connects refused at once, node busy, {n}", "", v["refused_at_first_try"]))
+    return out + mass_rows(r)
+
+
+def mass_rows(r: dict[str, Any]) -> list[tuple[str, str, float]]:
+    out: list[tuple[str, str, float]] = []
+    for part, what in (("mass_attach", ""), ("mass_attach_starved", ", node starved")):
+        for n, v in r.get(part, {}).items():
+            out.append((f"mass attach{what}: {n} at once, succeeded", "", v["ok"]))
+            out.append((f"  seconds to all answered, {n}{what}", "s", v["seconds"]))
+            if "node_cpu_ms_per_attach" in v:
+                out.append((f"  node CPU per attach, {n}{what}", "ms", v["node_cpu_ms_per_attach"]))
+                out.append((f"  load average (1 min) after, {n}{what}", "", v["load"]))
+            out.append(
+                (f"  connects refused at once, node busy, {n}{what}", "", v["refused_at_first_try"])
+            )
     return out
 
 
@@ -765,9 +844,10 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, label: str) -> 
         left = (fmt.format(bv) + f" {unit}") if bv is not None else "-"
         lines.append(f"{f:<52} {left:>11} {fmt.format(v) + ' ' + unit:>11} {ratio:>12}")
     for name, r in (("before", before), ("after", after)):
-        for n, v in (r or {}).get("mass_attach", {}).items():
-            if v["first_failure"]:
-                lines.append(f"{name}, {n} attaches, first failure: {v['first_failure']}")
+        for part in ("mass_attach", "mass_attach_starved"):
+            for n, v in (r or {}).get(part, {}).items():
+                if v["first_failure"]:
+                    lines.append(f"{name}, {part} {n}, first failure: {v['first_failure']}")
     lines.append(f"before: {label}" if before else "before: not measured (--before REV)")
     return "\n".join(lines)
 
@@ -800,6 +880,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P,...",
         help=f"only these parts, comma-separated, of {', '.join(PARTS)}",
     )
+    ap.add_argument(
+        "--node-cpu",
+        type=float,
+        default=0.15,
+        metavar="FRACTION",
+        help="mass_attach_starved: the node held to this share of one CPU (root; 0.15)",
+    )
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gs-costs-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
@@ -809,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
         only = a.parts.split(",") if a.parts else None
         if only and not set(only) <= set(PARTS):
             ap.error(f"--parts: choose from {', '.join(PARTS)}")
-        r = measure(trees, tmp, a.quick, only)
+        r = measure(trees, tmp, a.quick, only, a.node_cpu)
     after, before = r["after"], r.get("before")
     print(report(after, before, a.before or ""))
     result = {"before": before, "after": after, "before_rev": a.before, "cpus": os.cpu_count()}

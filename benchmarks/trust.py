@@ -14,7 +14,10 @@ before the fix and the working tree), one after the other on this machine:
   one; five honest fast clients (loops of empty ``with s.gpu():`` blocks); 2,000
   half-sent requests to the exporter.
 
-    python benchmarks/trust.py restarts|abuse|lies --tree /tmp/before/src --tree src
+* ``floods`` (issue 24, round 2): another uid's attach, alone and while one uid's 63
+  sessions write reports as fast as they can; a half-sent admin request.
+
+    python benchmarks/trust.py restarts|abuse|lies|floods --tree /tmp/before/src --tree src
 """
 
 from __future__ import annotations
@@ -349,6 +352,96 @@ def lies(tree: str) -> dict[str, Any]:
     return out
 
 
+# --- floods (issue 24, round 2) ---------------------------------------------------------
+
+FLOOD = """
+import socket, sys, time
+from gpushare import protocol as p
+sock, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+conns = []
+for i in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sock)
+    s.sendall(p.encode(p.Hello(version=1, name=f"flood{i}", memory_limit=2**20)))
+    buf = p.FrameBuffer()
+    while not buf.feed(s.recv(65536)):
+        pass
+    s.setblocking(False)
+    conns.append(s)
+print("ready", flush=True)
+frames = p.encode(p.Report(resident=0, swapped=0)) * 500
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for s in conns:
+        try:
+            s.send(frames)
+        except BlockingIOError:
+            pass
+        try:
+            s.recv(1 << 20)  # what the node answers (nothing, or errors)
+        except BlockingIOError:
+            pass
+"""
+
+
+def _timed_attach_as_other_uid(sock: str) -> str:
+    """Seconds for a uid 65534 process to be welcomed (root only), or what it got."""
+    t0 = time.monotonic()
+    out = _as_other_uid(sock)
+    return f"{out} in {time.monotonic() - t0:.2f} s"
+
+
+def floods(tree: str) -> dict[str, Any]:
+    """Issue 24's round-2 cases: another uid's attach while one uid's 63 sessions write
+    reports as fast as they can (the node's own rate limits in force); a half-sent admin
+    request (how long the node holds it, up to 30 s)."""
+    env = env_for(tree)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gs-trust-") as d:
+        tmp = Path(d)
+        os.chmod(tmp, 0o755)  # another uid may reach the socket
+        log = open(tmp / "node.log", "ab")  # noqa: SIM115
+        (tmp / "node.toml").write_text("max_sessions_per_uid = 2000\n")
+        node = subprocess.Popen(
+            node_cmd(tmp, "--config", str(tmp / "node.toml"), "--sim-gpus", "1",
+                     "--sim-memory", "80GiB"),
+            env=env, stderr=log,
+        )  # fmt: skip
+        wait_for(tmp / "a.sock", node)
+        sock = str(tmp / "w.sock")
+        if os.geteuid() == 0:
+            out["other_uid_attach_alone"] = _timed_attach_as_other_uid(sock)
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, sock, "63", "20"],
+            env=env, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert flood.stdout is not None
+        flood.stdout.readline()
+        time.sleep(2.0)
+        if os.geteuid() == 0:
+            out["other_uid_attach_behind_the_flood"] = [
+                _timed_attach_as_other_uid(sock) for _ in range(3)
+            ]
+        flood.kill()
+        flood.wait()
+        a = socket.socket(socket.AF_UNIX)
+        a.connect(str(tmp / "a.sock"))
+        a.sendall(p.encode(p.StatusRequest())[:3])
+        a.settimeout(30)
+        t0 = time.monotonic()
+        try:
+            while a.recv(65536):
+                pass
+            out["half_sent_admin_request_held_s"] = round(time.monotonic() - t0, 1)
+        except OSError:
+            out["half_sent_admin_request_held_s"] = "more than 30 (not closed)"
+        a.close()
+        node.send_signal(signal.SIGTERM)
+        node.wait(20)
+        log.close()
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -375,11 +468,11 @@ def _threads(pid: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["restarts", "abuse", "lies"])
+    ap.add_argument("what", choices=["restarts", "abuse", "lies", "floods"])
     ap.add_argument("--tree", action="append", required=True, help="a source tree (its src/)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args()
-    run = {"restarts": restarts, "abuse": abuse, "lies": lies}[a.what]
+    run = {"restarts": restarts, "abuse": abuse, "lies": lies, "floods": floods}[a.what]
     results = {tree: run(tree) for tree in a.tree}
     for tree, figures in results.items():
         print(f"== {a.what}: {tree}")

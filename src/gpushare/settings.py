@@ -116,6 +116,7 @@ RANGES: dict[str, Range] = {
     "hello_timeout": Range(0.01, 3600.0, "s"),
     "max_sessions_per_uid": Range(1, 1_000_000, integer=True),
     "max_messages_per_s": Range(1, 1e9, "per second"),
+    "max_messages_per_s_per_user": Range(1, 1e9, "per second"),
     "max_pending_per_uid": Range(1, 1_000_000, integer=True),
     "max_pending": Range(1, 1_000_000, integer=True),
     "recovery_window": Range(0.0, 3600.0, "s", note=" (0: none)"),

@@ -12,6 +12,7 @@ import stat
 import time
 
 from gpushare import protocol as p
+from gpushare.node.admin_server import IDLE_S, MAX_CONNECTIONS
 from gpushare.status import to_json_object
 from gpushare.tools import ctl
 from tests.node.harness import G, InProcessNode, Peer, in_process
@@ -280,3 +281,63 @@ async def test_admin_requests_are_rate_limited(node):
 async def test_the_admin_socket_is_owner_only(node):
     assert stat.S_IMODE(os.stat(node.admin_socket).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(node.socket).st_mode) == 0o666
+
+
+# --- timeouts and bounds (issue 24) -----------------------------------------------------
+
+
+@in_process(hello_timeout=10)
+async def test_a_half_sent_admin_request_is_dropped_within_the_frame_timeout(node):
+    # Before: the admin socket waited 3,600 s for the rest of a frame, holding the
+    # connection and its task; now hello_timeout after the frame's first byte.
+    admin = await node.admin()
+    assert isinstance(await admin.request(p.StatusRequest()), p.StatusReply)
+    t0 = node.clock.monotonic()
+    await admin.send_raw(p.encode(p.StatusRequest())[:3])
+    err = await admin.expect(p.Error)
+    assert err.code == "timeout" and "hello_timeout" in err.message
+    assert await admin.closed()
+    assert 10 <= node.clock.monotonic() - t0 <= 100
+    await node.until(lambda: node.node.admin.open == 0)
+    assert [e["code"] for e in node.events("refused")] == ["timeout"]
+
+
+@in_process(hello_timeout=10)
+async def test_an_idle_admin_connection_is_closed_and_a_follower_is_not(node):
+    silent = await node.admin()  # never asks: closed after hello_timeout
+    t0 = node.clock.monotonic()
+    assert await silent.closed()
+    assert 10 <= node.clock.monotonic() - t0 <= 100
+    polling = await node.admin()  # asked once, then idle (a `top` that stopped)
+    assert isinstance(await polling.request(p.StatusRequest()), p.StatusReply)
+    follower = await node.admin()
+    await follower.send(p.EventsRequest(follow=True))
+    await follower.expect(p.EventsEnd)
+    t0 = node.clock.monotonic()
+    assert await polling.closed(timeout=10 * IDLE_S)
+    assert IDLE_S <= node.clock.monotonic() - t0 <= 10 * IDLE_S
+    await asyncio.sleep(IDLE_S)  # the follower, quiet for twice as long, still follows
+    w = await node.workload(memory_limit=G, name="late")
+    assert (await follower.expect(p.EventMsg)).event["name"] == "late"
+    w.close()
+    follower.close()
+    await node.until(lambda: node.node.admin.open == 0)
+
+
+@in_process()
+async def test_admin_connections_are_bounded(node):
+    followers = []
+    for _ in range(MAX_CONNECTIONS):
+        f = await node.admin()
+        await f.send(p.EventsRequest(follow=True))
+        await f.expect(p.EventsEnd)
+        followers.append(f)
+    extra = await node.admin()
+    err = await extra.expect(p.Error)
+    assert err.code == "busy" and f"{MAX_CONNECTIONS} admin connections" in err.message
+    assert await extra.closed()
+    followers.pop().close()
+    await node.until(lambda: node.node.admin.open == MAX_CONNECTIONS - 1)
+    assert isinstance(await node.ask(p.StatusRequest()), p.StatusReply)  # room again
+    for f in followers:
+        f.close()

@@ -58,7 +58,8 @@ def test_a_flood_of_silent_connections_holds_few_of_the_nodes_descriptors(node_f
     # accepted as many at one wakeup as the listen backlog (4,096), each a descriptor
     # until refused, and took the node to 1,015 open of its 1,024 (benchmarks/trust.py);
     # now 32 at a wakeup (a few batches wait to be refused) beside the 64 waiting for a
-    # hello: about 190 more than at rest, against 1,000 before.
+    # hello and the 256 in line for room to (guard.LINE_FACTOR): about 400 more than at
+    # rest, against 1,000 before.
     cfg = short_tmp / "node.toml"
     cfg.write_text("hello_timeout = 30.0\n")
     node = node_factory(*sim("16GiB"), "--config", str(cfg))
@@ -72,4 +73,4 @@ def test_a_flood_of_silent_connections_holds_few_of_the_nodes_descriptors(node_f
         most = max(most, len(os.listdir(fd_dir)))
     for s in socks:
         s.close()
-    assert most - base <= 300, (base, most)
+    assert most - base <= 550, (base, most)

@@ -21,6 +21,7 @@ import pytest
 
 from gpushare import protocol as p
 from gpushare.node.events import EventBus
+from gpushare.node.guard import LINE_FACTOR
 from gpushare.node.snapshot import fit
 from gpushare.status import GpuStatus, NodeInfo, NodeStatus, SessionStatus, WorkloadStatus
 from gpushare.tools import ctl
@@ -302,17 +303,21 @@ async def test_connections_without_a_hello_are_bounded_and_their_refusals_logged
     assert node.node.guard.pending == {os.getuid(): 4}
     caplog.set_level(logging.WARNING, logger="gpushare.node")
     extra = [await Peer.connect(node.socket) for _ in range(200)]
-    for x in extra:
+    line = LINE_FACTOR * 4  # these wait in line for room to say hello in
+    for x in extra[line:]:  # the rest are refused at once
         err = await x.expect(p.Error)
         assert err.code == "busy" and "max_pending_per_uid" in err.message
+    assert node.node.guard.waiting == line
     lines = [r for r in caplog.records if "refused" in r.getMessage()]
     assert 1 <= len(lines) <= 25  # a flood is logged at a bounded rate
     assert len(node.events("refused")) <= 25
+    for x in extra:
+        x.close()
     idle[0].close()
-    await node.until(lambda: node.node.guard.pending_total == 3)
+    await node.until(lambda: node.node.guard.pending_total == 3 and not node.node.guard.waiting)
     w = await node.workload(memory_limit=G)  # room again
     assert w.session
-    for x in idle[1:] + extra:
+    for x in idle[1:]:
         x.close()
     await node.until(lambda: node.node.guard.pending_total == 0)
 

@@ -34,6 +34,10 @@ log = logging.getLogger("gpushare.client.transport")
 FATAL = frozenset({"ended", "protocol", "denied", "rate", "limit"})
 RECONNECT_BACKOFF = (0.05, 2.0)  # seconds: first and longest pause between reconnect tries
 BUSY_BACKOFF = (0.002, 0.1)  # seconds: the same for a socket whose listen backlog is full
+# The same for a hello answered `busy` (the node's line for room to say hello in is full,
+# or it is recovering): longer, since each try costs the node an accept and an answer,
+# and a thousand clients trying again every 0.1 s would be more work than their attaches.
+HELLO_BUSY_BACKOFF = (0.05, 1.0)
 RECONNECT_TIMEOUT = 10.0  # seconds for one reconnect try (connect and handshake)
 
 _sleep = time.sleep  # a module attribute, so a test can see the retries
@@ -118,7 +122,7 @@ def open_connection(
     """Connect, say hello, read the welcome; returns what followed it too. A refusal is
     :class:`AttachRefusedError`; anything else that fails, :class:`DaemonUnavailableError`."""
     deadline = time.monotonic() + timeout
-    delay = BUSY_BACKOFF[0]
+    delay = HELLO_BUSY_BACKOFF[0]
     while True:
         try:
             return _handshake(connector, hello, deadline, timeout)
@@ -130,7 +134,7 @@ def open_connection(
                     f" ({e}): try again, or attach with a longer timeout="
                 ) from None
             _sleep(min(delay * random.uniform(0.5, 1.5), left))
-            delay = min(delay * 2, BUSY_BACKOFF[1])
+            delay = min(delay * 2, HELLO_BUSY_BACKOFF[1])
 
 
 class _Busy(Exception):

@@ -74,6 +74,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_group: str = ""  # a group whose members may administer (socket mode 0660)
     max_sessions_per_uid: int = 64
     max_messages_per_s: float = 2000.0  # per connection, bursts of twice that allowed
+    # all the connections of one user together (a pod, by its UID; else a uid)
+    max_messages_per_s_per_user: float = 8000.0
     hello_timeout: float = 10.0
     max_pending_per_uid: int = 64  # connections of one uid that have not said hello yet
     max_pending: int = 512  # the same, all uids together

@@ -154,6 +154,7 @@ class Node:
             returned=lambda: self._end_recovery("every session on record is back"),
             pods=lambda: self.pods,
             retire=self._retire,
+            nvml_used=lambda gpu, pids: self.sampler.used_by(gpu, pids),
         )
         self.admin = AdminServer(
             live=self.live,
@@ -439,6 +440,7 @@ class Node:
             srv.close()
         self.recovery.hold()  # the workloads outlive this node: the next one expects them
         self.events.end_followers()
+        self.guard.end_lines()  # connections waiting for room to say hello: not now
         await self._handlers.close()  # every connection ends; its session detaches
         self.decisions.close()
         for task in list(self._tasks):

@@ -6,6 +6,7 @@ way a request is refused (logged and made an event at a bounded rate, an error f
 from __future__ import annotations
 
 import asyncio
+import collections
 import grp
 import logging
 import os
@@ -24,6 +25,31 @@ from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.guard")
 
+# Connections of a uid that may wait in line for room to say hello in, as a multiple of
+# max_pending_per_uid (of max_pending, all uids together): each holds a descriptor, so
+# the line is short; past it a connection is refused `busy` (its client tries again).
+LINE_FACTOR = 4
+# Messages a connection's handler reads in a row before it lets the loop serve others
+# (frames already in its buffer are read without waiting: a client that wrote thousands
+# kept the loop for all of them).
+YIELD_EVERY = 32
+
+
+class Bucket:
+    """A token bucket (``rate``/s, bursts of twice that) that goes into debt, so that
+    whoever keeps drawing on it is held to ``rate`` and no faster."""
+
+    __slots__ = ("refilled", "tokens")
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.tokens, self.refilled = 2 * rate, now
+
+    def spend(self, rate: float, now: float) -> float:
+        """One from the bucket: the seconds to wait before going on (0: at once)."""
+        self.tokens = min(2 * rate, self.tokens + (now - self.refilled) * rate) - 1
+        self.refilled = now
+        return 0.0 if self.tokens >= 0 else -self.tokens / rate
+
 
 @dataclass
 class Conn:
@@ -40,8 +66,10 @@ class Conn:
     ask: int = 0  # the number of its last ask read (echoed by grants; 0: not numbered)
     frozen: bool = False
     ended: bool = False  # an administrator ended its session (ctl end)
-    tokens: float = 0.0
-    refilled: float = 0.0
+    bucket: Bucket | None = None  # its own message allowance
+    budget: Bucket | None = None  # its user's, shared by all its connections (a session's)
+    who: str = ""  # whose budget it draws on
+    streak: int = 0  # messages read since its handler last let the loop go
     proc: ProcRef | None = None  # the connecting process, named for good (start time)
     pending: bool = False  # counted among the connections that have not said hello yet
     stopped: list[ProcRef] = field(default_factory=list)  # what a freeze stopped
@@ -74,13 +102,10 @@ class Conn:
             refs += [r for r in holders_of(inode, self.uid, proc_root) if r not in refs]
         return refs
 
-    def spend(self, rate: float, now: float) -> float:
-        """One message from the token bucket (``rate``/s, bursts of twice that): the
-        seconds to wait before reading on (0: at once). The bucket goes into debt, so
-        a connection that keeps sending is read at ``rate`` and no faster."""
-        self.tokens = min(2 * rate, self.tokens + (now - self.refilled) * rate) - 1
-        self.refilled = now
-        return 0.0 if self.tokens >= 0 else -self.tokens / rate
+
+def _expire(turn: asyncio.Future[None]) -> None:
+    if not turn.done():
+        turn.set_exception(TimeoutError())
 
 
 class Refused(Exception):
@@ -141,30 +166,62 @@ class Guard:
         self.conns = conns
         self.pending: dict[int, int] = {}  # connections without a hello yet, per uid
         self.pending_total = 0
-        self.slowed = 0  # messages read late for their connection's rate
+        self.slowed = 0  # messages read late for their connection's (or user's) rate
+        # Connections waiting for room to say hello in, per uid, and the uids' turns:
+        # the room there is goes to one uid after another, so that a burst (or a flood)
+        # of one uid waits behind itself, never ahead of another uid's attach.
+        self.lines: dict[int, collections.deque[asyncio.Future[None]]] = {}
+        self._turns: collections.deque[int] = collections.deque()
+        self.waiting = 0
+        self.sessions: dict[int, int] = {}  # sessions per uid (max_sessions_per_uid)
+        # Each user's message budget (a pod, by its UID; else a uid), and its connections.
+        self._budgets: dict[str, tuple[Bucket, int]] = {}
         self._refusals = RateLimit(20.0)  # log lines and events per second
 
-    def accept(self, writer: asyncio.StreamWriter) -> Conn:
-        """A connection, with its peer from the kernel and a full message allowance."""
+    def accept(self, writer: asyncio.StreamWriter, name: bool = True) -> Conn:
+        """A connection, with its peer from the kernel and a full message allowance;
+        its process named for good (:meth:`name`) now, or later."""
         cfg = self._config()
         peer = peer_credentials(writer.get_extra_info("socket"))
-        rate = cfg.max_messages_per_s
-        return Conn(
+        conn = Conn(
             writer,
             peer.pid,
             peer.uid,
             peer.gid,
-            tokens=2 * rate,
-            refilled=self.clock.monotonic(),
-            proc=ref_of(peer.pid, cfg.proc_root) if peer.pid > 0 else None,
+            bucket=Bucket(cfg.max_messages_per_s, self.clock.monotonic()),
+        )
+        if name:
+            self.name(conn)
+        return conn
+
+    def name(self, conn: Conn) -> None:
+        if conn.pid > 0:
+            conn.proc = ref_of(conn.pid, self._config().proc_root)
+
+    def _room(self, uid: int) -> bool:
+        cfg = self._config()
+        return (
+            self.pending.get(uid, 0) < cfg.max_pending_per_uid
+            and self.pending_total < cfg.max_pending
         )
 
-    def admit(self, conn: Conn) -> None:
-        """Count a connection that has not said hello yet, or :class:`Refused` when its
-        uid (or everyone) has as many as allowed waiting already."""
+    def _count(self, conn: Conn) -> None:
+        self.pending[conn.uid] = self.pending.get(conn.uid, 0) + 1
+        self.pending_total += 1
+        conn.pending = True
+
+    def may_wait(self, conn: Conn) -> None:
+        """:class:`Refused` (``busy``) where the connection could not even wait in line
+        for room to say hello in (at once, before anything is spent on it)."""
         cfg = self._config()
+        if self._room(conn.uid) and conn.uid not in self.lines:
+            return
         mine = self.pending.get(conn.uid, 0)
-        if mine >= cfg.max_pending_per_uid or self.pending_total >= cfg.max_pending:
+        queued = len(self.lines.get(conn.uid, ()))
+        if (
+            queued >= LINE_FACTOR * cfg.max_pending_per_uid
+            or self.waiting >= LINE_FACTOR * cfg.max_pending
+        ):
             which = (
                 f"uid {conn.uid} has {mine} connections"
                 if mine >= cfg.max_pending_per_uid
@@ -173,11 +230,81 @@ class Guard:
             raise Refused(
                 "busy",
                 f"{which} open without a hello, the most allowed (max_pending_per_uid,"
-                " max_pending): say hello at once, or close them",
+                f" max_pending), and {queued} more wait: say hello at once, or close them",
             )
-        self.pending[conn.uid] = mine + 1
-        self.pending_total += 1
-        conn.pending = True
+
+    async def admit(self, conn: Conn) -> None:
+        """Count a connection that is to say hello now. Where its uid (or everyone) has
+        as many as allowed doing so, it waits in its uid's line (its hello unread, its
+        hello_timeout not begun) until one of them is done; uids take the room in turn.
+        One that waited hello_timeout is refused ``busy`` (its client tries again)."""
+        self.may_wait(conn)
+        if self._room(conn.uid) and conn.uid not in self.lines:
+            self._count(conn)
+            return
+        line = self.lines.get(conn.uid)
+        if line is None:
+            line = self.lines[conn.uid] = collections.deque()
+            self._turns.append(conn.uid)
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        line.append(turn)
+        self.waiting += 1
+        timeout = self._config().hello_timeout
+        # A timer rather than wait_for(shield()): those take three turns of the loop to
+        # wake the handler, all the while holding the room it was given (a burst on a
+        # busy node was served slower, and refused more, with the line than without).
+        timer = loop.call_later(timeout, _expire, turn)
+        try:
+            await turn
+        except TimeoutError:
+            raise Refused(
+                "busy",
+                f"waited {timeout:g} s in line for room to say hello in (uid {conn.uid} has"
+                f" {self.pending.get(conn.uid, 0)} connections open without a hello:"
+                " max_pending_per_uid): try again",
+            ) from None
+        finally:
+            timer.cancel()
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                conn.pending = True  # its turn came: the waker counted it, took it off
+            else:
+                turn.cancel()
+                line.remove(turn)
+                self.waiting -= 1
+                if not line:
+                    self._drop_line(conn.uid)
+
+    def end_lines(self) -> None:
+        """The node is stopping: every connection waiting in line ends now (it is told
+        ``busy``, and its client tries the next node)."""
+        for line in self.lines.values():
+            for turn in line:
+                _expire(turn)
+
+    def _drop_line(self, uid: int) -> None:
+        del self.lines[uid]
+        self._turns.remove(uid)
+
+    def _wake(self) -> None:
+        """Connections waiting in line take the room there is, one uid after another."""
+        stuck = 0
+        while self._turns and stuck < len(self._turns):
+            uid = self._turns[0]
+            self._turns.rotate(-1)
+            if not self._room(uid):
+                stuck += 1
+                continue
+            stuck = 0
+            line = self.lines[uid]
+            turn = line.popleft()
+            self.waiting -= 1
+            if not line:
+                self._drop_line(uid)
+            # counted now (the room is its), not when its handler next runs
+            self.pending[uid] = self.pending.get(uid, 0) + 1
+            self.pending_total += 1
+            turn.set_result(None)
 
     def said_hello(self, conn: Conn) -> None:
         """The connection is no longer waiting for its hello (it said it, or it ended)."""
@@ -189,19 +316,62 @@ class Guard:
                 self.pending[conn.uid] = left
             else:
                 del self.pending[conn.uid]
+            if self.lines:
+                self._wake()
+
+    def join_budget(self, conn: Conn, who: str) -> None:
+        """The connection draws on ``who``'s message budget from now on (its session's
+        user: the pod, else the uid)."""
+        budget, n = self._budgets.get(who) or (
+            Bucket(self._config().max_messages_per_s_per_user, self.clock.monotonic()),
+            0,
+        )
+        self._budgets[who] = (budget, n + 1)
+        conn.budget, conn.who = budget, who
+
+    def leave_budget(self, conn: Conn) -> None:
+        if conn.budget is None:
+            return
+        budget, n = self._budgets[conn.who]
+        if n > 1:
+            self._budgets[conn.who] = (budget, n - 1)
+        else:
+            del self._budgets[conn.who]
+        conn.budget = None
 
     async def spend(self, conn: Conn) -> None:
-        """One message's allowance: a connection over ``max_messages_per_s`` is not read
+        """One message's allowance: a connection over ``max_messages_per_s``, or whose
+        user's connections together are over ``max_messages_per_s_per_user``, is not read
         for a while (its messages wait in its socket, and its client's sends block), so
         a fast client is slowed down, never ended for it, and the node's loop serves
-        everyone else meanwhile."""
-        wait = conn.spend(self._config().max_messages_per_s, self.clock.monotonic())
+        everyone else meanwhile: one user's connections cannot starve another's."""
+        cfg, now = self._config(), self.clock.monotonic()
+        assert conn.bucket is not None
+        wait = conn.bucket.spend(cfg.max_messages_per_s, now)
+        if conn.budget is not None:
+            wait = max(wait, conn.budget.spend(cfg.max_messages_per_s_per_user, now))
         if wait > 0:
             self.slowed += 1
+            conn.streak = 0
             await asyncio.sleep(wait)
+        else:
+            conn.streak += 1
+            if conn.streak >= YIELD_EVERY:
+                conn.streak = 0
+                await asyncio.sleep(0)  # others' turn on the loop
+
+    def joined(self, conn: Conn) -> None:
+        self.sessions[conn.uid] = self.sessions.get(conn.uid, 0) + 1
+
+    def left(self, conn: Conn) -> None:
+        n = self.sessions.get(conn.uid, 0) - 1
+        if n > 0:
+            self.sessions[conn.uid] = n
+        else:
+            self.sessions.pop(conn.uid, None)
 
     def check_sessions_of_uid(self, conn: Conn) -> None:
-        mine = sum(1 for c in self.conns.values() if c.uid == conn.uid)
+        mine = self.sessions.get(conn.uid, 0)
         if mine >= self._config().max_sessions_per_uid:
             raise Refused(
                 "limit",

@@ -56,6 +56,31 @@ async def read_frame(reader: asyncio.StreamReader) -> p.Message:
     return p.decode(body)
 
 
+class Idle(TimeoutError):
+    """No frame began within the idle timeout."""
+
+
+class Unfinished(TimeoutError):
+    """A frame began and did not end within the frame timeout."""
+
+
+async def read_frame_within(reader: asyncio.StreamReader, idle: float, frame: float) -> p.Message:
+    """One frame that begins within ``idle`` seconds and, once begun, ends within
+    ``frame`` more (:class:`Idle`, :class:`Unfinished`): a peer that sends part of a
+    frame and stops holds its connection that long, not for good."""
+    try:
+        first = await asyncio.wait_for(reader.readexactly(1), idle)
+    except TimeoutError:
+        raise Idle() from None
+    try:
+        async with asyncio.timeout(frame):
+            header = first + await reader.readexactly(p.HEADER_SIZE - 1)
+            body = await reader.readexactly(p.frame_length(header))
+    except TimeoutError:
+        raise Unfinished() from None
+    return p.decode(body)
+
+
 async def serve_unix(
     cb: Handler, path: str, mode: int, backlog: int = LISTEN_BACKLOG
 ) -> asyncio.Server:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from gpushare.core.arbiter import Arbiter
@@ -54,6 +54,19 @@ class NvmlUtilization:
                 out[int(proc.pid)] = out.get(int(proc.pid), 0) + int(used)
         return out
 
+    def memory_of(self, pids: Collection[int]) -> int | None:
+        """The GPU memory the driver counts for ``pids`` together: 0 where it lists none
+        of them (no context on this GPU); None where it lists one without a figure
+        (``usedGpuMemory`` is None where the driver may not say: no permission, some
+        vGPU and MIG setups), so nothing can be checked."""
+        total = 0
+        for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if int(proc.pid) in pids:
+                if proc.usedGpuMemory is None:
+                    return None
+                total += int(proc.usedGpuMemory)
+        return total
+
     def processes(self) -> dict[int, float]:
         """pid -> SM utilization (0-1) since the last call; empty where unsupported."""
         try:
@@ -85,6 +98,18 @@ class Sampler:
         self.gpus, self.arbiters, self.utilization = gpus, arbiters, utilization
         self.nvml, self.conns, self.clock, self.decisions = nvml, conns, clock, decisions
         self.allowance = allowance  # NVML bytes a process may use beyond its session's
+
+    def used_by(self, gpu: int, pids: Collection[int]) -> int | None:
+        """What NVML counts on GPU ``gpu`` for ``pids`` (:meth:`NvmlUtilization.memory_of`);
+        None where the node has no NVML for it (a simulated GPU) or the driver fails."""
+        sampler = self.nvml.get(gpu)
+        if sampler is None:
+            return None
+        try:
+            return sampler.memory_of(pids)
+        except Exception as e:  # a flaky driver: nothing checked, the node goes on
+            log.warning("GPU %d: NVML's per-process memory unreadable: %s", gpu, e)
+            return None
 
     async def run(self, period: float = 1.0) -> None:
         last = self.clock.monotonic()

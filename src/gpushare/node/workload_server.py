@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from gpushare import protocol as p
 from gpushare.core.actions import Action
@@ -114,6 +114,7 @@ class WorkloadServer:
         returned: Callable[[], None],
         pods: Callable[[], PodCache | None],
         retire: Callable[[int, int], None] = lambda gpu, sid: None,
+        nvml_used: Callable[[int, Collection[int]], int | None] = lambda gpu, pids: None,
     ) -> None:
         self._config = config
         self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
@@ -123,13 +124,15 @@ class WorkloadServer:
         self.returned = returned  # every session on record is back: the window ends
         self.pods = pods
         self.retire = retire  # a session's figures, kept as it leaves (node/totals.py)
+        # (gpu, pids) -> the GPU memory NVML counts for them; None where it cannot say
+        self.nvml_used = nvml_used
 
     def socket_path(self) -> str:
         return self._config().socket
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: C901
         try:
-            conn = self.guard.accept(writer)
+            conn = self.guard.accept(writer, name=False)
         except OSError:  # gone before the kernel could say who it was
             writer.close()
             return
@@ -137,7 +140,9 @@ class WorkloadServer:
         cfg = self._config()
         try:
             try:
-                self.guard.admit(conn)  # a bounded number wait for their hello
+                self.guard.may_wait(conn)  # refused at once: nothing more spent on it
+                self.guard.name(conn)  # its process, named for good as soon as may be
+                await self.guard.admit(conn)  # a bounded number say hello at once
                 hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
             except TimeoutError:
                 raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
@@ -151,6 +156,8 @@ class WorkloadServer:
                 )
             if not isinstance(hello, p.Hello):
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+            if reader.at_eof():  # its client gave up waiting (a burst on a slow node):
+                return  # no session for nobody, the node's time goes to the next
             arb = self._attach(conn, hello)
             while True:
                 msg = await read_frame(reader)
@@ -173,9 +180,11 @@ class WorkloadServer:
         except (Refused, p.ProtocolError) as e:
             self.guard.refuse(conn, "workload", e)
         finally:
+            self.guard.leave_budget(conn)
             if arb is not None and conn.session in self.conns:
                 self.retire(arb.gpu, conn.session)
                 del self.conns[conn.session]
+                self.guard.left(conn)
                 self.utilization[arb.gpu].forget(conn.session)
                 reason = "ended" if conn.ended else "disconnected"
                 self.decisions.act(arb, arb.detach(conn.session, reason=reason))
@@ -246,14 +255,13 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
-        resident, swapped = h.resident, h.swapped
-        if rec is None:
-            # Memory a session says it has on the GPU counts only where the node can
-            # check it: a new session cannot have any yet. (What it says it has swapped
-            # out, in its own host memory, only costs it swap-ins at its turns.)
-            sid, resident = self._new_id(conn, h, limit), 0
-        else:
-            sid = rec.id
+        swapped = h.swapped
+        # Memory a session says it has on the GPU counts only where the node can check
+        # it: on record from before a restart, or as NVML counts its process's (then no
+        # more than that). A new session with neither has nothing resident. (What it
+        # says it has swapped out, in its own host memory, only costs it swap-ins.)
+        sid = self._new_id(conn, h, limit) if rec is None else rec.id
+        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
         verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
@@ -291,7 +299,8 @@ class WorkloadServer:
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
-        conn.may_hold_memory = rec is not None  # else only once granted (dispatch)
+        # else only once granted (dispatch)
+        conn.may_hold_memory = rec is not None or resident > 0
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
@@ -308,6 +317,10 @@ class WorkloadServer:
             name=name,
         )
         self.conns[sid] = conn
+        self.guard.joined(conn)
+        self.guard.join_budget(
+            conn, f"pod {identity.pod_uid}" if identity.pod_uid else f"uid {conn.uid}"
+        )
         self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
         conn.send(
             p.Welcome(
@@ -351,14 +364,32 @@ class WorkloadServer:
                 f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
                 f" bytes within the memory limit of {limit} bytes",
             )
-        if h.resident:
+
+    def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
+        """What of the memory a hello says is resident the node believes: NVML's count
+        for the process where it has one (at most; all of it for a session on record
+        that NVML does not list, since a node outside the host's pid namespace sees no
+        pids of its); else all of it for a session on record, none for a new one."""
+        if claimed <= 0:
+            return 0
+        seen = self.nvml_used(gpu, {conn.pid})
+        if seen is None or (on_record and seen == 0):
+            believed = claimed if on_record else 0
+            why = "the session is not on record (new to this node), nor counted by NVML"
+        else:
+            believed = min(claimed, seen)
+            why = f"NVML counts {seen} bytes for its process"
+        if believed < claimed:
             log.warning(
-                "pid %d uid %d: hello says %d bytes are resident on the GPU, but the"
-                " session is not on record (new to this node): taken as 0",
+                "pid %d uid %d: hello says %d bytes are resident on GPU %d, but %s: taken as %d",
                 conn.pid,
                 conn.uid,
-                h.resident,
+                claimed,
+                gpu,
+                why,
+                believed,
             )
+        return believed
 
     @staticmethod
     def _message(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:

@@ -75,9 +75,21 @@ class AdminClient:
             self._sock.sendall(p.encode(msg))
 
     def status(self) -> NodeStatus:
-        r = self.request(p.StatusRequest())
+        try:
+            r = self.request(p.StatusRequest())
+        except (DaemonUnavailableError, OSError):
+            # The node closes an admin connection idle for minutes (a `top` with a long
+            # --interval): a status asks nothing twice, so it connects again, once.
+            self._reconnect()
+            r = self.request(p.StatusRequest())
         assert isinstance(r, p.StatusReply)
         return r.status
+
+    def _reconnect(self) -> None:
+        timeout = self._sock.gettimeout()
+        self._sock.close()
+        fresh = AdminClient(self.path, timeout)
+        self._sock, self._buf, self._pending = fresh._sock, fresh._buf, fresh._pending
 
     def set_config(
         self, change: Change, *, gpu: int | None = None, persist: bool = False
