@@ -61,6 +61,7 @@ class Hello(_Msg, tag="hello"):
     # session id it had, and mid-burst the lease it holds with the token it came with.
     resident: int = 0
     swapped: int = 0
+    discarded: int = 0  # discardable memory it dropped (rebuilt at its next grant)
     holding: bool = False
     session: int = 0
     lease: int = 0
@@ -94,6 +95,9 @@ class Release(_Msg, tag="release"):
     resident: int
     swapped: int
     again: bool = False
+    # Bytes of discardable memory it dropped instead of swapping out (client.md): neither
+    # on the GPU nor in host memory; it is made again, empty, at its next grant.
+    discarded: int = 0
     swapped_out: int = 0
     seconds: float = 0.0
     swapping_out: int = 0
@@ -113,6 +117,7 @@ class SwapDone(_Msg, tag="swap_done"):
     swapped: int
     error: str = ""
     prefetch: int = 0  # a prefetch's swap-in: the last Prefetch (its seq) it is done with
+    discarded: int = 0  # as Release's: dropped, not on the GPU nor in host memory
 
 
 class Report(_Msg, tag="report"):
@@ -120,6 +125,7 @@ class Report(_Msg, tag="report"):
 
     resident: int
     swapped: int
+    discarded: int = 0
 
 
 # --- daemon -> workload -------------------------------------------------------------

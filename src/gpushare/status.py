@@ -35,6 +35,10 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     memory_bound_bytes: int = 0
     reclaims_total: int = 0
     reclaimed_bytes_total: int = 0
+    # discardable memory dropped now (neither on the GPU nor in host memory: made again,
+    # empty, at its grant), and all it dropped instead of swapping out
+    discarded_bytes: int = 0
+    discarded_bytes_total: int = 0
     # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
     sharing: str = ""
     # its compute limit (the most of the GPU's time it may take; 0: none) and the GPU

@@ -114,7 +114,7 @@ class Lease:
         self.prefetching = False
         self.resume = False  # a grant for the lease a reconnect hello claimed is due
         self.swap_gen = -1  # the connection whose grant the swap-in follows
-        self.told = (0, 0)  # the resident and swapped bytes this connection heard last
+        self.told = (0, 0, 0)  # the resident, swapped, discarded bytes this connection heard last
         self.depth = 0  # threads inside gpu()
         self._mine = threading.local()  # n: the calling thread's gpu() blocks open
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
@@ -352,13 +352,14 @@ class Lease:
         assert g is not None
         self.phase = Phase.SWAPPING_IN
         self.swap_gen = self.link.generation
-        if not (g.swap_in or self.backend.swapped_bytes or self.room):
+        back = self.backend.swapped_bytes or self.backend.discarded_bytes
+        if not (g.swap_in or back or self.room):
             self.phase = Phase.HOLDING  # nothing to move, no room to wait for: the fast way
             self._update()
             return True
         try:
             with self._unlocked(), self.swap_lock:
-                if g.swap_in or self.backend.swapped_bytes:
+                if g.swap_in or back:
                     self._swap("in", 0)
                 # Work may grow the session to its bound: not before the node has room.
                 self.wait_room(self.bound or self.memory_limit)
@@ -536,24 +537,26 @@ class Lease:
 
     # --- messages -------------------------------------------------------------------
 
-    def _figures(self) -> tuple[int, int]:
-        return self.backend.resident_bytes, self.backend.swapped_bytes
+    def _figures(self) -> tuple[int, int, int]:
+        b = self.backend
+        return b.resident_bytes, b.swapped_bytes, b.discarded_bytes
 
     def _report_msg(self) -> p.Report:
-        self.told = resident, swapped = self._figures()
-        return p.Report(resident=resident, swapped=swapped)
+        self.told = resident, swapped, discarded = self._figures()
+        return p.Report(resident=resident, swapped=swapped, discarded=discarded)
 
     def _acquire_msg(self) -> p.Acquire:
         self.asks += 1
         return p.Acquire(ask=self.asks)
 
     def _release_msg(self, again: bool = False, swapping_out: int = 0, need: int = 0) -> p.Release:
-        self.told = resident, swapped = self._figures()
+        self.told = resident, swapped, discarded = self._figures()
         if again:
             self.asks += 1
         return p.Release(
             resident=resident,
             swapped=swapped,
+            discarded=discarded,
             again=again,
             swapping_out=swapping_out,
             ask=self.asks if again else 0,
@@ -568,13 +571,14 @@ class Lease:
         error: str = "",
         prefetch: int = 0,
     ) -> p.SwapDone:
-        self.told = resident, swapped = self._figures()
+        self.told = resident, swapped, discarded = self._figures()
         return p.SwapDone(
             direction=direction,
             bytes=nbytes,
             seconds=seconds,
             resident=resident,
             swapped=swapped,
+            discarded=discarded,
             error=error[:1000],  # the node takes no more than 1024 characters
             prefetch=prefetch,
         )
@@ -677,6 +681,7 @@ class Lease:
             gpu=self.gpu,
             resident=self.backend.resident_bytes,
             swapped=self.backend.swapped_bytes,
+            discarded=self.backend.discarded_bytes,
             holding=self.phase is Phase.HOLDING,
             # who it was, and the lease it holds with its token: the node checks them
             session=self.link.session,
@@ -688,7 +693,7 @@ class Lease:
         """Tell a new node what changed since ``hello`` and what this session asks."""
         self.resume, self.revoke, self.room = hello.holding, None, 0
         self.lease = hello.lease if hello.holding else 0  # a revoke for it means: yield
-        self.told = hello.resident, hello.swapped
+        self.told = hello.resident, hello.swapped, hello.discarded
         if hello.holding and self.phase is not Phase.HOLDING:
             # The burst ended after the hello: give back the lease the node grants for it.
             self.link.send(self._release_msg())

@@ -411,6 +411,7 @@ class Arbiter:
         seconds: float = 0.0,
         swapping_out: int = 0,
         need: int = 0,
+        discarded: int = 0,
     ) -> list[Action]:
         """The burst ended, or the holder yielded (``again``). ``swapped_out`` bytes went
         on the way (older clients); ``swapping_out`` bytes are going now, after the release,
@@ -421,7 +422,8 @@ class Arbiter:
         quantum, and is granted when that fits (docs/scheduling.md)."""
         s = self.st.get(sid)
         now = self.clock.monotonic()
-        self.st.ledger.check_figures(s, "release", resident, swapped)
+        self.st.ledger.check_figures(s, "release", resident, swapped + discarded)
+        count("release: discarded", discarded, s.memory.limit)
         count("release: swapping_out", swapping_out, s.memory.limit)
         count("release: swapped_out", swapped_out, s.memory.limit)
         count("release: need", need, s.memory.limit)
@@ -430,6 +432,7 @@ class Arbiter:
                 "release: need is for a holder that asks again, with a client that grows"
             )
         took = _seconds("release: seconds", seconds)
+        self.st.set_discarded(s, discarded)
         if s.state is State.WAITING and not again:
             self._end_burst_waiting(s, now, resident, swapped)
         elif s.state is State.WAITING and (s.esc.frozen or s.esc.yield_due):
@@ -455,10 +458,12 @@ class Arbiter:
         swapped: int,
         error: str = "",
         prefetch: int = 0,
+        discarded: int = 0,
     ) -> list[Action]:
         """A swap ended (or failed: ``error``). ``prefetch``: the swap-in was the
         prefetch asked by that :class:`PrefetchAction` (its ``seq``), and the client is
-        done with every ask up to it."""
+        done with every ask up to it. ``discarded``: discardable bytes it holds dropped
+        now (a swap-out drops them first, copying nothing; a swap-in makes them again)."""
         st = self.st
         s = st.get(sid)
         if direction not in ("in", "out"):
@@ -468,7 +473,8 @@ class Arbiter:
         count("swap_done: prefetch", prefetch, MAX_COUNT)
         if prefetch and (direction != "in" or prefetch > s.prefetch.seq):
             raise ArbiterError(f"no prefetch {prefetch} was asked of session {sid}")
-        st.ledger.check_figures(s, "swap_done", resident, swapped)
+        st.ledger.check_figures(s, "swap_done", resident, swapped + discarded)
+        count("swap_done: discarded", discarded, s.memory.limit)
         check_error(error)
         now = self.clock.monotonic()
         if error:
@@ -480,7 +486,9 @@ class Arbiter:
             swap = SwapOut if direction == "out" else SwapIn
             st.out.emit(swap(session=sid, bytes=0, seconds=took, error=error))
         else:
-            st.count_swap(s, direction, nbytes, took, prefetch=bool(prefetch))
+            dropped = max(0, discarded - s.memory.discarded) if direction == "out" else 0
+            st.count_swap(s, direction, nbytes, took, prefetch=bool(prefetch), dropped=dropped)
+        st.set_discarded(s, discarded)
         if prefetch:
             if prefetch == s.prefetch.seq:  # no later ask is out: counted at what it has
                 s.prefetch.moot()
@@ -494,16 +502,19 @@ class Arbiter:
         st.set_memory(s, resident, swapped)
         return self._decide()
 
-    def report(self, sid: int, *, resident: int, swapped: int) -> list[Action]:
-        """The session's memory now. Resident bytes over its limit are the workload's own
-        word that it broke the limit: escalated (once per stretch), the figures the node
-        keeps unchanged."""
+    def report(self, sid: int, *, resident: int, swapped: int, discarded: int = 0) -> list[Action]:
+        """The session's memory now (``discarded``: discardable bytes it dropped, neither
+        on the GPU nor in host memory). Resident bytes over its limit are the workload's
+        own word that it broke the limit: escalated (once per stretch), the figures the
+        node keeps unchanged."""
         s = self.st.get(sid)
         count("report: resident", resident, MAX_COUNT)
         count("report: swapped", swapped, s.memory.limit)
         if resident <= s.memory.limit:
-            self.st.ledger.check_figures(s, "report", resident, swapped)
+            self.st.ledger.check_figures(s, "report", resident, swapped + discarded)
+            count("report: discarded", discarded, s.memory.limit)
             self._past_bound(s, resident)
+            self.st.set_discarded(s, discarded)
             self.st.set_memory(s, resident, swapped)
         self.escalation.check_limit(s, resident, "resident_bytes")
         return self._decide()

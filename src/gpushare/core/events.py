@@ -107,6 +107,7 @@ class SwapOut(Event):
     seconds: float
     error: str | None = None
     prefetch: bool | None = None
+    discarded_bytes: int | None = None  # a swap-out: discardable bytes dropped, not moved
 
 
 @dataclass(kw_only=True, slots=True)

@@ -113,7 +113,7 @@ class Leases:
         m.lent = lent and waited < LENT_WITHIN_S and m.held > m.guaranteed
         ls.quantum_len = q
         m.room = room
-        m.swapping_in = bool(m.swapped)
+        m.swapping_in = bool(m.swapped or m.discarded)
         ls.gpu_since = math.inf if m.swapping_in or room else now
         # A prefetch in flight is moot: the holder counts at its limit (or its room).
         s.prefetch.moot()

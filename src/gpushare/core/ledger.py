@@ -88,7 +88,7 @@ def bound_for(s: SessionState, mode: str) -> int:
     m = s.memory
     if s.mode_of(mode) != "auto" or not m.grows or s.rank.gang:
         return m.limit
-    return min(m.limit, max(m.guaranteed, m.resident + m.swapped, m.need))
+    return min(m.limit, max(m.guaranteed, m.resident + m.swapped + m.discarded, m.need))
 
 
 def view(s: SessionState, now: float, mode: str) -> MemoryView:

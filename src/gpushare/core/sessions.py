@@ -54,6 +54,7 @@ class Memory:
     over_limit: bool = False  # escalated for this stretch over its limit
     over_bound: bool = False  # escalated for this stretch over its bound, not asked for
     counted: int = 0  # its part of the ledger's running total (Ledger.recount)
+    discarded: int = 0  # discardable bytes it dropped: made again, empty, at its grant
     reclaims: int = 0  # bursts given back (revoked for being above its request)
     reclaimed: int = 0  # bytes above its request it was asked to give back
 
@@ -172,6 +173,7 @@ class Totals:
     swap_ins: int = 0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
+    discarded_bytes: int = 0  # dropped instead of swapped out (discardable memory)
     swap_out_s: float = 0.0
     swap_in_s: float = 0.0
     wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
@@ -211,8 +213,8 @@ class SessionState:
             return m.held
         if self.rank.held:
             return m.limit
-        if m.swapping_in:  # frozen mid swap-in: all of it may have landed
-            return m.resident + m.swapped
+        if m.swapping_in:  # frozen mid swap-in: all of it may have landed (or been made)
+            return m.resident + m.swapped + m.discarded
         if self.prefetch.active:
             return max(m.resident, self.prefetch.room)
         return m.resident

@@ -63,6 +63,14 @@ class GpuState:
         m.swapped = swapped
         self.ledger.recount(s)
 
+    def set_discarded(self, s: SessionState, n: int) -> None:
+        """Discardable bytes it has dropped now (checked by the caller); those dropped
+        since are counted. (No count: rebuilt at its grant, they are in its bound.)"""
+        m = s.memory
+        if n > m.discarded:
+            s.totals.discarded_bytes += n - m.discarded
+        m.discarded = n
+
     def ask_swap_out(self, sid: int, n: int) -> None:
         s = self.sessions[sid]
         if not s.memory.pending_out or s.esc.swap_out_deadline == float("inf"):
@@ -80,7 +88,13 @@ class GpuState:
         return waited
 
     def count_swap(
-        self, s: SessionState, direction: str, nbytes: int, seconds: float, prefetch: bool = False
+        self,
+        s: SessionState,
+        direction: str,
+        nbytes: int,
+        seconds: float,
+        prefetch: bool = False,
+        dropped: int = 0,
     ) -> None:
         t = s.totals
         if direction == "out":  # pending_out went down with resident (set_memory)
@@ -92,4 +106,12 @@ class GpuState:
             t.swap_in_bytes += nbytes
             t.swap_in_s += seconds
         swap = SwapOut if direction == "out" else SwapIn
-        self.out.emit(swap(session=s.id, bytes=nbytes, seconds=seconds, prefetch=prefetch or None))
+        self.out.emit(
+            swap(
+                session=s.id,
+                bytes=nbytes,
+                seconds=seconds,
+                prefetch=prefetch or None,
+                discarded_bytes=dropped or None,
+            )
+        )

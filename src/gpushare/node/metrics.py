@@ -94,6 +94,11 @@ _SESSION_COUNTERS: list[tuple[str, str, str]] = [
         "Bursts this session gave back (memory lent above its request).",
     ),
     (
+        "discarded_bytes",
+        "discarded_bytes_total",
+        "Bytes of discardable memory this session dropped instead of swapping them out.",
+    ),
+    (
         "reclaimed_bytes",
         "reclaimed_bytes_total",
         "Bytes lent above this session's request that its reclaims took back.",

@@ -83,6 +83,8 @@ def session(
         memory_bound_bytes=s.memory.held if s.holding else 0,
         reclaims_total=s.memory.reclaims,
         reclaimed_bytes_total=s.memory.reclaimed,
+        discarded_bytes=s.memory.discarded,
+        discarded_bytes_total=s.totals.discarded_bytes,
         sharing=s.sharing,
         compute_limit=s.share.cap,
         compute_left_s=a.compute_left(s),

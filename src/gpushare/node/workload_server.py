@@ -405,6 +405,7 @@ class WorkloadServer:
                 seconds=msg.seconds,
                 swapping_out=msg.swapping_out,
                 need=msg.need,
+                discarded=msg.discarded,
             )
         if isinstance(msg, p.SwapDone):
             return arb.swap_done(
@@ -416,9 +417,12 @@ class WorkloadServer:
                 swapped=msg.swapped,
                 error=msg.error,
                 prefetch=msg.prefetch,
+                discarded=msg.discarded,
             )
         if isinstance(msg, p.Report):
-            return arb.report(sid, resident=msg.resident, swapped=msg.swapped)
+            return arb.report(
+                sid, resident=msg.resident, swapped=msg.swapped, discarded=msg.discarded
+            )
         raise Refused(
             "denied",
             f"{type(msg).__name__} is not a workload message: a workload acts only on its own"

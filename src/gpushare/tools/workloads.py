@@ -51,10 +51,18 @@ class _Checker:
         self.failures = 0
         self.steps = 0
         self.extra: SimMemory | None = None  # a burst's memory past the request, while held
+        self.cache: SimMemory | None = None  # discardable: rebuilt when it was dropped
+        self.cache_drops = 0
+        self.rebuilds = 0
         _checkers.append(self)
 
     def figures(self) -> dict[str, Any]:
-        return {"steps": self.steps, "checks": self.checks, "failures": self.failures}
+        return {
+            "steps": self.steps,
+            "checks": self.checks,
+            "failures": self.failures,
+            "rebuilds": self.rebuilds,
+        }
 
     def __call__(self) -> None:
         if self.s.grants != self.seen:
@@ -64,6 +72,13 @@ class _Checker:
                 self.failures += 1
             if self.extra is not None and not self.extra.verify(self.seed + 1):
                 self.failures += 1
+            if self.cache is not None:
+                if self.cache.drops != self.cache_drops:  # dropped: made again, empty
+                    self.cache_drops = self.cache.drops
+                    self.rebuilds += 1
+                    self.cache.fill(self.seed + 2)
+                elif not self.cache.verify(self.seed + 2):
+                    self.failures += 1
 
     def grow(self, nbytes: int) -> None:
         """Allocate ``nbytes`` more (inside the burst: past a lent bound it waits for
@@ -93,6 +108,7 @@ class Burst:
     extra: int = 0
     at: float = 0.0
     seconds: float = 0.0
+    cache: int = 0  # discardable memory besides (a server's KV cache), rebuilt when dropped
 
 
 def batch(
@@ -108,6 +124,10 @@ def batch(
     with a ``burst``, growing past its memory for a while."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
+    if burst.cache:
+        with s.gpu():
+            check.cache = s.backend.allocate(burst.cache, discardable=True)  # type: ignore[attr-defined]
+            check.cache.fill(seed + 2)
     start = time.monotonic()
     end = start + seconds
     grown = False
@@ -207,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grow", default="0", help="batch: allocate this much more, at --grow-at")
     ap.add_argument("--grow-at", type=float, default=0.0, help="batch: seconds into the run")
     ap.add_argument("--grow-for", type=float, default=0.0, help="batch: seconds it is kept")
+    ap.add_argument(
+        "--discardable", default="0", help="batch: this much more as a discardable cache"
+    )
     a = ap.parse_args(argv)
     if a.until is not None:  # however late this process started, all end together
         a.seconds = max(0.0, a.until - time.time())
@@ -228,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.kind == "cycles":
             out = cycles(s, a.seconds, allocated, a.seed, a.bursts)
         elif a.kind == "batch":
-            grow = Burst(parse_size(a.grow), a.grow_at, a.grow_for)
+            grow = Burst(parse_size(a.grow), a.grow_at, a.grow_for, parse_size(a.discardable))
             out = batch(s, a.seconds, allocated, a.seed, a.until is not None, grow)
         elif a.kind == "short":
             out = short(s, a.seconds, allocated, a.seed)

@@ -94,3 +94,28 @@ def test_the_link_serializes_a_lane_and_slows_both_when_both_are_busy(tmp_path):
     assert lone.book(OUT, n, bw) == pytest.approx(time.monotonic() + 0.1, abs=0.01)
     for link in (a, b, lone):
         link.close()
+
+
+def test_discardable_memory_is_dropped_first_and_made_again_empty():
+    """A server's cache: taken back without a byte copied to host memory (the modelled
+    link's time is not spent), made again zeroed at the swap-in; other memory is kept."""
+    b = SimBackend(10 * G, scale=1024, bandwidth=1e9)  # 1 GB/s: a copy of 1 GiB is ~1 s
+    try:
+        weights = b.allocate(G)
+        weights.fill(7)
+        cache = b.allocate(2 * G, discardable=True)
+        cache.fill(8)
+        t0 = time.monotonic()
+        r = b.swap_out(2 * G)
+        assert time.monotonic() - t0 < 0.5  # nothing moved over the link
+        assert (r.bytes, r.discarded) == (0, 2 * G)
+        assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (G, 0, 2 * G)
+        assert cache.drops == 2048 // 256 and weights.drops == 0
+        r = b.swap_out(3 * G)  # more than the cache: the rest is copied as ever
+        assert (r.bytes, r.discarded) == (G, 0)
+        b.swap_in()
+        assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (3 * G, 0, 0)
+        assert weights.verify(7)  # kept, checked
+        assert not cache.verify(8) and cache.read(0, 4) == b"\0\0\0\0"  # made again, empty
+    finally:
+        b.close()

@@ -41,6 +41,7 @@ NO_HOOKS = SwapHooks()
 class SwapResult:
     bytes: int  # device bytes moved (as the GPU counts them)
     seconds: float
+    discarded: int = 0  # a swap-out: discardable bytes dropped instead (not moved)
 
 
 class SwapBackend(ABC):
@@ -89,6 +90,12 @@ class SwapBackend(ABC):
     @property
     @abstractmethod
     def swapped_bytes(self) -> int: ...
+
+    @property
+    def discarded_bytes(self) -> int:
+        """Discardable memory dropped at a swap-out, made again (empty) at the next
+        swap-in; a backend without discardable memory has none."""
+        return 0
 
     @abstractmethod
     def synchronize(self) -> None:

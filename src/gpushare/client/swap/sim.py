@@ -27,7 +27,7 @@ import random
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpushare.client.swap.base import NO_HOOKS, SwapBackend, SwapHooks, SwapResult
 from gpushare.errors import OutOfMemoryError, SwapError, SwapIntegrityError
@@ -49,6 +49,9 @@ class _Chunk:
     slot: int  # its place in the host buffer
     data: bytearray | None  # on the "device" when not None
     crc: int = 0
+    discardable: bool = False  # a cache its workload can rebuild: dropped, never copied
+    dropped: bool = False  # dropped at a swap-out: made again, empty, at the swap-in
+    owner: SimMemory | None = field(default=None, repr=False, compare=False)
 
 
 class SimMemory:
@@ -58,6 +61,9 @@ class SimMemory:
 
     def __init__(self, backend: SimBackend, chunks: list[_Chunk], nbytes: int) -> None:
         self._backend = backend
+        self.drops = 0  # chunks of it dropped so far (discardable: rebuild after a grant)
+        for c in chunks:
+            c.owner = self
         self._chunks = chunks
         self.nbytes = nbytes
         self.chunk_real = backend.chunk_real
@@ -163,10 +169,17 @@ class SimBackend(SwapBackend):
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(c.nbytes for c in self._chunks if c.data is None)
+        return sum(c.nbytes for c in self._chunks if c.data is None and not c.dropped)
 
-    def allocate(self, nbytes: int) -> SimMemory:
-        """Allocate ``nbytes`` of simulated GPU memory (inside a lease only)."""
+    @property
+    def discarded_bytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks if c.dropped)
+
+    def allocate(self, nbytes: int, discardable: bool = False) -> SimMemory:
+        """Allocate ``nbytes`` of simulated GPU memory (inside a lease only).
+        ``discardable``: a cache the workload can rebuild (a server's KV cache): when the
+        node takes memory back it is dropped first, nothing of it copied to host memory,
+        and made again, zeroed, at the next grant (:attr:`SimMemory.drops` counts it)."""
         self.check_access()
         used = self.resident_bytes + self.swapped_bytes
         if nbytes <= 0:
@@ -186,7 +199,8 @@ class SimBackend(SwapBackend):
         left = nbytes
         while left > 0:
             n = min(left, self.chunk_bytes)
-            chunks.append(_Chunk(n, self._free_slots.pop(), bytearray(-(-n // self.scale))))
+            data = bytearray(-(-n // self.scale))
+            chunks.append(_Chunk(n, self._free_slots.pop(), data, discardable=discardable))
             left -= n
         self._chunks.extend(chunks)
         self.on_change()
@@ -206,9 +220,18 @@ class SimBackend(SwapBackend):
             raise SwapError("simulated swap-out failure (host memory exhausted)")
         self._host_ready.wait()
         t0 = time.perf_counter()
+        dropped = 0
+        for c in reversed(self._chunks):  # what can be rebuilt goes first, for free
+            if dropped >= nbytes:
+                break
+            if c.discardable and c.data is not None:
+                c.data, c.dropped = None, True
+                dropped += c.nbytes
+                self._dropped_from(c)
+                self.progress()
         moved = 0
         for c in reversed(self._chunks):
-            if moved >= nbytes:
+            if moved + dropped >= nbytes:
                 break
             if c.data is None:
                 continue
@@ -220,7 +243,12 @@ class SimBackend(SwapBackend):
             _sleep_until(done)
             c.data = None  # the device memory is freed once its copy is done
             self.progress()
-        return SwapResult(moved, time.perf_counter() - t0)
+        return SwapResult(moved, time.perf_counter() - t0, dropped)
+
+    @staticmethod
+    def _dropped_from(c: _Chunk) -> None:
+        if c.owner is not None:
+            c.owner.drops += 1
 
     def swap_in(self) -> SwapResult:
         self._host_ready.wait()
@@ -230,6 +258,9 @@ class SimBackend(SwapBackend):
             if c.data is not None:
                 continue
             t0 += self.room_for(self.resident_bytes + c.nbytes)  # not transfer time
+            if c.dropped:  # made again, empty: its workload rebuilds it
+                c.data, c.dropped = bytearray(-(-c.nbytes // self.scale)), False
+                continue
             done = self.link.book(IN, c.nbytes, self.bandwidth)
             real = -(-c.nbytes // self.scale)
             off = c.slot * self.chunk_real
