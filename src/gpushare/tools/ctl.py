@@ -38,8 +38,8 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         w = max(16, *(len(s.name) for s in g.sessions))
         out.write(
             f"  {'ID':>4} {'NAME':<{w}} {'STATE':<15} {'RESIDENT':>10} {'SWAPPED':>10}"
-            f" {'REQUEST':>10} {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7} {'GRANTS':>6}"
-            f" {'RECLAIMED':>10}\n"
+            f" {'DISCARDED':>10} {'REQUEST':>10} {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7}"
+            f" {'GRANTS':>6} {'RECLAIMED':>10}\n"
         )
         for s in g.sessions:
             state = s.state
@@ -48,6 +48,7 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
             out.write(
                 f"  {s.id:>4} {s.name:<{w}} {state:<15}"
                 f" {format_size(s.resident_bytes):>10} {format_size(s.swapped_bytes):>10}"
+                f" {format_size(s.discarded_bytes):>10}"
                 f" {format_size(s.memory_request_bytes or s.memory_limit_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}"
