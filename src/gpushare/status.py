@@ -28,23 +28,6 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     state: str  # idle, waiting, holding, yielding
     weight: float
     memory_limit_bytes: int
-    # What the node guarantees and packs by in mode auto (its limit unless it asked for
-    # less); while it holds, the most it may have without asking (its bound, lent up to
-    # its limit); bursts given back and the bytes lent above its request they took back.
-    memory_request_bytes: int = 0
-    memory_bound_bytes: int = 0
-    reclaims_total: int = 0
-    reclaimed_bytes_total: int = 0
-    # discardable memory dropped now (neither on the GPU nor in host memory: made again,
-    # empty, at its grant), and all it dropped instead of swapping out
-    discarded_bytes: int = 0
-    discarded_bytes_total: int = 0
-    # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
-    sharing: str = ""
-    # its compute limit (the most of the GPU's time it may take; 0: none) and the GPU
-    # seconds it may hold now before it rests (core/caps.py)
-    compute_limit: float = 0.0
-    compute_left_s: float = 0.0
     resident_bytes: int
     swapped_bytes: int
     pending_swap_out_bytes: int
@@ -89,6 +72,23 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     gang: str = ""
     gang_rank: int = -1
     parked: bool = False
+    # What the node guarantees and packs by in mode auto (its limit unless it asked for
+    # less); while it holds, the most it may have without asking (its bound, lent up to
+    # its limit); bursts given back and the bytes lent above its request they took back.
+    memory_request_bytes: int = 0
+    memory_bound_bytes: int = 0
+    reclaims_total: int = 0
+    reclaimed_bytes_total: int = 0
+    # discardable memory dropped now (neither on the GPU nor in host memory: made again,
+    # empty, at its grant), and all it dropped instead of swapping out
+    discarded_bytes: int = 0
+    discarded_bytes_total: int = 0
+    # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
+    sharing: str = ""
+    # its compute limit (the most of the GPU's time it may take; 0: none) and the GPU
+    # seconds it may hold now before it rests (core/caps.py)
+    compute_limit: float = 0.0
+    compute_left_s: float = 0.0
 
 
 class GangStatus(msgspec.Struct, kw_only=True):
