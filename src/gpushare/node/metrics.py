@@ -60,7 +60,7 @@ _GPU_GAUGES: list[tuple[str, str, Callable[[GpuStatus], float]]] = [
     ),
     (
         "gpu_used_bytes",
-        "Memory in use now, holders counted at their bounds (limits, or what a grant lent).",
+        "Memory in use now, holders counted at their limits.",
         lambda g: g.used_bytes,
     ),
     (
