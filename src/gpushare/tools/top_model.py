@@ -59,6 +59,10 @@ class Row:
     memory_limit_bytes: int
     swap_out_total: int
     swap_in_total: int
+    # its interactive turns' figures (docs/scheduling.md 3): the JSON frame and the
+    # live view's details show them
+    turn_credit_seconds: float = 0.0
+    usual_burst_seconds: float = 0.0
 
 
 _STATE_ORDER = {"holding": 0, "yielding": 1, "waiting": 2, "idle": 3}
@@ -97,6 +101,8 @@ def rows(
                 memory_limit_bytes=s.memory_limit_bytes,
                 swap_out_total=s.swap_out_total,
                 swap_in_total=s.swap_in_total,
+                turn_credit_seconds=s.turn_credit_seconds,
+                usual_burst_seconds=s.usual_burst_seconds,
             )
             for s in g.sessions
         ]
