@@ -217,6 +217,7 @@ def test_who_gets_a_turn(clock, idle, burst, turn_s, takes):
     a.sessions[3].share.bursts.clear()
     if burst is not None:
         a.sessions[3].share.bursts.append(burst)
+    a.sessions[3].share.windowless = False  # its quantum waited for it (a window): rule 1's
     a.sessions[3].lease.idle_since = clock.monotonic()
     clock.advance(idle)
     out = a.acquire(3)

@@ -63,23 +63,39 @@ class Turns:
         sh.use_span = sh.use_span * k + USE_TAU_S * (1.0 - k)
         sh.use_at = now
 
+    def _rates(self, s: SessionState) -> tuple[float, float]:
+        """A notebook's rate (``turn_share`` of its weight share) and the fraction ``u``
+        of the time its measured use asks for, with headroom, within its share."""
+        base = self.st.settings.turn_share * self.shares.weight_share(s)
+        return base, min(self.share(s), HEADROOM * self.use(s), SHARE_MOST)
+
     def rate(self, s: SessionState) -> float:
         """Credit earned per idle second: ``turn_share`` of its weight share (a
         notebook's), or, when it uses more, what its measured use needs with headroom, up
         to its share of the GPU. Earned at ``r`` per idle second, turns take at most
-        ``r / (1 + r)`` of any stretch of time (plus one full credit): ``u / (1 - u)``
-        for a fraction ``u``."""
-        base = self.st.settings.turn_share * self.shares.weight_share(s)
-        u = min(self.share(s), HEADROOM * self.use(s), SHARE_MOST)
+        ``r / (1 + r)`` of any stretch of time (plus what it keeps): ``u / (1 - u)`` for
+        a fraction ``u``."""
+        base, u = self._rates(s)
         return max(base, u / (1.0 - u))
 
+    def serves(self, s: SessionState) -> bool:
+        """It earns for its measured use, more than a notebook's rate: a server."""
+        base, u = self._rates(s)
+        return u / (1.0 - u) > base
+
     def bank(self, s: SessionState) -> float:
-        """The most credit it keeps: ``turn_s``, or, earning for its measured use, its
-        share of a quantum (a server's requests come in bunches)."""
+        """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
+        (requests come in bunches)."""
         st = self.st.settings
-        base = st.turn_share * self.shares.weight_share(s)
-        u = min(self.share(s), HEADROOM * self.use(s), SHARE_MOST)
-        return st.turn_s if u / (1.0 - u) <= base else max(st.turn_s, u * self.shares.quantum(s))
+        if not self.serves(s):
+            return st.turn_s
+        return max(st.turn_s, self._rates(s)[1] * self.shares.quantum(s))
+
+    def overdraft(self, s: SessionState) -> float:
+        """What a server's turn may take beyond its credit, paid back while it idles:
+        half a turn (a request that finds the credit spent by the last bunch is answered,
+        not sent behind a quantum); a notebook none."""
+        return self.st.settings.turn_s / 2 if self.serves(s) else 0.0
 
     @staticmethod
     def usual_burst(s: SessionState) -> float | None:
@@ -108,7 +124,9 @@ class Turns:
         sh.bursts.append(gpu_s if waited <= cap else min(gpu_s, cap))
         self._bring_up(s, now)
         sh.use_s += now - sh.asked_at  # it wanted the GPU from its ask: waits count
-        sh.windowless = not windowed
+        # (a window opened knowing no gap of its own, its first, is the floor's: it says
+        # nothing of whether its quantum would wait for it)
+        sh.windowless = not windowed or sh.gap_ewma is None
 
     # --- the rule ----------------------------------------------------------------------
 
@@ -156,7 +174,7 @@ class Turns:
             return False
         if kept or not ahead:
             return False  # kept for a gang; nothing to go ahead of
-        if sh.credit < max(TURN_MIN_S, usual):
+        if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual):
             return False
         return self._no_one_starves(now)
 
@@ -175,9 +193,11 @@ class Turns:
         return not (h.memory.swapping_in or h.memory.room)
 
     def length(self, s: SessionState) -> float:
-        """A turn's quantum: its credit, within [TURN_MIN_S, turn_s]."""
+        """A turn's quantum: its credit (and a server's overdraft), within [TURN_MIN_S,
+        turn_s]."""
         s.totals.turns += 1
-        return min(max(s.share.credit, TURN_MIN_S), self.st.settings.turn_s)
+        have = s.share.credit + self.overdraft(s)
+        return min(max(have, TURN_MIN_S), self.st.settings.turn_s)
 
     def renew(self, s: SessionState, now: float) -> bool:
         """Its turn's time is up and others wait: it goes on for another turn while its
@@ -186,7 +206,7 @@ class Turns:
         not after the next quantum). Its credit is paid when the lease ends."""
         if not s.share.turn:
             return False
-        left = s.share.credit - max(0.0, now - s.lease.gpu_since)
+        left = s.share.credit + self.overdraft(s) - max(0.0, now - s.lease.gpu_since)
         if left < max(TURN_MIN_S, self.usual_burst(s) or 0.0) or not self._no_one_starves(now):
             return False
         s.lease.quantum_len = min(left, self.st.settings.turn_s)
@@ -205,8 +225,8 @@ class Turns:
         switch's cost, as anyone's); a quantum paused by a turn keeps what was left of it
         at the revoke. False: neither, the quantum is the shares' to settle."""
         sh = s.share
-        if sh.turn:
-            sh.credit = max(0.0, sh.credit - max(0.0, now - s.lease.gpu_since))
+        if sh.turn:  # (below 0: a server's overdraft, or a late safe point: paid back)
+            sh.credit -= max(0.0, now - s.lease.gpu_since)
             sh.turn = False
             return True
         if sh.resume_s:
@@ -220,4 +240,4 @@ class Turns:
     def over(s: SessionState) -> None:
         """Its turn ended with nobody waiting: it holds on as anyone would."""
         if s.share.turn:
-            s.share.turn, s.share.credit = False, 0.0
+            s.share.turn, s.share.credit = False, min(s.share.credit, 0.0)

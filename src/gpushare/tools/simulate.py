@@ -15,7 +15,8 @@ Workloads: ``batch`` (one long burst), ``short`` (bursts of 100 ms of work, 1 ms
 ``server`` (requests in Poisson arrivals, each of a fixed GPU time, served one after
 another; its burst ends ``idle_release`` after the last, as the client's implicit bursts
 do; memory it can drop rather than swap, ``discard``, is freed and made again without a
-copy). A server's wait is a request's, from its arrival to its answer.
+copy). A server's wait is a request's, from its arrival to its answer (those answered in
+its first burst, its start, not counted, as no first burst's wait is).
 For each TQ the study runs the mix, the same sessions as batch jobs (the ideal: one switch
 per quantum), and the mix's batch jobs alone (what the others cost them), and reports
 goodput (GPU seconds of work per second), waits and batch loss. Deterministic: the same
@@ -197,7 +198,8 @@ class _Client:
         it is, take the next, yield to a revoke, or wait idle_release for another."""
         self.req_left -= seconds
         if self.current is not None and self.req_left <= 1e-12:
-            self.fig.waits.append(self.sim.now - self.current)
+            if self.fig.bursts > 1:  # (its first burst is its start, as anyone's: no turn)
+                self.fig.waits.append(self.sim.now - self.current)
             self.fig.requests += 1
             self.current = None
         if self.revoke is not None and self.revoke.lease == self.lease:
