@@ -5,7 +5,9 @@ Real processes over the real socket: a node on a simulated GPU of 80 GiB in mode
 exclusive; an HTTP server (the standard library's ``ThreadingHTTPServer``) whose one
 engine thread answers requests, each 0.17 s of GPU work in 5 ms steps with a safe point
 after each, holding the lease while requests are queued (``with s.gpu():`` around the
-queue, as a batching engine's loop); a training job working in one long burst in steps
+queue, as a batching engine's loop, and ``--hold`` seconds after it empties, 0.5 by
+default: the node's idle release, as a server gated by ``gpushare run``'s hooks keeps it,
+its bursts implicit); a training job working in one long burst in steps
 of 50 ms. Their memory does not fit together (server 20 GiB, trainer 64 GiB on 80): each
 switch moves 4 GiB each way over the modelled link (55 GB/s). The load is Poisson
 requests (0.5, 2 and 8 a second) from this process, one thread each, the same arrivals
@@ -81,6 +83,7 @@ def attach(spec: dict[str, Any], memory: int) -> tuple[Any, Any]:
 
 def server(spec: dict[str, Any]) -> None:
     s, _ = attach(spec, SERVER_MEMORY)
+    hold = spec["hold"]
     asks: queue.Queue[threading.Event] = queue.Queue()
 
     def engine() -> None:
@@ -90,8 +93,8 @@ def server(spec: dict[str, Any]) -> None:
                 while True:  # the lease held while requests are queued
                     work(s, SERVICE_S)
                     done.set()
-                    try:
-                        done = asks.get_nowait()
+                    try:  # the lease kept `hold` s for another (an implicit burst's end)
+                        done = asks.get(timeout=hold) if hold else asks.get_nowait()
                     except queue.Empty:
                         break
 
@@ -183,7 +186,7 @@ def start(
         time.sleep(0.01)
 
 
-def run(tmp: Path, rate: float, tq: float | None, seconds: float) -> dict[str, Any]:
+def run(tmp: Path, rate: float, tq: float | None, seconds: float, hold: float) -> dict[str, Any]:
     """One server and one trainer, beside each other under a node at ``tq`` (None: bare)."""
     d = Path(tempfile.mkdtemp(dir=tmp))
     sock, admin, go = str(d / "w.sock"), str(d / "a.sock"), str(d / "go")
@@ -200,7 +203,8 @@ def run(tmp: Path, rate: float, tq: float | None, seconds: float) -> dict[str, A
         on = sock if tq is not None else ""
         port_file, train_out = str(d / "port"), str(d / "train.json")
         # the server first: its memory made in its first burst, alone
-        start(procs, "server", {"socket": on, "name": "server", "out": port_file}, port_file)
+        srv = {"socket": on, "name": "server", "out": port_file, "hold": hold}
+        start(procs, "server", srv, port_file)
         port = int(Path(port_file).read_text())
         spec = {
             "socket": on,
@@ -264,6 +268,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per run")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0])
     ap.add_argument("--tqs", type=float, nargs="+", default=None)
+    ap.add_argument(
+        "--hold",
+        type=float,
+        default=0.5,
+        help="seconds the server keeps the lease after its queue empties (default 0.5: the"
+        " node's idle_release, as `gpushare run`'s implicit bursts do; 0: `with s.gpu()`"
+        " around the queue only)",
+    )
     ap.add_argument("--json", default="", help="write the figures here too")
     a = ap.parse_args()
     seconds = a.seconds or (10.0 if a.quick else 60.0)
@@ -272,7 +284,8 @@ def main() -> None:
     print(
         f"inference beside training: server {SERVER_MEMORY // GIB} GiB, trainer"
         f" {TRAINER_MEMORY // GIB} GiB on a simulated 80 GiB GPU, mode exclusive;"
-        f" requests of {SERVICE_S} s; {seconds:g} s per run (at least 10 / rate);"
+        f" requests of {SERVICE_S} s, the lease kept {a.hold:g} s after the last;"
+        f" {seconds:g} s per run (at least 10 / rate);"
         f" load average {load0[0]:.2f}",
         flush=True,
     )
@@ -280,10 +293,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rate in a.rates:
             secs = max(seconds, 10 / rate)  # ten requests at least, on average
-            bare = run(Path(tmp), rate, None, secs)
+            bare = run(Path(tmp), rate, None, secs, a.hold)
             rows.append(bare)
             for tq in tqs:
-                r = run(Path(tmp), rate, tq, secs)
+                r = run(Path(tmp), rate, tq, secs, a.hold)
                 r["p99_over_bare"] = r["p99"] / bare["p99"]
                 r["p99_minus_bare"] = r["p99"] - bare["p99"]
                 r["train_vs_bare"] = r["train_steps_per_s"] / bare["train_steps_per_s"]
