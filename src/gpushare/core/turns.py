@@ -33,6 +33,10 @@ SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session h
 class Turns:
     def __init__(self, st: GpuState, shares: Shares) -> None:
         self.st, self.shares = st, shares
+        # servers refused a turn for want of credit, waiting in the queue: when the
+        # credit they earn as they wait covers their usual burst, and since when they
+        # earn it (they are looked at again then: a turn, not the rest of a quantum)
+        self.refused: dict[int, tuple[float, float]] = {}
 
     def first_credit(self) -> float:
         return self.st.settings.turn_s  # a notebook's first cell after it attached is a turn
@@ -175,8 +179,57 @@ class Turns:
         if kept or not ahead:
             return False  # kept for a gang; nothing to go ahead of
         if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual):
+            self._refuse(s, now, usual)
             return False
         return self._no_one_starves(now)
+
+    def _refuse(self, s: SessionState, now: float, usual: float) -> None:
+        """A server short of credit waits, earning its fraction ``u`` of each second it
+        waits (as a rate per second held or waited, not idle: its turns stay within
+        ``u`` of the time); when that covers its usual burst it is looked at again."""
+        u = self._rates(s)[1]
+        if not self.serves(s) or u <= 0:
+            return
+        need = max(TURN_MIN_S, usual) - self.overdraft(s) - s.share.credit
+        # (at least a millisecond on: rounding must not look again at the same instant)
+        self.refused[s.id] = (now + max(1e-3, need / u), now)
+
+    def deadlines(self) -> list[float]:
+        """When a refused server's credit will cover its usual burst."""
+        st = self.st.sessions
+        return [
+            t
+            for sid, (t, _) in self.refused.items()
+            if sid in st and st[sid].state is State.WAITING and not st[sid].share.turn
+        ]
+
+    def reconsider(self, now: float) -> None:
+        """Refused servers whose credit, earned as they waited, now covers their usual
+        burst: a turn, first in line, if the GPU is held and nobody has waited a round."""
+        if not self.refused:
+            return
+        st = self.st
+        for sid, (t, since) in list(self.refused.items()):
+            s = st.sessions.get(sid)
+            if s is None or s.state is not State.WAITING or s.share.turn:
+                del self.refused[sid]
+                continue
+            if t > now:
+                continue
+            del self.refused[sid]
+            sh = s.share
+            sh.credit = min(self.bank(s), sh.credit + self._rates(s)[1] * (now - since))
+            usual = self.usual_burst(s) or 0.0
+            if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
+                self._refuse(s, now, usual)
+            elif st.holders and not s.rank.gang and self._no_one_starves(now):
+                sh.turn = True
+                st.queue.remove(sid)
+                i = next(
+                    (i for i, q in enumerate(st.queue) if not st.sessions[q].share.turn),
+                    len(st.queue),
+                )
+                st.queue.insert(i, sid)
 
     def due(self) -> bool:
         """A turn is first in line."""
@@ -201,13 +254,13 @@ class Turns:
 
     def renew(self, s: SessionState, now: float) -> bool:
         """Its turn's time is up and others wait: it goes on for another turn while its
-        credit (less what this turn has used) covers one, and nobody waiting has waited
-        a whole round (a server's requests that came during the turn are answered in it,
+        credit (less what this turn has used) lasts, and nobody waiting has waited a whole
+        round (a server's requests that came during the turn are answered in it,
         not after the next quantum). Its credit is paid when the lease ends."""
         if not s.share.turn:
             return False
         left = s.share.credit + self.overdraft(s) - max(0.0, now - s.lease.gpu_since)
-        if left < max(TURN_MIN_S, self.usual_burst(s) or 0.0) or not self._no_one_starves(now):
+        if left < TURN_MIN_S or not self._no_one_starves(now):
             return False
         s.lease.quantum_len = min(left, self.st.settings.turn_s)
         s.lease.quantum_end = now + s.lease.quantum_len
