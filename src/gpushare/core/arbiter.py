@@ -604,6 +604,7 @@ class Arbiter:
         if w is not None:
             times.append(w)
         times += self.gangs.deadlines()
+        times += self.turns.deadlines()
         return times
 
     def verify(self) -> None:
@@ -638,6 +639,7 @@ class Arbiter:
         if st.deadlines.asked or self.claims.told:
             self.escalation.overdue_swap_outs(now)
             self.claims.overdue(now)
+        self.turns.reconsider(now)  # refused servers whose credit now covers a turn
         self.window.expire(now)
         if self.window.holder is not None and self.turns.due():
             self.window.pause(now)
