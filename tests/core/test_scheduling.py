@@ -384,6 +384,33 @@ def test_a_backlog_or_a_slow_request_does_not_lift_the_usual_burst(clock):
     request(0.2)
 
 
+def test_a_server_short_of_credit_takes_its_turn_once_its_wait_has_earned_it(clock):
+    """A bunch of requests spent its credit and overdraft: its next request waits, but
+    for what its credit needs (earned at its fraction u of each second waited), not for
+    the batch job's quantum (30 s)."""
+    a = arb(clock, tq_s=30, turn_s=1.0, turn_share=0.25)
+    a.attach(1, name="batch", memory_limit=GiB)
+    a.attach(2, name="server", memory_limit=GiB)
+    had_a_burst(a, clock, 2)
+    a.acquire(1)
+    sh = a.sessions[2].share
+    sh.use_s, sh.use_span, sh.use_at = 30.0, 60.0, clock.monotonic()  # half the time: u 0.5
+    sh.bursts.extend([0.5] * 4)
+    sh.credit = -0.6  # the overdraft (0.5) spent too
+    sh.windowless, sh.gap_ewma = True, 1.0
+    a.sessions[2].lease.idle_since = clock.monotonic()
+    clock.advance(0.05)
+    out = a.acquire(2)
+    assert not actions_of(out, RevokeAction) and not sh.turn  # short: it waits
+    due = a.next_deadline()
+    assert due is not None and due - clock.monotonic() < 3.0  # 0.55 s of credit at 0.5/s
+    clock.set(due)
+    out = a.tick()
+    (r,) = actions_of(out, RevokeAction)
+    assert r.session == 1 and events_of(out, "revoke")[0]["reason"] == "turn"
+    assert sh.turn and a.queue[0] == 2
+
+
 def test_a_session_that_joins_the_holders_is_not_given_a_turn(clock):
     """Mode auto with memory that fits: the server joins the holders (issue 28: 9 such
     grants were marked turn: true)."""
