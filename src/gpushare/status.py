@@ -89,6 +89,15 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     # seconds it may hold now before it rests (core/caps.py)
     compute_limit: float = 0.0
     compute_left_s: float = 0.0
+    # its interactive turns (docs/scheduling.md 3): taken, its credit (GPU seconds), what
+    # it earns per idle second, its usual burst (the lower median of its recent bursts'
+    # GPU seconds; 0: none yet) and its measured use (the fraction of the last minute or
+    # so it wanted the GPU), the last two as of its last ask or burst's end
+    turns_total: int = 0
+    turn_credit_seconds: float = 0.0
+    turn_credit_rate: float = 0.0
+    usual_burst_seconds: float = 0.0
+    measured_use_ratio: float = 0.0
 
 
 class GangStatus(msgspec.Struct, kw_only=True):

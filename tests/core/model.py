@@ -15,6 +15,14 @@ work in steps of ``step_s``, each ending in a collective that waits for every ra
 job; a rank has a safe point after each collective, where it yields to a revoke. They
 tell the arbiter their job (as a gang) unless ``send_gang`` is off, as a client that
 does not know it is a rank.
+
+Clients of kind ``server`` answer requests: ``arrivals`` gives each request's gap after
+the one before and its GPU time. A request that finds it idle asks for the lease; while
+it holds, requests are served one after another, and ``tail_s`` after the last (the
+client's idle release) the burst ends. A revoke is answered between decoding steps
+(after its delay): the request in progress keeps what is left of it for the next grant.
+``latencies`` holds each request's arrival and the time from it to its answer, ``waits``
+to the start of its service.
 """
 
 from __future__ import annotations
@@ -93,6 +101,15 @@ class Client:
     steps: int = 0  # collectives completed
     revoked_lease: int = 0  # the revoke seen (acted on at the next safe point)
     frozen: bool = False
+    # servers
+    arrivals: Iterator[tuple[float, float]] | None = None
+    tail_s: float = 0.5
+    # [arrival, GPU s left, begun (1.0) or not]
+    pending: deque[list[float]] = field(default_factory=deque)
+    serving: tuple[float, float, float] | None = None  # arrival, started, GPU s left then
+    gen: int = 0  # the server's scheduled step; a newer one cancels it
+    latencies: list[tuple[float, float]] = field(default_factory=list)
+    request_waits: list[tuple[float, float]] = field(default_factory=list)
 
 
 def drive(
@@ -230,8 +247,66 @@ class Model:
                 gang=c.job if c.job and c.send_gang else "",
             )
         )
-        self.at(start, lambda: self._want(c))
+        if c.kind == "server":
+            assert c.fills and c.arrivals is not None, "a model server fills and has arrivals"
+            first = next(c.arrivals)
+            self.at(start + first[0], lambda: self._arrive(c, first[1]))
+        else:
+            self.at(start, lambda: self._want(c))
         return c
+
+    # --- servers --------------------------------------------------------------------
+    def _arrive(self, c: Client, service: float) -> None:
+        if c.sid not in self.clients:
+            return
+        c.pending.append([self.clock.monotonic(), service, 0.0])
+        assert c.arrivals is not None
+        nxt = next(c.arrivals, None)
+        if nxt is not None:
+            self.at(nxt[0], lambda: self._arrive(c, nxt[1]))
+        if not c.wants:
+            self._want(c)
+        elif c.holding and not c.swapping_in and c.serving is None:
+            self._serve(c)  # in its idle release: served at once
+
+    def _serve(self, c: Client) -> None:
+        if c.sid not in self.clients or not c.holding or c.swapping_in or c.serving:
+            return
+        now = self.clock.monotonic()
+        c.gen += 1
+        gen = c.gen
+        if c.pending:
+            arrival, left, started = c.pending.popleft()
+            if not started:
+                c.request_waits.append((arrival, now - arrival))
+            c.serving = (arrival, now, left)
+            self.at(left, lambda: self._served(c, gen))
+        else:
+            self.at(c.tail_s, lambda: self._tail_end(c, gen))
+
+    def _served(self, c: Client, gen: int) -> None:
+        if c.sid not in self.clients or gen != c.gen or c.serving is None:
+            return
+        arrival = c.serving[0]
+        c.latencies.append((arrival, self.clock.monotonic() - arrival))
+        c.serving = None
+        self._serve(c)
+
+    def _tail_end(self, c: Client, gen: int) -> None:
+        if c.sid not in self.clients or gen != c.gen or not c.holding or c.serving:
+            return
+        self._stop_work(c)
+        c.holding = c.wants = False
+        self.apply(self.arb.release(c.sid, resident=c.on_gpu, swapped=c.in_host))
+
+    def _server_pause(self, c: Client) -> None:
+        """A revoke reached a safe point: the request in progress keeps what is left."""
+        c.gen += 1
+        if c.serving is not None:
+            arrival, started, left = c.serving
+            done = self.clock.monotonic() - started
+            c.pending.appendleft([arrival, max(0.0, left - done), 1.0])
+            c.serving = None
 
     def _want(self, c: Client) -> None:
         if c.sid not in self.clients:
@@ -284,6 +359,8 @@ class Model:
                     self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
                 if c.kind == "ddp":
                     self._ddp_go(c)
+                elif c.kind == "server":
+                    self._serve(c)
 
             if not c.fills:  # all at once: the bytes land as the copy starts
                 c.on_gpu += back
@@ -332,7 +409,9 @@ class Model:
         self._stop_work(c)
         c.holding = False
         c.want_since = self.clock.monotonic()
-        again = c.kind == "batch"
+        if c.kind == "server":
+            self._server_pause(c)
+        again = c.kind == "batch" or (c.kind == "server" and bool(c.pending))
         if not again:
             c.wants = False
         if c.fills:  # release first, then swap out chunk by chunk
@@ -342,7 +421,7 @@ class Model:
                 )
             )
             self._swap_out(c, moved)
-            if not again:
+            if not again and c.kind != "server":  # (a server asks at its next request)
                 self.at(c.think_s, lambda: self._want(c))
             return
 

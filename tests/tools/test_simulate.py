@@ -54,6 +54,34 @@ def test_the_wait_for_ones_turn_shows_at_a_long_tq(capsys):
     assert run_s >= 4 * 30 * 3
 
 
+def test_a_server_beside_a_batch_job_is_answered_by_turns_and_its_cache_is_dropped(capsys):
+    # issue 28: a server on an oversubscribed GPU (60 GiB on 50), requests at 0.5/s
+    server = "server:20GiB,rate=0.5,service=0.17"
+    args = ["--workload", "batch:40GiB", "--gpu-memory", "50GiB", "--tq", "30", "--seconds", "300"]
+    copied = rows(capsys, *args, "--workload", server)[30.0]
+    dropped = rows(capsys, *args, "--workload", server + ",discard=16GiB")[30.0]
+    # TQ goodput ideal /ideal loss p50 / p99 / max switches GiB run-s MiB/request (dropped)
+    for got in (copied, dropped):  # a turn, not the batch job's quantum (30 s), each time
+        assert float(got[5]) < 1.0 and float(got[9]) < 1.0, got  # p50, max (its start aside)
+    assert float(copied[13]) > 1000 and copied[14] == "(0)", copied  # 10 GiB out per switch
+    assert dropped[13] == "0" and float(dropped[14].strip("()")) > 1000, dropped
+    assert float(dropped[11]) < float(copied[11])  # less swapped per minute
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--workload", "server:20GiB,rate=0"], "rate must be a positive number"),
+        (["--workload", "batch:20GiB,rate=2"], "only a server takes options"),
+        (["--workload", "server:2GiB,discard=4GiB"], "discard is more than its memory"),
+    ],
+)
+def test_a_server_workload_that_cannot_be_is_one_line(capsys, args, said):
+    assert main(["simulate", "--no-plot", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

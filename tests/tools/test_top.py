@@ -296,3 +296,41 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
     a.release(1, resident=0, swapped=0, again=True)  # r0 yields first: parked
     st = node.status()
     assert "holder: job7 [r1]   queue: solo, job7 [(r0)]" in render(st, {}, 80)[3]
+
+
+def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
+    """Issue 28: an operator could not see why a server took no turns. Its credit, usual
+    burst and measured use are in its status row, top's JSON frame and the exporter."""
+    from gpushare.node.metrics import Exposition
+    from gpushare.tools.top import frame_json
+
+    clock = ManualClock()
+    node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
+    a = node.arbiters[0]
+    a.set_config({"mode": "exclusive", "tq_s": 30, "turn_s": 1.0})
+    a.attach(1, name="batch", memory_limit=30 * G)
+    a.attach(2, name="server", memory_limit=10 * G)
+    a.acquire(2)  # its first burst, alone: 0.2 s
+    clock.advance(0.2)
+    a.release(2, resident=G, swapped=0)
+    clock.advance(1.0)
+    a.tick()  # its window passed
+    a.acquire(1)
+    clock.advance(3.0)
+    a.acquire(2)  # a request: a turn ahead of the batch job
+    a.release(1, resident=G, swapped=0, again=True)
+    clock.advance(0.3)
+    a.release(2, resident=G, swapped=0)
+    (row,) = [s for s in node.status().gpus[0].sessions if s.name == "server"]
+    assert row.turns_total == 1 and row.usual_burst_seconds == pytest.approx(0.2)
+    assert row.turn_credit_seconds == pytest.approx(a.sessions[2].share.credit)
+    assert row.turn_credit_seconds > 0
+    assert 0 < row.measured_use_ratio < 1 and row.turn_credit_rate > 0
+    st = node.status()
+    shown = {s["name"]: s for s in frame_json(st, {})["gpus"][0]["sessions"]}
+    assert shown["server"]["usual_burst_seconds"] == pytest.approx(0.2)
+    text = Exposition().render(st).decode()
+    lines = text.splitlines()
+    (line,) = [x for x in lines if x.startswith("gpushare_turn_credit_seconds{") and 'n="2"' in x]
+    assert float(line.split()[-1]) == pytest.approx(row.turn_credit_seconds)
+    assert any(x.startswith("gpushare_turns_total{") and 'n="2"' in x for x in lines)

@@ -366,17 +366,21 @@ class Arbiter:
         if s.totals.bursts > 1:  # a gap between two bursts (not attach to the first)
             sh.gap_last = min(idle, 2 * self.settings.anticipate_s)
             sh.gap_ewma = sh.gap_last if sh.gap_ewma is None else _ewma(sh.gap_ewma, sh.gap_last)
+        self.turns.asked(s, now, idle)
         self.window.expire(now)  # a window that passed while nobody waited
         if sh.window:  # back within its window: the rest of its quantum, at once
             self.window.close(s)
             sh.continued = True
             self.leases.enqueue(s, front=True)
             return self._decide()
-        self.turns.accrue(s, idle)
         if sh.resume_s and now < sh.front_until:  # its quantum was paused by a turn
             self.leases.enqueue(s, front=True)
         elif self.turns.may_take(
-            s, idle, now, ahead=self._someone_to_go_ahead_of(s), kept=self.gangs.claimed()
+            s,
+            idle,
+            now,
+            ahead=self._someone_to_go_ahead_of(s) and not self.turns.joins(s, self.window.holder),
+            kept=self.gangs.claimed(),
         ):
             sh.turn = True
             self.leases.enqueue(s, front=True)
@@ -394,11 +398,17 @@ class Arbiter:
     def _someone_to_go_ahead_of(self, s: SessionState) -> bool:
         """The GPU is held (or its quantum waits for its holder); or it is between holders
         and ``s`` went idle before the queue's head began to wait (a cell back after a
-        while, not the holder that just left, whose memory the head may be waiting for)."""
+        while, not the holder that just left, whose memory the head may be waiting for),
+        or the head is a quantum a turn paused."""
         if self.admission.taken():
             return True
         q = self.st.queue
-        return bool(q) and s.lease.idle_since < self.st.sessions[q[0]].lease.wait_start
+        if not q:
+            return False
+        head = self.st.sessions[q[0]]
+        # (a head coming back to a quantum a turn paused: a server's next request goes
+        # first too, while the head's memory comes back)
+        return s.lease.idle_since < head.lease.wait_start or head.share.resume_s > 0
 
     def release(
         self,
@@ -658,14 +668,11 @@ class Arbiter:
             m.need = 0
             s.share.resume_s = 0.0
             Shares.went_idle(s)
-            sh = s.share
-            sh.burst_ewma = (
-                sh.burst_lease if sh.burst_ewma is None else _ewma(sh.burst_ewma, sh.burst_lease)
-            )
-            sh.burst_lease = 0.0
             st.ledger.recount(s)
             if not revoked and not turn:
                 window = self.window.length(s, now)
+            self.turns.burst_ended(s, now, s.share.burst_lease, windowed=window > 0)
+            s.share.burst_lease = 0.0
         fields: dict[str, Any] = {"anticipate_s": window} if window else {}
         st.out.emit(Release(session=s.id, lease=lease, seconds=held, reason=reason, **fields))
         if window:
@@ -706,6 +713,7 @@ class Arbiter:
             times.append(w)
         times += self.gangs.deadlines()
         times += self.caps.deadlines()
+        times += self.turns.deadlines()
         return times
 
     def verify(self) -> None:
@@ -740,6 +748,7 @@ class Arbiter:
         if st.deadlines.asked or self.claims.told:
             self.escalation.overdue_swap_outs(now)
             self.claims.overdue(now)
+        self.turns.reconsider(now)  # refused servers whose credit now covers a turn
         self.window.expire(now)
         if self.window.holder is not None and self.turns.due():
             self.window.pause(now)
@@ -766,7 +775,8 @@ class Arbiter:
             s = st.sessions[sid]
             if s.state is State.HOLDING and s.lease.quantum_end <= now:
                 if self.gangs.others_wait(s) and not self.caps.all_resting(now):
-                    self.leases.revoke(s, now)
+                    if not self.turns.renew(s, now):  # (a turn goes on while its credit does)
+                        self.leases.revoke(s, now)
                 elif caps.dry(s, now):  # its compute limit: it rests, the GPU idle or not
                     self.leases.revoke(s, now, reason="compute_limit")
                 else:  # nobody waits: a new quantum, no needless switch

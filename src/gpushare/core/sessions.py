@@ -116,8 +116,16 @@ class Share:
     credit: float = 0.0  # turn credit, seconds of GPU time
     gap_ewma: float | None = None  # seconds from a burst's end to the next ask
     gap_last: float = 0.0
-    burst_ewma: float | None = None  # GPU seconds per burst
+    # GPU seconds of its recent bursts, a burst that waited (held a backlog) counted at
+    # most at the turn cap; their lower median is its usual burst (core/turns.py)
+    bursts: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     burst_lease: float = 0.0  # GPU seconds of the burst in progress
+    asked_at: float = 0.0  # when the burst in progress asked
+    held_mark: float = 0.0  # its lease seconds then (what the burst held is the rest)
+    use_s: float = 0.0  # GPU seconds used, decayed (its measured use: use_s / use_span)
+    use_span: float = 0.0  # seconds, decayed alike
+    use_at: float = 0.0  # when both were last brought up to date
+    windowless: bool = False  # its last burst ended with no quantum waiting for it
     # GPU seconds it owes (held past earlier quanta), taken off later ones; negative: owed
     # to it (others held past theirs while it waited), added to later ones (4)
     debt: float = 0.0

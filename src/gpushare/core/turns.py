@@ -1,60 +1,235 @@
-"""Interactive turns (docs/scheduling.md 3): a notebook cell goes ahead of the quanta.
+"""Interactive turns (docs/scheduling.md 3): a notebook cell, or a server's request, goes
+ahead of the quanta.
 
-A session that asks after idling (longer than half of ``anticipate_s``) and whose usual
-burst is short is given a *turn*: it goes to the front of the queue, and holders that
-cannot share with it are revoked at once, each keeping what was left of its quantum
-(*resumed* after the turn). A turn is paid from the session's *credit*, which accrues
-while it idles at ``turn_share`` of its weight share, up to ``turn_s``: a session cannot
-take more than its share this way. Turns never starve a queue: none is taken while
+A session that asks after idling (longer than half of ``anticipate_s``; any gap, when
+nothing waited for it and its usual gap is not a loop's: a server) and whose usual burst
+is short is given a *turn*: it goes to the front of the queue, and holders that cannot
+share with it are revoked at once, each keeping what was left of its quantum (*resumed*
+after the turn). A turn is paid from the session's *credit*, which accrues while it idles
+at ``turn_share`` of its weight share, or at what its measured use needs (with headroom)
+up to its weight's share of the GPU, and is kept up to ``turn_s``: a session cannot take
+more than its share this way. Its usual burst is the lower median of its recent bursts,
+a burst that waited (and so drained a backlog) counted at most at ``turn_s``: one backlog
+or one slow request does not lock it out. Turns never starve a queue: none is taken while
 someone has waited a whole round.
 """
 
 from __future__ import annotations
 
+import math
+
 from gpushare.core.sessions import SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
+from gpushare.core.window import ANTICIPATE_FLOOR_S
 
 TURN_MIN_S = 0.02  # a turn shorter than this is not worth its two switches
 RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
+USE_TAU_S = 60.0  # its measured use is a decayed average over about this long
+HEADROOM = 1.5  # credit earned for this much of its measured use (within its share)
+SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session has 1)
 
 
 class Turns:
     def __init__(self, st: GpuState, shares: Shares) -> None:
         self.st, self.shares = st, shares
+        # servers refused a turn for want of credit, waiting in the queue: when the
+        # credit they earn as they wait covers their usual burst, and since when they
+        # earn it (they are looked at again then: a turn, not the rest of a quantum)
+        self.refused: dict[int, tuple[float, float]] = {}
 
     def first_credit(self) -> float:
         return self.st.settings.turn_s  # a notebook's first cell after it attached is a turn
 
-    def accrue(self, s: SessionState, idle: float) -> None:
-        """Credit for ``idle`` seconds away, at its share of ``turn_share``."""
-        rate = self.st.settings.turn_share * self.shares.weight_share(s)
-        s.share.credit = min(self.st.settings.turn_s, s.share.credit + rate * idle)
+    # --- what it is owed, and what it uses -------------------------------------------
+
+    def share(self, s: SessionState) -> float:
+        """Its weight's share of the GPU among the sessions attached."""
+        st = self.st
+        if st.settings.policy != "weighted":
+            return 1.0 / max(1, len(st.sessions))
+        # (the ledger's running count of weights: O(distinct weights), not O(sessions))
+        total = sum(w * n for w, n in st.ledger._weights.items())
+        return s.weight / total if total > 0 else 1.0
+
+    @staticmethod
+    def use(s: SessionState) -> float:
+        """Its measured use: the fraction of the last minute or so it held the GPU."""
+        sh = s.share
+        return min(1.0, sh.use_s / sh.use_span) if sh.use_span > 0 else 0.0
+
+    @staticmethod
+    def _bring_up(s: SessionState, now: float) -> None:
+        sh = s.share
+        dt = max(0.0, now - (sh.use_at or s.attached))
+        k = math.exp(-dt / USE_TAU_S)
+        sh.use_s *= k
+        sh.use_span = sh.use_span * k + USE_TAU_S * (1.0 - k)
+        sh.use_at = now
+
+    def _rates(self, s: SessionState) -> tuple[float, float]:
+        """A notebook's rate (``turn_share`` of its weight share) and the fraction ``u``
+        of the time its measured use asks for, with headroom, within its share."""
+        base = self.st.settings.turn_share * self.shares.weight_share(s)
+        return base, min(self.share(s), HEADROOM * self.use(s), SHARE_MOST)
+
+    def rate(self, s: SessionState) -> float:
+        """Credit earned per idle second: ``turn_share`` of its weight share (a
+        notebook's), or, when it uses more, what its measured use needs with headroom, up
+        to its share of the GPU. Earned at ``r`` per idle second, turns take at most
+        ``r / (1 + r)`` of any stretch of time (plus what it keeps): ``u / (1 - u)`` for
+        a fraction ``u``."""
+        base, u = self._rates(s)
+        return max(base, u / (1.0 - u))
+
+    def serves(self, s: SessionState) -> bool:
+        """It earns for its measured use, more than a notebook's rate: a server."""
+        base, u = self._rates(s)
+        return u / (1.0 - u) > base
+
+    def bank(self, s: SessionState) -> float:
+        """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
+        (requests come in bunches)."""
+        st = self.st.settings
+        if not self.serves(s):
+            return st.turn_s
+        return max(st.turn_s, self._rates(s)[1] * self.shares.quantum(s))
+
+    def overdraft(self, s: SessionState) -> float:
+        """What a server's turn may take beyond its credit, paid back while it idles:
+        half a turn (a request that finds the credit spent by the last bunch is answered,
+        not sent behind a quantum); a notebook none."""
+        return self.st.settings.turn_s / 2 if self.serves(s) else 0.0
+
+    @staticmethod
+    def usual_burst(s: SessionState) -> float | None:
+        """The lower median of its recent bursts (None: none yet)."""
+        b = sorted(s.share.bursts)
+        return b[(len(b) - 1) // 2] if b else None
+
+    # --- a burst's ask and end ---------------------------------------------------------
+
+    def asked(self, s: SessionState, now: float, idle: float) -> None:
+        """A burst begins after ``idle`` seconds: credit for them at its rate, kept up to
+        ``turn_s``; the burst's wait is measured from now."""
+        sh = s.share
+        self._bring_up(s, now)
+        sh.credit = min(self.bank(s), sh.credit + self.rate(s) * idle)
+        sh.asked_at, sh.held_mark = now, s.totals.lease_s
+
+    def burst_ended(self, s: SessionState, now: float, gpu_s: float, *, windowed: bool) -> None:
+        """A burst ended after ``gpu_s`` seconds of GPU time. One that waited longer than
+        a turn for its lease drained a backlog: it says nothing of how long a request of
+        its own takes, so it counts at most at ``turn_s`` (never more than a full credit
+        covers: no lock-out). ``windowed``: its quantum waits for it to ask again."""
+        sh = s.share
+        cap = self.st.settings.turn_s
+        waited = (now - sh.asked_at) - (s.totals.lease_s - sh.held_mark)
+        sh.bursts.append(gpu_s if waited <= cap else min(gpu_s, cap))
+        self._bring_up(s, now)
+        sh.use_s += now - sh.asked_at  # it wanted the GPU from its ask: waits count
+        # (a window opened knowing no gap of its own, its first, is the floor's: it says
+        # nothing of whether its quantum would wait for it)
+        sh.windowless = not windowed or sh.gap_ewma is None
+
+    # --- the rule ----------------------------------------------------------------------
+
+    def rarely(self, s: SessionState, idle: float) -> bool:
+        """It asks after an idle gap: longer than half of ``anticipate_s`` (its quantum
+        would not have waited so long for it), or any, when nothing waited for it (its
+        last burst was a turn, or ended with no window) and its usual gap is longer than
+        the shortest window (requests, not a loop's steps)."""
+        half = self.st.settings.anticipate_s / 2
+        if idle > half:
+            return True
+        g = s.share.gap_ewma
+        return s.share.windowless and g is not None and g > ANTICIPATE_FLOOR_S
+
+    def joins(self, s: SessionState, window: int | None) -> bool:
+        """Mode auto, nobody waiting, and its limit fits beside the holders' (and a
+        waiting quantum's): it joins them, which is no turn."""
+        st = self.st
+        if st.settings.mode == "exclusive" or st.queue:
+            return False
+        ids = [*st.holders, *(() if window is None else (window,))]
+        total = s.memory.limit + sum(st.sessions[i].memory.limit for i in ids)
+        return total <= st.capacity
 
     def may_take(
         self, s: SessionState, idle: float, now: float, *, ahead: bool, kept: bool
     ) -> bool:
-        """An interactive turn: the session asked (not for the first time) after idling
-        longer than half of ``anticipate_s`` (away long enough that its quantum would not
-        wait for it: no session falls between the two rules and waits two quanta), its
-        credit covers its usual burst, there is someone to go ``ahead`` of (the GPU is
-        held, or its quantum waits for its holder, or others wait for it and it went idle
-        before they began to: a cell that asks while the GPU is between holders, the next
-        still swapping in, goes first too, not behind that holder's whole quantum), and no
-        one waiting has waited a whole round yet (the queue's length in quanta). ``kept``:
+        """An interactive turn: the session asked (not for the first time) after an idle
+        gap (:meth:`rarely`: away long enough that its quantum would not wait for it, so
+        that no session falls between the two rules and waits two quanta), its credit
+        covers its usual burst, there is someone to go ``ahead`` of (the GPU is held, or
+        its quantum waits for its holder, or others wait for it and it went idle before
+        they began to: a cell that asks while the GPU is between holders, the next still
+        swapping in, goes first too, not behind that holder's whole quantum), and no one
+        waiting has waited a whole round yet (the queue's length in quanta). ``kept``:
         the GPU is kept for a gang on several GPUs (core/coordinator.py), its ranks only."""
         st = self.st.settings
         sh = s.share
-        if st.turn_s <= 0 or idle <= st.anticipate_s / 2 or s.esc.frozen or sh.burst_ewma is None:
+        usual = self.usual_burst(s)
+        if st.turn_s <= 0 or s.esc.frozen or usual is None:
             return False  # (no burst of its own yet: nothing says it asks briefly)
+        if not self.rarely(s, idle):
+            return False
         if s.rank.gang:  # a rank's turn alone would wait in its collectives for the others
             return False
         if kept or not ahead:
             return False  # kept for a gang; nothing to go ahead of
-        if sh.credit < max(TURN_MIN_S, sh.burst_ewma or 0.0):
+        if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual):
+            self._refuse(s, now, usual)
             return False
-        guard = st.tq_s * (len(self.st.holders) + len(self.st.queue) + 1)
-        return all(now - self.st.sessions[q].lease.wait_start < guard for q in self.st.queue)
+        return self._no_one_starves(now)
+
+    def _refuse(self, s: SessionState, now: float, usual: float) -> None:
+        """A server short of credit waits, earning its fraction ``u`` of each second it
+        waits (as a rate per second held or waited, not idle: its turns stay within
+        ``u`` of the time); when that covers its usual burst it is looked at again."""
+        u = self._rates(s)[1]
+        if not self.serves(s) or u <= 0:
+            return
+        need = max(TURN_MIN_S, usual) - self.overdraft(s) - s.share.credit
+        # (at least a millisecond on: rounding must not look again at the same instant)
+        self.refused[s.id] = (now + max(1e-3, need / u), now)
+
+    def deadlines(self) -> list[float]:
+        """When a refused server's credit will cover its usual burst."""
+        st = self.st.sessions
+        return [
+            t
+            for sid, (t, _) in self.refused.items()
+            if sid in st and st[sid].state is State.WAITING and not st[sid].share.turn
+        ]
+
+    def reconsider(self, now: float) -> None:
+        """Refused servers whose credit, earned as they waited, now covers their usual
+        burst: a turn, first in line, if the GPU is held and nobody has waited a round."""
+        if not self.refused:
+            return
+        st = self.st
+        for sid, (t, since) in list(self.refused.items()):
+            s = st.sessions.get(sid)
+            if s is None or s.state is not State.WAITING or s.share.turn:
+                del self.refused[sid]
+                continue
+            if t > now:
+                continue
+            del self.refused[sid]
+            sh = s.share
+            sh.credit = min(self.bank(s), sh.credit + self._rates(s)[1] * (now - since))
+            usual = self.usual_burst(s) or 0.0
+            if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
+                self._refuse(s, now, usual)
+            elif st.holders and not s.rank.gang and self._no_one_starves(now):
+                sh.turn = True
+                st.queue.remove(sid)
+                i = next(
+                    (i for i, q in enumerate(st.queue) if not st.sessions[q].share.turn),
+                    len(st.queue),
+                )
+                st.queue.insert(i, sid)
 
     def due(self) -> bool:
         """A turn is first in line."""
@@ -71,9 +246,31 @@ class Turns:
         return not (h.memory.swapping_in or h.memory.room)
 
     def length(self, s: SessionState) -> float:
-        """A turn's quantum: its credit, within [TURN_MIN_S, turn_s]."""
+        """A turn's quantum: its credit (and a server's overdraft), within [TURN_MIN_S,
+        turn_s]."""
         s.totals.turns += 1
-        return min(max(s.share.credit, TURN_MIN_S), self.st.settings.turn_s)
+        have = s.share.credit + self.overdraft(s)
+        return min(max(have, TURN_MIN_S), self.st.settings.turn_s)
+
+    def renew(self, s: SessionState, now: float) -> bool:
+        """Its turn's time is up and others wait: it goes on for another turn while its
+        credit (less what this turn has used) lasts, and nobody waiting has waited a whole
+        round (a server's requests that came during the turn are answered in it,
+        not after the next quantum). Its credit is paid when the lease ends."""
+        if not s.share.turn:
+            return False
+        left = s.share.credit + self.overdraft(s) - max(0.0, now - s.lease.gpu_since)
+        if left < TURN_MIN_S or not self._no_one_starves(now):
+            return False
+        s.lease.quantum_len = min(left, self.st.settings.turn_s)
+        s.lease.quantum_end = now + s.lease.quantum_len
+        return True
+
+    def _no_one_starves(self, now: float) -> bool:
+        """No one waiting has waited a whole round (TQ x those holding and waiting, + 1)."""
+        st = self.st
+        guard = st.settings.tq_s * (len(st.holders) + len(st.queue) + 1)
+        return all(now - st.sessions[q].lease.wait_start < guard for q in st.queue)
 
     @staticmethod
     def settle(s: SessionState, now: float) -> bool:
@@ -81,8 +278,8 @@ class Turns:
         switch's cost, as anyone's); a quantum paused by a turn keeps what was left of it
         at the revoke. False: neither, the quantum is the shares' to settle."""
         sh = s.share
-        if sh.turn:
-            sh.credit = max(0.0, sh.credit - max(0.0, now - s.lease.gpu_since))
+        if sh.turn:  # (below 0: a server's overdraft, or a late safe point: paid back)
+            sh.credit -= max(0.0, now - s.lease.gpu_since)
             sh.turn = False
             return True
         if sh.resume_s:
@@ -96,4 +293,4 @@ class Turns:
     def over(s: SessionState) -> None:
         """Its turn ended with nobody waiting: it holds on as anyone would."""
         if s.share.turn:
-            s.share.turn, s.share.credit = False, 0.0
+            s.share.turn, s.share.credit = False, min(s.share.credit, 0.0)

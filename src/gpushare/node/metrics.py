@@ -88,6 +88,7 @@ _SESSION_COUNTERS: list[tuple[str, str, str]] = [
     ("revokes", "revokes_total", "Leases revoked from this session at a quantum's end."),
     ("escalations", "escalations_total", "Escalations applied to this session."),
     ("bursts", "bursts_total", "Bursts (requests for the GPU) this session made."),
+    ("turns", "turns_total", "Interactive turns granted to this session."),
     (
         "reclaims",
         "reclaims_total",
@@ -119,6 +120,17 @@ _SESSION_GAUGES: list[tuple[str, str, str]] = [
         "This session's GPU memory request (what the node guarantees and packs by).",
     ),
     ("weight", "weight", "This session's weight under policy weighted."),
+    ("turn_credit_seconds", "turn_credit_seconds", "This session's turn credit, GPU seconds."),
+    (
+        "usual_burst_seconds",
+        "usual_burst_seconds",
+        "The lower median of this session's recent bursts, GPU seconds (0: none yet).",
+    ),
+    (
+        "measured_use_ratio",
+        "measured_use_ratio",
+        "The fraction of the last minute or so this session wanted the GPU.",
+    ),
 ]
 # (metric, help, the fields out and in) for per-session counters by direction
 _SESSION_SWAPS: list[tuple[str, str, str, str]] = [

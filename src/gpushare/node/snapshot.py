@@ -125,6 +125,11 @@ def session(
         gang=s.rank.gang,
         gang_rank=c.rank if c and s.rank.gang else -1,
         parked=s.rank.parked,
+        turns_total=s.totals.turns,
+        turn_credit_seconds=s.share.credit,
+        turn_credit_rate=a.turns.rate(s),
+        usual_burst_seconds=a.turns.usual_burst(s) or 0.0,
+        measured_use_ratio=a.turns.use(s),
     )
 
 

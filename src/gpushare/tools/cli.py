@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         action="append",
         metavar="KIND:SIZE[@WEIGHT]",
-        help="a session of your own mix instead (repeat): batch, short or interactive",
+        help="a session of your own mix instead (repeat): batch, short, interactive or "
+        "server (options: server:SIZE[@WEIGHT],rate=R,service=SECONDS,discard=SIZE)",
     )
     sim.add_argument(
         "--gpu-memory",

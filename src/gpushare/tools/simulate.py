@@ -11,7 +11,12 @@ from compute, as a GPU's copy engines are. Several holders at once (mode ``auto`
 the GPU's compute: a step takes as many times longer as there are sessions working.
 
 Workloads: ``batch`` (one long burst), ``short`` (bursts of 100 ms of work, 1 ms apart),
-``interactive`` (notebook cells of 50-200 ms of work, 0.5-1.5 s of thinking between).
+``interactive`` (notebook cells of 50-200 ms of work, 0.5-1.5 s of thinking between),
+``server`` (requests in Poisson arrivals, each of a fixed GPU time, served one after
+another; its burst ends ``idle_release`` after the last, as the client's implicit bursts
+do; memory it can drop rather than swap, ``discard``, is freed and made again without a
+copy). A server's wait is a request's, from its arrival to its answer (those answered in
+its first burst, its start, not counted, as no first burst's wait is).
 For each TQ the study runs the mix, the same sessions as batch jobs (the ideal: one switch
 per quantum), and the mix's batch jobs alone (what the others cost them), and reports
 goodput (GPU seconds of work per second), waits and batch loss. Deterministic: the same
@@ -43,8 +48,8 @@ from gpushare.settings import GpuSettings
 from gpushare.simlink import IN, OUT, book
 from gpushare.units import format_size, parse_size
 
-Kind = Literal["batch", "short", "interactive"]
-KINDS: tuple[Kind, ...] = ("batch", "short", "interactive")
+Kind = Literal["batch", "short", "interactive", "server"]
+KINDS: tuple[Kind, ...] = ("batch", "short", "interactive", "server")
 GiB = 2**30
 CHUNK = 256 * 2**20  # the swap granularity of the client's backends
 STEP_S = 0.005  # work between two safe points
@@ -57,20 +62,50 @@ class Workload:
     memory: int
     weight: float = 1.0
     name: str = ""
+    rate: float = 1.0  # server: requests per second (Poisson arrivals)
+    service_s: float = 0.2  # server: a request's GPU time
+    discard: int = 0  # server: bytes of its memory it drops rather than swaps (a cache)
 
     @classmethod
     def parse(cls, text: str) -> Workload:
-        """``KIND:SIZE[@WEIGHT]``, e.g. ``batch:30GiB``, ``interactive:10GiB@0.5``."""
-        kind, _, rest = text.partition(":")
+        """``KIND:SIZE[@WEIGHT]``, e.g. ``batch:30GiB``, ``interactive:10GiB@0.5``; a
+        server takes ``,rate=R`` (requests/s), ``,service=S`` (GPU s of each) and
+        ``,discard=SIZE``: ``server:20GiB@1,rate=2,service=0.17,discard=8GiB``."""
+        head, *opts = text.split(",")
+        kind, _, rest = head.partition(":")
         size, _, weight = rest.partition("@")
         if kind not in KINDS or not size:
             raise ValueError(
                 f"workload {text!r}: write KIND:SIZE[@WEIGHT], KIND one of {', '.join(KINDS)}"
             )
-        w = float(weight) if weight else 1.0
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = math.nan
         if not (w > 0 and math.isfinite(w)):
             raise ValueError(f"workload {text!r}: the weight must be a positive number")
-        return cls(kind, parse_size(size), w)
+        memory = parse_size(size)
+        extra: dict[str, float | int] = {}
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if kind != "server" or key not in ("rate", "service", "discard") or not value:
+                raise ValueError(
+                    f"workload {text!r}: only a server takes options, each one of rate=R,"
+                    " service=SECONDS, discard=SIZE"
+                )
+            if key == "discard":
+                extra["discard"] = parse_size(value)
+                if extra["discard"] > memory:
+                    raise ValueError(f"workload {text!r}: discard is more than its memory")
+                continue
+            try:
+                x = float(value)
+            except ValueError:
+                x = math.nan
+            if not (x > 0 and math.isfinite(x)):
+                raise ValueError(f"workload {text!r}: {key} must be a positive number")
+            extra["rate" if key == "rate" else "service_s"] = x
+        return cls(kind, memory, w, **extra)  # type: ignore[arg-type]
 
 
 MIXES: dict[str, tuple[Kind, ...]] = {
@@ -96,6 +131,8 @@ class SessionFigures:
     waits: list[float] = field(default_factory=list)
     swapped_in: int = 0
     swapped_out: int = 0
+    discarded: int = 0  # bytes dropped instead of swapped out (a server's cache)
+    requests: int = 0  # a server's requests answered
 
 
 @dataclass
@@ -134,11 +171,73 @@ class _Client:
         self.burst_left = 0.0
         self.asked_at = 0.0
         self.waiting_since: float | None = None  # the burst's ask, until it works
+        # a server: its requests' arrivals, the one in progress and what is left of it;
+        # tail: holding with none to serve, until idle_release passes (gen: that wait)
+        self.pending: deque[float] = deque()
+        self.current: float | None = None
+        self.req_left = 0.0
+        self.tail = False
+        self.gen = 0
+        self.dropped = 0  # discardable bytes dropped (not on the GPU, not in host memory)
+        if w.kind == "server":
+            sim.at(rng.expovariate(w.rate), self.arrive)
+
+    # --- a server's requests -----------------------------------------------------------
+    def arrive(self) -> None:
+        self.pending.append(self.sim.now)
+        self.sim.at(self.rng.expovariate(self.w.rate), self.arrive)
+        if self.phase == "idle":
+            self.ask()
+        elif self.tail:  # in its idle release: served at once, in the same lease
+            self.tail = False
+            self.gen += 1
+            self.serve(0.0)
+
+    def serve(self, seconds: float) -> None:
+        """``seconds`` of the request in progress done (a safe point): answer it when
+        it is, take the next, yield to a revoke, or wait idle_release for another."""
+        self.req_left -= seconds
+        if self.current is not None and self.req_left <= 1e-12:
+            if self.fig.bursts > 1:  # (its first burst is its start, as anyone's: no turn)
+                self.fig.waits.append(self.sim.now - self.current)
+            self.fig.requests += 1
+            self.current = None
+        if self.revoke is not None and self.revoke.lease == self.lease:
+            if self.current is None and not self.pending:
+                return self.end_burst()
+            return self.yield_lease()
+        if self.current is None and self.pending:
+            self.current, self.req_left = self.pending.popleft(), self.w.service_s
+        if self.current is None:
+            self.tail = True
+            self.gen += 1
+            gen = self.gen
+            self.sim.at(self.sim.arb.settings.anticipate_s, lambda: self.tail_end(gen))
+            return
+        self.burst_left = self.req_left
+        self.sim.work(self)
+
+    def tail_end(self, gen: int) -> None:
+        if self.tail and gen == self.gen:
+            self.end_burst()
+
+    def on_revoke(self) -> None:
+        """A revoke while it waits for a request: nothing is running, it yields now."""
+        if self.tail:
+            self.end_burst()
+
+    def end_burst(self) -> None:
+        self.tail = False
+        self.gen += 1
+        self.phase, self.lease, self.revoke = "idle", 0, None
+        self.sim.apply(self.sim.arb.release(self.sid, resident=self.resident, swapped=self.swapped))
 
     # --- the burst -------------------------------------------------------------------
     def ask(self) -> None:
         self.fig.bursts += 1
-        if self.w.kind == "batch":
+        if self.w.kind == "server":
+            self.burst_left = 0.0
+        elif self.w.kind == "batch":
             self.burst_left = math.inf
         elif self.w.kind == "short":
             self.burst_left = 0.1
@@ -172,19 +271,24 @@ class _Client:
                 self.swap_done("in", moved, self.sim.now - t0)
             done()
             self.phase = "holding"
-            if self.waiting_since is not None:
+            if self.waiting_since is not None and self.w.kind != "server":
                 # not its first burst: a session's start (a real one allocates in it), never
                 # a turn, waits its turn in the queue (docs/scheduling.md)
                 if self.fig.bursts > 1:
                     self.fig.waits.append(self.sim.now - self.waiting_since)
                 self.waiting_since = None
-            self.sim.work(self)
+            if self.w.kind == "server":
+                self.serve(0.0)
+            else:
+                self.sim.work(self)
 
         self.copy_in(lambda: self.room, finished)
 
     def step_done(self, seconds: float) -> None:
         """A safe point after ``seconds`` of work."""
         self.fig.work_s += seconds
+        if self.w.kind == "server":
+            return self.serve(seconds)
         self.burst_left -= seconds
         arb = self.sim.arb
         if self.burst_left <= 1e-12:  # the burst's end
@@ -192,23 +296,28 @@ class _Client:
             self.sim.apply(arb.release(self.sid, resident=self.resident, swapped=self.swapped))
             self.sim.at(self.think(), self.ask)
         elif self.revoke is not None and self.revoke.lease == self.lease:
-            n = min(self.revoke.swap_out, self.resident)
-            self.revoke, self.lease = None, 0
-            self.waiting_since = self.sim.now
-            self.phase = "yielding" if n else "asking"
-            self.sim.apply(
-                arb.release(
-                    self.sid,
-                    resident=self.resident,
-                    swapped=self.swapped,
-                    again=True,
-                    swapping_out=n,
-                )
-            )
-            if n:
-                self.serial(lambda done: self.copy_out(n, done, rejoin=True))
+            self.yield_lease()
         else:
             self.sim.work(self)
+
+    def yield_lease(self) -> None:
+        """At a safe point, revoked: release and ask again, then swap out what it asked."""
+        assert self.revoke is not None
+        n = min(self.revoke.swap_out, self.resident)
+        self.revoke, self.lease = None, 0
+        self.waiting_since = self.sim.now
+        self.phase = "yielding" if n else "asking"
+        self.sim.apply(
+            self.sim.arb.release(
+                self.sid,
+                resident=self.resident,
+                swapped=self.swapped,
+                again=True,
+                swapping_out=n,
+            )
+        )
+        if n:
+            self.serial(lambda done: self.copy_out(n, done, rejoin=True))
 
     # --- swaps (one at a time, as under the client's swap lock) ----------------------
     def serial(self, task: Task) -> None:
@@ -226,6 +335,13 @@ class _Client:
     def copy_chunk_in(self, k: int, then: Callable[[], None]) -> None:
         """``k`` bytes back on the copy-in lane: on the GPU at once (the copy holds its
         destination), reported when the copy ends, then ``then``."""
+        if self.dropped:  # made again empty, not copied
+            k = min(k, self.dropped)
+            self.dropped -= k
+            self.resident += k
+            self.swapped -= k
+            self.sim.at(0.0, self.report_then(then))
+            return
         self.resident += k
         self.swapped -= k
         self.fig.swapped_in += k
@@ -259,14 +375,21 @@ class _Client:
                     self.phase = "asking"
                 return done()
             k = min(CHUNK, left)
-            end = self.sim.book(OUT, k)
+            drop = min(k, self.w.discard - self.dropped)  # its cache goes first, uncopied
+            if drop > 0:
+                k = drop
+            end = self.sim.now if drop > 0 else self.sim.book(OUT, k)
 
             def freed() -> None:  # GPU memory is freed as its copy ends
                 nonlocal left
                 left -= k
                 self.resident -= k
                 self.swapped += k
-                self.fig.swapped_out += k
+                if drop > 0:
+                    self.dropped += k
+                    self.fig.discarded += k
+                else:
+                    self.fig.swapped_out += k
                 self.report_then(chunk)()
 
             self.sim.at(end - self.sim.now, freed)
@@ -367,6 +490,7 @@ class Simulation:
             # node refuses a session whose memory could not be there)
             c.resident = min(w.memory, max(0, capacity - self.arb.used_bytes()))
             c.swapped = w.memory - c.resident
+            c.dropped = min(w.discard, c.swapped)  # a cache not made yet
             self.apply(
                 self.arb.attach(
                     sid,
@@ -416,6 +540,7 @@ class Simulation:
                 c = self.clients[a.session]
                 if a.lease == c.lease:
                     c.revoke = a
+                    c.on_revoke()
             elif isinstance(a, RoomAction):
                 self.clients[a.session].on_room(a.room)
             elif isinstance(a, SwapOutAction):
@@ -454,6 +579,9 @@ class Row:
     switches_per_min: float
     swapped_gib_per_min: float
     seconds: float  # simulated: at least ROUNDS rounds of every session at this TQ
+    # servers: MiB copied to host memory per request answered, and MiB dropped instead
+    # (None: no server in the mix)
+    per_request_mib: tuple[float, float] | None = None
 
 
 ROUNDS = 4  # a run covers at least this many quanta of every session
@@ -522,6 +650,16 @@ def study(
             if mix.waits(k)
         }
         moved = sum(s.swapped_out for s in mix.sessions)
+        servers = [s for s in mix.sessions if s.kind == "server"]
+        answered = sum(s.requests for s in servers)
+        per_request = (
+            (
+                sum(s.swapped_out for s in servers) / 2**20 / max(1, answered),
+                sum(s.discarded for s in servers) / 2**20 / max(1, answered),
+            )
+            if servers
+            else None
+        )
         rows.append(
             Row(
                 tq,
@@ -532,6 +670,7 @@ def study(
                 mix.switches * 60 / secs,
                 moved / GiB * 60 / secs,
                 secs,
+                per_request,
             )
         )
     return rows
@@ -542,6 +681,9 @@ def table(rows: Sequence[Row]) -> str:
     head = ["TQ s", "goodput", "ideal", "/ideal", "batch loss"]
     head += [f"{k} wait p50/p99/max s" for k in kinds]
     head += ["switches/min", "swapped GiB/min", "run s"]
+    serving = any(r.per_request_mib is not None for r in rows)
+    if serving:
+        head += ["server MiB/request to host (dropped)"]
     out = [head]
     for r in rows:
         line = [
@@ -558,6 +700,9 @@ def table(rows: Sequence[Row]) -> str:
             for k in kinds
         ]
         line += [f"{r.switches_per_min:.1f}", f"{r.swapped_gib_per_min:.0f}", f"{r.seconds:g}"]
+        if serving:
+            pr = r.per_request_mib
+            line += ["-" if pr is None else f"{pr[0]:.0f} ({pr[1]:.0f})"]
         out.append(line)
     widths = [max(len(x[i]) for x in out) for i in range(len(head))]
     return "\n".join("  ".join(x[i].rjust(widths[i]) for i in range(len(head))) for x in out)
@@ -572,6 +717,9 @@ ideal: the goodput of the same sessions run as batch jobs, each holding its whol
   /ideal: goodput against it, what short bursts and notebooks cost beyond that.
 batch loss: the GPU time the batch jobs lose beside the others, beyond the others' own work.
 wait p50/p99/max: a burst's wait from its ask to its work, in s; none: no burst waited.
+  A server's: a request's time from its arrival to its answer (its own GPU time included).
+server MiB/request: bytes of its memory copied to host memory per request answered, and in
+  brackets those dropped instead (its discard=, made again empty when next granted).
 run s: simulated seconds per run (at least 4 rounds of every session's quantum)."""
 
 

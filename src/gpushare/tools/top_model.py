@@ -61,6 +61,10 @@ class Row:
     reclaimed_bytes_total: int
     swap_out_total: int
     swap_in_total: int
+    # its interactive turns' figures (docs/scheduling.md 3): the JSON frame and the
+    # live view's details show them
+    turn_credit_seconds: float = 0.0
+    usual_burst_seconds: float = 0.0
 
 
 _STATE_ORDER = {"holding": 0, "yielding": 1, "waiting": 2, "idle": 3}
@@ -101,6 +105,8 @@ def rows(
                 reclaimed_bytes_total=s.reclaimed_bytes_total,
                 swap_out_total=s.swap_out_total,
                 swap_in_total=s.swap_in_total,
+                turn_credit_seconds=s.turn_credit_seconds,
+                usual_burst_seconds=s.usual_burst_seconds,
             )
             for s in g.sessions
         ]
