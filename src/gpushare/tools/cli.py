@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="KIND:SIZE[@WEIGHT]",
         help="a session of your own mix instead (repeat): batch, short, interactive or "
-        "server (options: server:SIZE[@WEIGHT],rate=R,service=SECONDS,discard=SIZE)",
+        "server; SIZE is its memory request, ',limit=SIZE' a limit above it (packed by"
+        " the request in mode auto); a server takes rate=R,service=SECONDS,discard=SIZE",
     )
     sim.add_argument(
         "--gpu-memory",

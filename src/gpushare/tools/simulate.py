@@ -65,10 +65,14 @@ class Workload:
     rate: float = 1.0  # server: requests per second (Poisson arrivals)
     service_s: float = 0.2  # server: a request's GPU time
     discard: int = 0  # server: bytes of its memory it drops rather than swaps (a cache)
+    # Its memory limit, above SIZE (its request, what it holds): packed by the request in
+    # mode auto (docs/scheduling.md 6). 0: SIZE is both.
+    limit: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Workload:
-        """``KIND:SIZE[@WEIGHT]``, e.g. ``batch:30GiB``, ``interactive:10GiB@0.5``; a
+        """``KIND:SIZE[@WEIGHT]``, e.g. ``batch:30GiB``, ``interactive:10GiB@0.5``; any
+        takes ``,limit=SIZE`` (SIZE is then its request: ``batch:20GiB,limit=60GiB``); a
         server takes ``,rate=R`` (requests/s), ``,service=S`` (GPU s of each) and
         ``,discard=SIZE``: ``server:20GiB@1,rate=2,service=0.17,discard=8GiB``."""
         head, *opts = text.split(",")
@@ -85,27 +89,41 @@ class Workload:
         if not (w > 0 and math.isfinite(w)):
             raise ValueError(f"workload {text!r}: the weight must be a positive number")
         memory = parse_size(size)
-        extra: dict[str, float | int] = {}
-        for opt in opts:
-            key, _, value = opt.partition("=")
-            if kind != "server" or key not in ("rate", "service", "discard") or not value:
-                raise ValueError(
-                    f"workload {text!r}: only a server takes options, each one of rate=R,"
-                    " service=SECONDS, discard=SIZE"
-                )
-            if key == "discard":
-                extra["discard"] = parse_size(value)
-                if extra["discard"] > memory:
-                    raise ValueError(f"workload {text!r}: discard is more than its memory")
-                continue
-            try:
-                x = float(value)
-            except ValueError:
-                x = math.nan
-            if not (x > 0 and math.isfinite(x)):
-                raise ValueError(f"workload {text!r}: {key} must be a positive number")
-            extra["rate" if key == "rate" else "service_s"] = x
+        extra = _options(text, kind, memory, opts)
         return cls(kind, memory, w, **extra)  # type: ignore[arg-type]
+
+
+def _options(text: str, kind: str, memory: int, opts: list[str]) -> dict[str, float | int]:
+    """A workload's options (``limit``; a server's ``rate``, ``service``, ``discard``)."""
+    extra: dict[str, float | int] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "limit" and value:
+            extra["limit"] = parse_size(value)
+            if extra["limit"] < memory:
+                raise ValueError(
+                    f"workload {text!r}: its limit is below its request (SIZE):"
+                    " give a limit at least as large"
+                )
+            continue
+        if kind != "server" or key not in ("rate", "service", "discard") or not value:
+            raise ValueError(
+                f"workload {text!r}: options are limit=SIZE, and for a server rate=R,"
+                " service=SECONDS, discard=SIZE"
+            )
+        if key == "discard":
+            extra["discard"] = parse_size(value)
+            if extra["discard"] > memory:
+                raise ValueError(f"workload {text!r}: discard is more than its memory")
+            continue
+        try:
+            x = float(value)
+        except ValueError:
+            x = math.nan
+        if not (x > 0 and math.isfinite(x)):
+            raise ValueError(f"workload {text!r}: {key} must be a positive number")
+        extra["rate" if key == "rate" else "service_s"] = x
+    return extra
 
 
 MIXES: dict[str, tuple[Kind, ...]] = {
@@ -495,7 +513,10 @@ class Simulation:
                 self.arb.attach(
                     sid,
                     name=c.fig.name,
-                    memory_limit=w.memory,
+                    memory_limit=w.limit or w.memory,
+                    # the model holds its request and never more: it never needs to ask
+                    memory_request=w.memory if w.limit else None,
+                    grows=True,
                     weight=w.weight,
                     resident=c.resident,
                     swapped=c.swapped,
