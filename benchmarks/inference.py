@@ -17,9 +17,12 @@ Each rate runs at each TQ (30 and 5 s), and once bare: the same server and train
 by side without a node (a simulated GPU's work is a sleep, so bare they do not slow each
 other: the bare figures are each one's own). Printed: a request's latency p50/p99 beside
 training and bare, the trainer's steps per second against bare, the turns the server
-took, and the bytes moved to host memory (swap-outs, both sessions) per request. There is
-no discard path in this tree (memory a server drops rather than swaps): that figure says
-n/a.
+took, and the bytes moved to host memory (swap-outs, both sessions) per request; then the
+target's case once more with ``--discard`` GiB of the server's memory a discardable cache
+(dropped rather than swapped, made again empty: docs/client.md). ``--implicit``: the
+server's bursts are implicit, as under ``gpushare run`` (checkpoints outside ``gpu()``),
+ended by the client after the grant's idle release (short for a session the node takes
+for a server: docs/scheduling.md 3) instead of ``--hold``.
 
     python benchmarks/inference.py [--quick] [--seconds S] [--rates 0.5 2 8]
                                    [--tqs 30 5] [--json out.json]
@@ -66,15 +69,18 @@ def work(s: Any, seconds: float) -> None:
             s.checkpoint()
 
 
-def attach(spec: dict[str, Any], memory: int) -> tuple[Any, Any]:
-    """A session with its memory made (None, None bare)."""
+def attach(spec: dict[str, Any], memory: int, discard: int = 0) -> tuple[Any, Any]:
+    """A session with its memory made (None, None bare); ``discard`` bytes of it a
+    discardable cache (a KV cache: dropped rather than swapped, made again empty)."""
     if not spec["socket"]:
         return None, None
     s = gpushare.attach(memory, socket=spec["socket"], name=spec["name"])
     backend: Any = s.backend  # the sim backend's memory
     with s.gpu():
-        mem = backend.allocate(memory)
+        mem = backend.allocate(memory - discard)
         mem.fill(1)
+        if discard:
+            backend.allocate(discard, discardable=True)
     return s, mem
 
 
@@ -82,11 +88,22 @@ def attach(spec: dict[str, Any], memory: int) -> tuple[Any, Any]:
 
 
 def server(spec: dict[str, Any]) -> None:
-    s, _ = attach(spec, SERVER_MEMORY)
+    s, _ = attach(spec, SERVER_MEMORY, spec.get("discard", 0))
     hold = spec["hold"]
     asks: queue.Queue[threading.Event] = queue.Queue()
 
+    def implicit() -> None:
+        # gpushare run's way: no gpu() block; the first checkpoint opens a burst, which
+        # the client ends after the grant's idle release (a server's is short)
+        while True:
+            done = asks.get()
+            work(s, SERVICE_S)
+            done.set()
+
     def engine() -> None:
+        if hold < 0 and s is not None:
+            implicit()
+        keep = max(hold, 0.0)  # bare, implicit bursts are a queue drained as it comes
         while True:
             done = asks.get()
             with s.gpu() if s is not None else contextlib.nullcontext():
@@ -94,7 +111,7 @@ def server(spec: dict[str, Any]) -> None:
                     work(s, SERVICE_S)
                     done.set()
                     try:  # the lease kept `hold` s for another (an implicit burst's end)
-                        done = asks.get(timeout=hold) if hold else asks.get_nowait()
+                        done = asks.get(timeout=keep) if keep else asks.get_nowait()
                     except queue.Empty:
                         break
 
@@ -186,7 +203,9 @@ def start(
         time.sleep(0.01)
 
 
-def run(tmp: Path, rate: float, tq: float | None, seconds: float, hold: float) -> dict[str, Any]:
+def run(
+    tmp: Path, rate: float, tq: float | None, seconds: float, hold: float, discard: int = 0
+) -> dict[str, Any]:
     """One server and one trainer, beside each other under a node at ``tq`` (None: bare)."""
     d = Path(tempfile.mkdtemp(dir=tmp))
     sock, admin, go = str(d / "w.sock"), str(d / "a.sock"), str(d / "go")
@@ -203,7 +222,7 @@ def run(tmp: Path, rate: float, tq: float | None, seconds: float, hold: float) -
         on = sock if tq is not None else ""
         port_file, train_out = str(d / "port"), str(d / "train.json")
         # the server first: its memory made in its first burst, alone
-        srv = {"socket": on, "name": "server", "out": port_file, "hold": hold}
+        srv = {"socket": on, "name": "server", "out": port_file, "hold": hold, "discard": discard}
         start(procs, "server", srv, port_file)
         port = int(Path(port_file).read_text())
         spec = {
@@ -250,7 +269,9 @@ def from_events(path: Path, t0: float, requests: int) -> dict[str, Any]:
     within = [e for e in events if t0 <= e["ts"] - wall]
     grants = [e for e in within if e["event"] == "grant" and names[e["session"]] == "server"]
     moved = sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out")
+    dropped = sum(e.get("discarded_bytes", 0) for e in within if e["event"] == "swap_out")
     return {
+        "mib_dropped_per_request": dropped / 2**20 / max(1, requests),
         "turns": sum(1 for e in grants if e.get("turn")),
         "server_grants": len(grants),
         "mib_to_host_per_request": moved / 2**20 / max(1, requests),
@@ -276,9 +297,24 @@ def main() -> None:
         " node's idle_release, as `gpushare run`'s implicit bursts do; 0: `with s.gpu()`"
         " around the queue only)",
     )
+    ap.add_argument(
+        "--implicit",
+        action="store_true",
+        help="the server's bursts implicit (checkpoints outside gpu(), as under `gpushare"
+        " run`): ended by the client after the grant's idle release, not --hold",
+    )
+    ap.add_argument(
+        "--discard",
+        type=float,
+        default=8.0,
+        help="GiB of the server's 20 that are a discardable cache, for the target's run"
+        " with discard (default 8; 0: none)",
+    )
     ap.add_argument("--json", default="", help="write the figures here too")
     a = ap.parse_args()
     seconds = a.seconds or (10.0 if a.quick else 60.0)
+    if a.implicit:
+        a.hold = -1.0  # (the server's engine: implicit bursts)
     tqs = a.tqs or ([30.0] if a.quick else [30.0, 5.0])
     load0 = os.getloadavg()
     print(
@@ -315,9 +351,22 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     target = next((r for r in rows if r["rate"] == a.rates[0] and r["tq"] == tqs[0]), rows[-1])
+    with_discard = "n/a"
+    if a.discard > 0:  # the target's case again, the server's cache discardable
+        with tempfile.TemporaryDirectory() as tmp:
+            secs = max(seconds, 10 / a.rates[0])
+            d = run(Path(tmp), a.rates[0], tqs[0], secs, a.hold, int(a.discard * GIB))
+        with_discard = f"{d['mib_to_host_per_request']:.0f}"
+        print(
+            f"  with {a.discard:g} GiB discardable: p50 {d['p50']:.2f} s p99 {d['p99']:.2f} s;"
+            f" {d['mib_to_host_per_request']:.0f} MiB to host and"
+            f" {d['mib_dropped_per_request']:.0f} MiB dropped per request",
+            flush=True,
+        )
     print(
         f"p99 beside training / alone: {target['p99_over_bare']:.2f}; bytes to host per"
-        f" request: with discard n/a, without {target['mib_to_host_per_request']:.0f} MiB"
+        f" request: with discard {with_discard} MiB, without"
+        f" {target['mib_to_host_per_request']:.0f} MiB"
     )
 
 

@@ -165,6 +165,9 @@ class Grant(_Msg, tag="grant"):
     # >0: the most it may have on the GPU while it holds this lease without asking again
     # (a Release with a need); 0: its limit. Lent in mode auto to a client that grows.
     bound: int = 0
+    # >0: end this lease's implicit bursts this long after their last safe point (a
+    # server's requests: the GPU goes back soon after each); 0: the welcome's.
+    idle_release_s: float = 0.0
 
 
 class Room(_Msg, tag="room"):

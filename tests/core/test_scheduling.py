@@ -711,3 +711,31 @@ def test_a_joining_holder_leaves_a_filling_holder_its_room(clock):
     assert a.sessions[2].memory.room == 0  # the room grew to its limit instead
     out = a.report(1, resident=0, swapped=20 * GiB)
     assert [g.session for g in actions_of(out, GrantAction)] == [3]  # then 3 joins
+
+
+def test_a_servers_grants_end_its_implicit_bursts_soon_after_a_request(clock):
+    """A session that asks often and briefly after idle gaps is taken for a server once
+    it has a history: its grants say a short idle release (its requests do not keep the
+    GPU for the node's default after each); a batch job's never do."""
+    from gpushare.core.turns import SERVER_BURSTS, SERVER_IDLE_S
+
+    a = arb(clock, tq_s=30, mode="exclusive")
+    a.attach(2, name="server", memory_limit=10 * GiB)
+    idles = []
+    for _ in range(SERVER_BURSTS + 2):
+        (g,) = actions_of(a.acquire(2), GrantAction)
+        idles.append(g.idle_release_s)
+        clock.advance(0.15)
+        a.release(2, resident=0, swapped=0)
+        clock.advance(1.5)  # the think time between requests
+        a.tick()
+    assert idles[0] == 0.0 and idles[SERVER_BURSTS - 1] == 0.0  # no history yet
+    assert idles[-1] == SERVER_IDLE_S
+    a.attach(1, name="batch", memory_limit=10 * GiB)
+    for _ in range(SERVER_BURSTS + 2):  # one long burst after another, no gaps: no server
+        (g,) = actions_of(a.acquire(1), GrantAction)
+        assert g.idle_release_s == 0.0
+        clock.advance(20)
+        a.release(1, resident=0, swapped=0)
+        clock.advance(0.01)
+        a.tick()

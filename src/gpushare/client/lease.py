@@ -92,6 +92,7 @@ class Lease:
         self.weight = welcome.weight
         self.gpu = welcome.gpu
         self.idle_release_s = welcome.idle_release_s
+        self.burst_idle_s = welcome.idle_release_s  # this lease's (a grant may say less)
         self.reconnect_timeout = reconnect_timeout
         self.pid = pid
         self.phase = Phase.IDLE
@@ -467,7 +468,8 @@ class Lease:
             self.cond.notify_all()
 
     def _idle_loop(self) -> None:
-        # Ends implicit bursts after idle_release seconds without a checkpoint.
+        # Ends implicit bursts after idle_release seconds without a checkpoint (a
+        # server's grant may say less: Grant.idle_release_s).
         with self.cond:
             while self.link.state in LIVE:
                 if not (
@@ -479,12 +481,12 @@ class Lease:
                     self.cond.wait()
                     continue
                 idle = _now() - self.last_work
-                if idle >= self.idle_release_s:
+                if idle >= self.burst_idle_s:
                     self.implicit = False
                     with contextlib.suppress(GpushareError, OSError):
                         self._release(again=False)
                 else:
-                    self.cond.wait(self.idle_release_s - idle)
+                    self.cond.wait(self.burst_idle_s - idle)
 
     # --- the backend's hooks --------------------------------------------------------
 
@@ -636,6 +638,7 @@ class Lease:
             self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin)
         ):
             self.grant, self.lease, self.token, self.bound = g, g.lease, g.token, g.bound
+            self.burst_idle_s = g.idle_release_s or self.idle_release_s
             self._set_room(g.room)
         else:
             log.debug("grant %d not asked for (crossed a release): not taken", g.lease)

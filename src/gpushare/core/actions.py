@@ -25,6 +25,7 @@ class GrantAction:
     room: int = 0  # swap in only up to this many resident bytes until a RoomAction
     resume: bool = False  # the lease the session claimed after a node restart, given back
     bound: int = 0  # the most it may have without asking again (0: its limit)
+    idle_release_s: float = 0.0  # its implicit bursts end this long after (0: the node's)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from gpushare.core.planner import MemoryView, plan_grant
 from gpushare.core.sessions import SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
-from gpushare.core.turns import Turns
+from gpushare.core.turns import SERVER_IDLE_S, Turns
 
 # A quantum is GPU time: it starts when the swap-in is done. A swap-in slower than this
 # (bytes/s) is taken for stuck, so the quantum starts anyway and a revoke can follow.
@@ -142,7 +142,10 @@ class Leases:
                 **kind,
             )
         )
-        st.out.act(GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume, m.bound))
+        idle = SERVER_IDLE_S if self.turns.requests(s) else 0.0  # a server's: soon after
+        st.out.act(
+            GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume, m.bound, idle)
+        )
         # Its gang is on its way out: it goes on to its next safe point only.
         if g is not None and self.gangs.yielding(g):
             self.revoke(s, now, g.reason or "quantum")

@@ -28,6 +28,8 @@ RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
 USE_TAU_S = 60.0  # its measured use is a decayed average over about this long
 HEADROOM = 1.5  # credit earned for this much of its measured use (within its share)
 SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session has 1)
+SERVER_BURSTS = 8  # bursts seen before a session is taken for a server
+SERVER_IDLE_S = 0.05  # a server's implicit burst ends this long after its last safe point
 
 
 class Turns:
@@ -86,6 +88,21 @@ class Turns:
         """It earns for its measured use, more than a notebook's rate: a server."""
         base, u = self._rates(s)
         return u / (1.0 - u) > base
+
+    def requests(self, s: SessionState) -> bool:
+        """Request-driven (a server, a notebook): it asks often and briefly after idle
+        gaps (bursts usually shorter than a turn, gaps longer than the shortest window),
+        so its implicit bursts end soon after each request (:data:`SERVER_IDLE_S`), not
+        the node's ``idle_release`` later: the GPU goes back to the batch job at once."""
+        sh = s.share
+        if len(sh.bursts) < SERVER_BURSTS or sh.gap_ewma is None:
+            return False
+        usual = self.usual_burst(s)
+        return (
+            usual is not None
+            and usual < self.st.settings.turn_s
+            and sh.gap_ewma > ANTICIPATE_FLOOR_S
+        )
 
     def bank(self, s: SessionState) -> float:
         """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
@@ -149,10 +166,13 @@ class Turns:
         """Mode auto, nobody waiting, and its limit fits beside the holders' (and a
         waiting quantum's): it joins them, which is no turn."""
         st = self.st
-        if st.settings.mode == "exclusive" or st.queue:
+        mode = st.settings.mode
+        if s.mode_of(mode) == "exclusive" or st.queue:
             return False
         ids = [*st.holders, *(() if window is None else (window,))]
-        total = s.memory.limit + sum(st.sessions[i].memory.limit for i in ids)
+        if any(st.sessions[i].mode_of(mode) == "exclusive" for i in ids):
+            return False
+        total = s.memory.guaranteed + sum(st.sessions[i].memory.held for i in ids)
         return total <= st.capacity
 
     def may_take(

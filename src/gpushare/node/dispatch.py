@@ -117,6 +117,7 @@ class Dispatch:
                         resume=a.resume,
                         ask=c.ask,
                         bound=a.bound,
+                        idle_release_s=a.idle_release_s,
                     ),
                 )
             elif isinstance(a, ThawAction):
