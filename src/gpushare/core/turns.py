@@ -28,7 +28,7 @@ RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
 USE_TAU_S = 60.0  # its measured use is a decayed average over about this long
 HEADROOM = 1.5  # credit earned for this much of its measured use (within its share)
 SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session has 1)
-SERVER_BURSTS = 8  # bursts seen before a session is taken for a server
+SERVER_BURSTS = 3  # bursts seen before a session is taken for a server
 SERVER_IDLE_S = 0.05  # a server's implicit burst ends this long after its last safe point
 
 
