@@ -153,6 +153,11 @@ inputs = st.one_of(
                 "holding": st.booleans(),
                 "lease": st.one_of(big, st.integers(0, 20)),
                 "verified": st.booleans(),
+                # memory request and limit, compute (docs/scheduling.md 6)
+                "memory_request": st.one_of(st.none(), sizes),
+                "grows": st.booleans(),
+                "sharing": st.sampled_from(["", "time-slicing", "sm-sharing", "mps"]),
+                "compute_limit": st.one_of(st.none(), hostile_floats, st.just(0.25)),
             }
         ),
     ),
@@ -168,6 +173,8 @@ inputs = st.one_of(
                 "swapped_out": sizes,
                 "seconds": hostile_floats,
                 "swapping_out": sizes,
+                "need": sizes,
+                "discarded": sizes,
             }
         ),
     ),
@@ -182,11 +189,14 @@ inputs = st.one_of(
                 "resident": sizes,
                 "swapped": sizes,
                 "error": st.sampled_from(["", "failed"]),
+                "discarded": sizes,
             }
         ),
     ),
     st.tuples(
-        st.just("report"), sids, st.fixed_dictionaries({"resident": sizes, "swapped": sizes})
+        st.just("report"),
+        sids,
+        st.fixed_dictionaries({"resident": sizes, "swapped": sizes, "discarded": sizes}),
     ),
     st.tuples(st.just("over_limit"), sids, st.fixed_dictionaries({"used": sizes})),
     st.tuples(st.just("detach"), sids, st.just({})),
@@ -380,3 +390,16 @@ def test_a_revoked_holder_swapping_out_is_not_escalated_as_a_non_holder():
     assert rev.swap_out > 0
     a.report(1, resident=14 * GiB, swapped=GiB)  # its share goes as it winds down
     assert not a.st.deadlines.asked  # a holder's swap-out has the revoke's deadline, not this one
+
+
+def test_a_refused_release_does_not_book_discarded_bytes():
+    """A release from a session that holds nothing is refused whole: the discarded bytes
+    it names are not taken (nor counted) either."""
+    clock = ManualClock()
+    a = arb(capacity=40 * GiB, clock=clock)
+    a.attach(1, name="idle", memory_limit=10 * GiB)
+    before = state_of(a)
+    with pytest.raises(ArbiterError, match="holds no lease"):
+        a.release(1, resident=0, swapped=0, discarded=4 * GiB)
+    assert state_of(a) == before
+    assert a.sessions[1].memory.discarded == 0 and a.sessions[1].totals.discarded_bytes == 0

@@ -442,13 +442,14 @@ class Arbiter:
                 "release: need is for a holder that asks again, with a client that grows"
             )
         took = _seconds("release: seconds", seconds)
-        self.st.set_discarded(s, discarded)
-        if s.state is State.WAITING and not again:
-            self._end_burst_waiting(s, now, resident, swapped)
-        elif s.state is State.WAITING and (s.esc.frozen or s.esc.yield_due):
-            self._answer_while_waiting(s, now, resident, swapped, swapped_out, took)
-        elif not s.holding:
+        waiting = s.state is State.WAITING
+        if not (s.holding or (waiting and (not again or s.esc.frozen or s.esc.yield_due))):
             raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
+        self.st.set_discarded(s, discarded)  # (the input checked whole: now it may change)
+        if waiting and not again:
+            self._end_burst_waiting(s, now, resident, swapped)
+        elif waiting:
+            self._answer_while_waiting(s, now, resident, swapped, swapped_out, took)
         else:
             s.memory.need = max(s.memory.need, need)
             grow = bool(need)
