@@ -20,6 +20,9 @@ Escalation = Literal["log", "freeze", "kill"]
 MODES: tuple[Mode, ...] = ("auto", "exclusive")
 POLICIES: tuple[Policy, ...] = ("equal", "weighted")
 ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
+# KAI's gpu-compute-sharing-mode of a pod, as the mode its session is in: time-slicing
+# takes exclusive quanta, sm-sharing holds beside others when memory fits.
+SHARING_MODES: dict[str, Mode] = {"time-slicing": "exclusive", "sm-sharing": "auto"}
 C = TypeVar("C", bound=str)
 
 

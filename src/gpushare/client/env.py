@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
 
+from gpushare.settings import SHARING_MODES as MODE_OF_SHARING
 from gpushare.units import MAX_SIZE, format_size, parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
@@ -48,7 +49,7 @@ _ANNOTATION = re.compile(r'^([^=]+)="(.*)"$')
 # KAI Scheduler's names (kai-scheduler/KAI-Scheduler pkg/common/constants, and
 # kai-scheduler/api constants/constants.go). Per-container keys are prefix + name + suffix.
 SHARING_MODE_ANNOTATION = "kai.scheduler/gpu-compute-sharing-mode"
-SHARING_MODES = ("time-slicing", "sm-sharing")
+SHARING_MODES = tuple(MODE_OF_SHARING)  # (the node's map: settings.SHARING_MODES)
 _NV = "nvidia.com/container."  # NvFractions: Kubernetes quantities
 _KAI = "kai.scheduler/container."
 _NV_REQUEST = ".gpu-memory.request"

@@ -42,12 +42,12 @@ from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
 from gpushare.core.ledger import Ledger
 from gpushare.core.prefetch import plan_prefetch
-from gpushare.core.sessions import SHARING_MODES, Memory, SessionState, State
+from gpushare.core.sessions import Memory, SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
 from gpushare.core.turns import Turns
 from gpushare.core.window import Window
-from gpushare.settings import Change, GpuSettings, SettingsError, validate
+from gpushare.settings import SHARING_MODES, Change, GpuSettings, SettingsError, validate
 from gpushare.units import format_size
 
 __all__ = ["Arbiter", "ArbiterError", "FieldError"]

@@ -16,9 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-# KAI's gpu-compute-sharing-mode of a pod, as the mode its session is in: time-slicing
-# takes exclusive quanta, sm-sharing holds beside others when memory fits.
-SHARING_MODES = {"time-slicing": "exclusive", "sm-sharing": "auto"}
+from gpushare.settings import SHARING_MODES
 
 # Upper bounds (seconds) of the wait histogram's buckets; +Inf is implied.
 WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
