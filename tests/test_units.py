@@ -83,3 +83,11 @@ def test_the_weight_range_is_the_nodes():
     assert (units.MIN_WEIGHT, units.MAX_WEIGHT) == (checks.MIN_WEIGHT, checks.MAX_WEIGHT)
     assert parse_weight(str(checks.MIN_WEIGHT)) == checks.MIN_WEIGHT
     assert parse_weight(checks.MAX_WEIGHT) == checks.MAX_WEIGHT
+
+
+def test_is_fraction_takes_only_numbers_in_range():
+    from gpushare.units import is_fraction
+
+    assert is_fraction(1) and is_fraction(0.25) and not is_fraction(0.0)
+    assert not any(is_fraction(x) for x in (True, 1.5, -0.1, float("nan"), "0.5", None))
+    assert is_fraction(0.5, low=0.5) and not is_fraction(0.4, low=0.5)

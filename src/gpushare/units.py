@@ -84,6 +84,14 @@ def parse_weight(text: str | float) -> float:
     return value
 
 
+def is_fraction(x: object, low: float = 0.0) -> bool:
+    """A number in (``low``, 1] (``low`` itself allowed when above 0): a GPU fraction, a
+    portion, a compute limit. Not a bool, not NaN."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    return (low < x <= 1) if low == 0 else (low <= x <= 1)
+
+
 def format_size(n: float) -> str:
     """Format bytes for people, binary units: ``format_size(3 * 2**30) == '3.0 GiB'``."""
     v = float(n)

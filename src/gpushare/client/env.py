@@ -39,7 +39,7 @@ from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
 
 from gpushare.settings import SHARING_MODES as MODE_OF_SHARING
-from gpushare.units import MAX_SIZE, format_size, parse_size
+from gpushare.units import MAX_SIZE, format_size, is_fraction, parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
 DEFAULT_ADMIN_SOCKET = "/run/gpushare/admin.sock"
@@ -114,7 +114,7 @@ def _fraction(value: str, source: str, fix: str = "fix the pod's gpu-fraction an
         f = float(value)
     except ValueError:
         f = -1.0
-    if not 0 < f <= 1:
+    if not is_fraction(f):
         raise ValueError(f"{source}={value!r} is not a fraction in (0, 1]: {fix}")
     return f
 
@@ -444,7 +444,7 @@ def compute_limit_of(given: float | None, var: str | None) -> float | None:
         f = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         f = math.nan
-    if not (math.isfinite(f) and 0 < f <= 1):
+    if not is_fraction(f):
         raise ValueError(
             f"{where}={value!r} is not a fraction of the GPU's time in (0, 1]: like 0.5"
         )

@@ -48,7 +48,7 @@ from gpushare.core.state import GpuState
 from gpushare.core.turns import Turns
 from gpushare.core.window import Window
 from gpushare.settings import SHARING_MODES, Change, GpuSettings, SettingsError, validate
-from gpushare.units import format_size
+from gpushare.units import format_size, is_fraction
 
 __all__ = ["Arbiter", "ArbiterError", "FieldError"]
 
@@ -303,12 +303,7 @@ class Arbiter:
     def _check_compute_limit(limit: float | None) -> float:
         if limit is None:
             return 1.0
-        if (
-            isinstance(limit, bool)
-            or not isinstance(limit, int | float)
-            or not math.isfinite(limit)
-            or not 0 < limit <= 1
-        ):
+        if not is_fraction(limit):
             raise FieldError(
                 f"compute_limit must be a fraction of the GPU's time in (0, 1], not {limit!r}"
             )

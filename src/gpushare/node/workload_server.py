@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 from collections.abc import Callable, Collection, Sequence
 
@@ -30,6 +29,7 @@ from gpushare.node.k8s import PodCache
 from gpushare.node.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
+from gpushare.units import is_fraction
 
 log = logging.getLogger("gpushare.node.workload_server")
 
@@ -64,20 +64,13 @@ def check_hello(h: p.Hello) -> None:
             )
         if _CONTROL.search(text):
             raise Refused("attach", f"hello: {name} holds control characters")
-    if h.portion is not None and not (
-        isinstance(h.portion, int | float) and math.isfinite(h.portion) and 0 < h.portion <= 1
-    ):
+    if h.portion is not None and not is_fraction(h.portion):
         raise Refused(
             "attach",
             f"hello: portion must be a fraction in (0, 1] (KAI's GPU_PORTION), not {h.portion}",
         )
     pl = h.portion_limit
-    if pl is not None and not (
-        h.portion is not None
-        and isinstance(pl, int | float)
-        and math.isfinite(pl)
-        and h.portion <= pl <= 1
-    ):
+    if pl is not None and not (h.portion is not None and is_fraction(pl, low=h.portion)):
         raise Refused(
             "attach",
             "hello: portion_limit must be a fraction in [portion, 1] beside a portion"
