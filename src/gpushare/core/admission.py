@@ -59,9 +59,8 @@ class Admission:
         # included; a gang's ranks' limits all, as they may all ask at any time)? Stop at
         # the first that does not: the queue is long only when they do not.
         total = 0
-        w = self.window.holder
         gangs: set[str] = set()
-        for i in (*st.holders, *(() if w is None else (w,)), *st.queue):
+        for i in (*self._holding(), *st.queue):
             s = st.sessions[i]
             if not s.rank.gang:
                 total += s.memory.guaranteed
@@ -75,14 +74,28 @@ class Admission:
     def _exclusive(self) -> bool:
         """The head, or one who holds (a quantum waiting for its holder included), is in
         mode exclusive (the GPU's, or its pod's time-slicing): nobody joins."""
-        st, mode = self.st, self.st.settings.mode
-        if st.queue and st.sessions[st.queue[0]].mode_of(mode) == "exclusive":
-            return True
-        w = self.window.holder
-        return any(
-            st.sessions[i].mode_of(mode) == "exclusive"
-            for i in (*st.holders, *(() if w is None else (w,)))
+        st = self.st
+        head = st.sessions[st.queue[0]] if st.queue else None
+        return (head is not None and head.mode_of(st.settings.mode) == "exclusive") or any(
+            st.sessions[i].mode_of(st.settings.mode) == "exclusive" for i in self._holding()
         )
+
+    def _holding(self) -> tuple[int, ...]:
+        """The holders, and the session a quantum waits for."""
+        w = self.window.holder
+        return (*self.st.holders, *(() if w is None else (w,)))
+
+    def joins(self, s: SessionState) -> bool:
+        """Mode auto, nobody waiting, and its request fits beside the holders' bounds (a
+        waiting quantum's too): asking now, ``s`` would join them, which is no turn."""
+        st, mode = self.st, self.st.settings.mode
+        if st.queue or s.mode_of(mode) == "exclusive":
+            return False
+        ids = self._holding()
+        if any(st.sessions[i].mode_of(mode) == "exclusive" for i in ids):
+            return False
+        total = s.memory.guaranteed + sum(st.sessions[i].memory.held for i in ids)
+        return total <= st.capacity
 
     def grant_what_fits(self) -> None:
         st = self.st

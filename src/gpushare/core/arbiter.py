@@ -374,7 +374,7 @@ class Arbiter:
             s,
             idle,
             now,
-            ahead=self._someone_to_go_ahead_of(s) and not self.turns.joins(s, self.window.holder),
+            ahead=self._someone_to_go_ahead_of(s) and not self.admission.joins(s),
             kept=self.gangs.claimed(),
         ):
             sh.turn = True

@@ -162,19 +162,6 @@ class Turns:
         g = s.share.gap_ewma
         return s.share.windowless and g is not None and g > ANTICIPATE_FLOOR_S
 
-    def joins(self, s: SessionState, window: int | None) -> bool:
-        """Mode auto, nobody waiting, and its limit fits beside the holders' (and a
-        waiting quantum's): it joins them, which is no turn."""
-        st = self.st
-        mode = st.settings.mode
-        if s.mode_of(mode) == "exclusive" or st.queue:
-            return False
-        ids = [*st.holders, *(() if window is None else (window,))]
-        if any(st.sessions[i].mode_of(mode) == "exclusive" for i in ids):
-            return False
-        total = s.memory.guaranteed + sum(st.sessions[i].memory.held for i in ids)
-        return total <= st.capacity
-
     def may_take(
         self, s: SessionState, idle: float, now: float, *, ahead: bool, kept: bool
     ) -> bool:
