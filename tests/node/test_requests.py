@@ -95,3 +95,38 @@ def test_a_compute_limit_holds_a_lone_workload_to_its_share(node_factory):
     held = sum(e["seconds"] for e in ev if e["event"] == "release")
     assert held < 0.1 * 8 + 1.0 + 1.0, held  # its share, its bucket, and slack for load
     assert [e for e in ev if e["event"] == "revoke" and e["reason"] == "compute_limit"]
+
+
+def test_a_node_killed_twice_during_a_burst_loses_no_byte_and_stays_within_capacity(
+    node_factory,
+):
+    """SIGKILL of the node while one session holds a burst past its request: every
+    workload comes back (its memory on record), the GPU's count stays within capacity
+    after each restart, and all finish with their bytes intact."""
+    import os
+    import signal
+    import time
+
+    node = node_factory(*sim("80GiB", mode="auto", tq="1", sim_bandwidth="1e12"))
+    env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "60"}
+    common = ("--memory", "20GiB", "--memory-limit", "60GiB", "--seconds", "14")
+    procs = [node.workload("batch", *common, "--name", "grower", "--grow", "30GiB",
+                           "--grow-at", "3", "--grow-for", "6", env=env)]  # fmt: skip
+    procs += [node.workload("batch", *common, "--name", f"s{i}", "--seed", str(i + 2), env=env)
+              for i in (1, 2)]  # fmt: skip
+    wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="3")
+    wait_until(
+        lambda: any(r["resident_bytes"] > 20 * G for r in node.status()["gpus"][0]["sessions"]),
+        timeout=60,
+        what="the burst",
+    )
+    for away in (0.3, 0.2):
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+        time.sleep(away)
+        node.start()
+        wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="back")
+        st = node.status()["gpus"][0]
+        assert st["used_bytes"] <= st["usable_bytes"]
+    outs = [_out(p) for p in procs]
+    assert all(o["failures"] == 0 and o["checks"] >= 1 for o in outs), outs
