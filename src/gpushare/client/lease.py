@@ -174,10 +174,7 @@ class Lease:
                 self.link.catch_up()
                 self.usable()
                 if self.phase is Phase.HOLDING and self.revoke is not None:
-                    self.backend.synchronize()  # GPU work queued is done before the lease goes
-                    t0 = _now()
-                    self._release(again=True)
-                    self._await(t0)
+                    self._yield()
             elif self.phase is not Phase.HOLDING:
                 self._hold(implicit=self.depth == 0)
 
@@ -317,6 +314,14 @@ class Lease:
             else:
                 self.cond.wait()
                 self.usable()
+
+    def _yield(self, need: int = 0) -> None:
+        """At a safe point, holding: give the lease back and ask again (answering a
+        revoke; with ``need``, for room past the bound), then wait to hold again."""
+        self.backend.synchronize()  # GPU work queued is done before the lease goes
+        t0 = _now()
+        self._release(again=True, need=need)
+        self._await(t0)
 
     def _acquire(self) -> None:
         self.bursts += 1
@@ -524,10 +529,7 @@ class Lease:
             while self.bound and resident > self.bound and self.phase is Phase.HOLDING:
                 self.usable()
                 self.grows += 1
-                self.backend.synchronize()  # GPU work queued is done before the lease goes
-                t0 = _now()
-                self._release(again=True, need=resident)
-                self._await(t0)
+                self._yield(need=resident)
 
     def report(self) -> None:
         # A swap-in's progress is not the node's concern: a holder counts at its limit
