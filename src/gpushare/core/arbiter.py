@@ -721,6 +721,7 @@ class Arbiter:
         wrong += st.deadlines.verify(st.sessions)
         wrong += self.claims.verify()
         wrong += self.window.verify()
+        wrong += self.caps.verify()
         times = self._holder_deadlines()
         if self._retry_matters():
             now = st.deadlines.advanced  # retries due since the rules last ran are due still

@@ -80,13 +80,20 @@ class Caps:
         ss = self.st.sessions
         if not self.count or not q or not resting(ss[q[0]], now):
             return True
-        ready = [i for i in q if not resting(ss[i], now)]
+        ready: list[int] = []
+        waiting: list[int] = []
+        for i in q:
+            (waiting if resting(ss[i], now) else ready).append(i)
         if not ready:
             return False
-        waiting = [i for i in q if resting(ss[i], now)]
         q.clear()
         q.extend(ready + waiting)
         return True
+
+    def verify(self) -> list[str]:
+        """The running count of capped sessions against a scan."""
+        n = sum(1 for s in self.st.sessions.values() if s.share.cap)
+        return [] if n == self.count else [f"capped sessions: count {self.count}, scan {n}"]
 
     def all_resting(self, now: float) -> bool:
         ss = self.st.sessions
