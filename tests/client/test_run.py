@@ -456,7 +456,7 @@ def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloade
         (
             ["--memory", "8GiB", "--memory-limit", "4GiB"],
             {},
-            "4.0 GiB (GPUSHARE_MEMORY_LIMIT) is below the request 8.0",
+            "--memory-limit 4.0 GiB is below --memory 8.0 GiB: give a limit at least as large",
         ),
         (["--memory", "8GiB"], {"GPUSHARE_MEMORY_LIMIT": "2GiB"}, "is below the request 8.0 GiB"),
         (["--memory-limit", "2x"], {}, "--memory-limit: "),

@@ -22,7 +22,7 @@ from gpushare.settings import (
     SettingsError,
     check,
 )
-from gpushare.units import parse_duration, parse_size, parse_weight
+from gpushare.units import format_size, parse_duration, parse_size, parse_weight
 
 log = logging.getLogger("gpushare")
 
@@ -602,6 +602,16 @@ def _command(args: argparse.Namespace) -> int:  # noqa: C901
                     raise ValueError(f"a memory limit must be more than 0: like {flag} 10GiB")
             except ValueError as e:
                 print(f"gpushare run: error: {flag}: {e}", file=sys.stderr)
+                return 2
+        if args.memory is not None and args.memory_limit is not None:
+            request, limit = parse_size(args.memory), parse_size(args.memory_limit)
+            if limit < request:  # said in the flags' words, before anything starts
+                print(
+                    f"gpushare run: error: --memory-limit {format_size(limit)} is below"
+                    f" --memory {format_size(request)}: give a limit at least as large as"
+                    " the request",
+                    file=sys.stderr,
+                )
                 return 2
         socket = getattr(args, "socket", None)
         return run(
