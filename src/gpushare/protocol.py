@@ -76,6 +76,10 @@ class Hello(_Msg, tag="hello"):
     gang_size: int = 0
     rank: int = -1
     world_size: int = 0
+    # A process started by session ``family``'s program, joining it as a member (one
+    # lease, its memory out of that session's limit: docs/scheduling.md "Families"); the
+    # node checks that it descends from that session's process. 0: a session of its own.
+    family: int = 0
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -168,6 +172,14 @@ class Grant(_Msg, tag="grant"):
     # >0: end this lease's implicit bursts this long after their last safe point (a
     # server's requests: the GPU goes back soon after each); 0: the welcome's.
     idle_release_s: float = 0.0
+
+
+class Limits(_Msg, tag="limits"):
+    """The session's memory limit and request changed: a process of its family joined
+    (taking its part of them) or left (giving it back). Hold to these from now on."""
+
+    memory_limit: int
+    memory_request: int = 0  # 0: its limit
 
 
 class Room(_Msg, tag="room"):
@@ -277,6 +289,7 @@ Message = (
     | Report
     | Welcome
     | Grant
+    | Limits
     | Room
     | Prefetch
     | Revoke

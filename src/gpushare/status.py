@@ -98,6 +98,9 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     turn_credit_rate: float = 0.0
     usual_burst_seconds: float = 0.0
     measured_use_ratio: float = 0.0
+    # a process of that session's (docs/scheduling.md "Families": one lease, its memory
+    # out of that session's limit); 0: a session of its own
+    family: int = 0
 
 
 class GangStatus(msgspec.Struct, kw_only=True):

@@ -26,10 +26,11 @@ never makes a model recompile. A compiled model is gated where it is called: the
 module compiled in place keeps its outermost safe point around its compiled call.
 
 What is not gated: other tensor operations outside any module's forward (``x @ w`` at
-the top level), custom kernels, and anything in processes forked from the workload (DataLoader
-workers). Nothing yields inside a CUDA graph capture. A program whose GPU work happens
-there should use ``with session.gpu()`` explicitly: outside a lease its memory may be
-swapped out.
+the top level), custom kernels, and DataLoader workers. The hooks a forked child inherits
+step aside: a process the workload starts is gated as a member of its session once it
+joins, at its first GPU work (:func:`gpushare.client.runner.join_family`). Nothing
+yields inside a CUDA graph capture. A program whose GPU work happens there should use
+``with session.gpu()`` explicitly: outside a lease its memory may be swapped out.
 """
 
 from __future__ import annotations

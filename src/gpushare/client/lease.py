@@ -89,6 +89,7 @@ class Lease:
         given the lease as what it tells (its peer; its hooks) when it is built."""
         self.cond = cond
         self.memory_limit = welcome.memory_limit
+        self.memory_request = welcome.memory_request or welcome.memory_limit
         self.weight = welcome.weight
         self.gpu = welcome.gpu
         self.idle_release_s = welcome.idle_release_s
@@ -614,6 +615,10 @@ class Lease:
                 self._set_room(msg.room)
             elif isinstance(msg, p.Prefetch):
                 self._on_prefetch(msg)
+            elif isinstance(msg, p.Limits):  # a process of its family joined or left
+                self.memory_limit = msg.memory_limit
+                self.memory_request = msg.memory_request or msg.memory_limit
+                self.backend.set_limit(msg.memory_limit)
             elif isinstance(msg, p.Revoke):
                 if msg.lease and msg.lease == self.lease:  # else: for a lease gone already
                     self.revoke = msg
@@ -682,6 +687,7 @@ class Lease:
         return msgspec.structs.replace(
             hello,
             memory_limit=self.memory_limit,
+            memory_request=self.memory_request if self.memory_request < self.memory_limit else None,
             weight=self.weight,
             gpu=self.gpu,
             resident=self.backend.resident_bytes,

@@ -300,15 +300,135 @@ def child_start() -> None:
         file=sys.stderr,
         flush=True,
     )
+    # The processes the program starts join this session at their first GPU work.
+    os.environ[FAMILY_FLAG] = str(session.id)
+    os.environ[FAMILY_SIM_FLAG] = "1" if session.simulated else "0"
+    _gate(session)
+    try:
+        import torch
+    except ImportError:
+        return
+    os.register_at_fork(after_in_child=lambda: _forked(torch))
+
+
+def _gate(session: Session) -> None:
+    """The session gates this process: closed at exit, its hooks installed, its memory
+    limit enforced where CUDA is there."""
     atexit.register(session.close)
     sys.excepthook = _interrupted_hook(session, sys.excepthook)
+    global SESSION, HOOKS
+    SESSION = session
     try:
         from gpushare.client import hooks
 
-        hooks.install(session)
+        HOOKS = hooks.install(session)
         if session.backend.name != "torch":  # the torch backend sets its own limit
             hooks.limit_cuda_memory(session)
     except ImportError:
         log.warning("gpushare run: PyTorch is not installed: nothing is gated")
-    global SESSION
-    SESSION = session
+
+
+# --- the processes a session's program starts: members of its family ------------------
+
+FAMILY_FLAG = "GPUSHARE_FAMILY"  # the session a process started by its program joins
+FAMILY_SIM_FLAG = "GPUSHARE_FAMILY_SIMULATED"  # "1": its GPU is simulated
+MEMBER_MEMORY = "GPUSHARE_MEMBER_MEMORY"  # the most of the session's limit one takes
+HOOKS: list[Any] = []  # this process's hooks' handles (a forked child's are its parent's)
+
+
+def _title() -> str:
+    """What the process calls itself (``VLLM::EngineCore``: a process title overwrites
+    its command line), else its program's name."""
+    from gpushare.client.env import program_name
+
+    try:
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+            first = f.read(256).split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        first = ""
+    if first and "python" not in os.path.basename(first.split()[0]):
+        return os.path.basename(first.split()[0])[:64]
+    return program_name(sys.argv[0], getattr(sys, "orig_argv", sys.argv))[:64]
+
+
+def join_family(why: str) -> Session | None:
+    """This process, started by a session's program, begins GPU work (``why``): it
+    attaches as a member of that session (docs/run.md "Processes the program starts"),
+    gated from here on. A process that cannot join is stopped, saying why: its GPU work
+    would run ungated. None: no family to join (or it is the session already)."""
+    family = int(os.environ.get(FAMILY_FLAG) or 0)
+    if not family or (SESSION is not None and SESSION._lease.pid == os.getpid()):
+        return None
+    for h in HOOKS:  # a forked child's: its parent's session's, not its own
+        h.remove()
+    HOOKS.clear()
+    from gpushare.client.session import attach_with
+
+    pid = os.getpid()
+    try:
+        given = os.environ.get(MEMBER_MEMORY) or None
+        session = attach_with(
+            memory_limit=parse_size(given) if given else None,
+            name=f"{_title()}-{pid}",
+            family=family,
+            on_ended=_stop_program,
+        )
+    except Exception as e:  # whatever it is, its GPU work must not run ungated
+        os.write(
+            2,
+            f"gpushare run: error: process {pid}, started by session {family}'s program,"
+            f" {why} and could not join the session: {_attach_error(e)}: stopped (its GPU"
+            f" work would run ungated)\n".encode(),
+        )
+        os._exit(3)
+    os.write(
+        2,
+        f"gpushare run: process {pid} ({session.name}) {why}: joined session {family} as"
+        f" session {session.id}, one lease with it,{_memory_words(session)} of its"
+        f" memory\n".encode(),
+    )
+    _gate(session)
+    return session
+
+
+def watch_for_gpu_work(torch: Any) -> None:
+    """In a process a session's program started: join the session at its first GPU work,
+    CUDA's start (``torch.cuda._lazy_init``, which every first use goes through) or, on
+    a simulated GPU (where PyTorch runs on the CPU), its first module forward. A
+    DataLoader worker's forward (a transform) is CPU work: never joined for."""
+    handles: list[Any] = []
+
+    def first_forward(*_args: Any) -> None:
+        if torch.utils.data.get_worker_info() is not None:
+            for h in handles:
+                h.remove()
+            return
+        for h in handles:
+            h.remove()
+        session = join_family("runs a model")
+        if session is not None:
+            session.checkpoint()  # this forward is gated too
+
+    if os.environ.get(FAMILY_SIM_FLAG) == "1":
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        handles.append(register_module_forward_pre_hook(first_forward))
+    names = vars(torch.cuda)
+    init = names["_lazy_init"]
+
+    def _lazy_init() -> object:
+        names["_lazy_init"] = init  # once: the original from now on
+        for h in handles:
+            h.remove()
+        join_family("starts CUDA")
+        return init()
+
+    names["_lazy_init"] = _lazy_init
+
+
+def _forked(torch: Any) -> None:
+    """After a fork in a process of the family (a multiprocessing worker, an engine's
+    core): its inherited hooks step aside (core/hooks.py), and it joins at its first GPU
+    work. No I/O here: a fork handler runs before the child's own code."""
+    if SESSION is not None and not os.environ.get("GPUSHARE_UNGATED_SAID"):
+        watch_for_gpu_work(torch)

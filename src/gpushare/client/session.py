@@ -40,6 +40,7 @@ from gpushare.client.transport import (
     open_connection,
 )
 from gpushare.errors import GpushareError
+from gpushare.units import parse_size
 
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 _now = time.monotonic
@@ -109,21 +110,30 @@ def attach_with(
     timeout: float = 10.0,
     reconnect_timeout: float | None = None,
     on_ended: Callable[[str], None] | None = None,
+    family: int = 0,
 ) -> Session:
     """:func:`attach`, and ``on_ended(reason)`` called on the reader thread, unlocked,
     once the node has ended the session for good (``ctl end``, a refusal on
-    reconnecting): ``gpushare run`` stops its program there."""
+    reconnecting): ``gpushare run`` stops its program there. ``family``: this process
+    was started by session ``family``'s program and joins it as a member (one lease, its
+    memory out of that session's limit: ``memory_limit`` the most it takes, else all the
+    session has free)."""
     env = read_env()
     path = socket or env.socket
-    request, limit = memory_figures(memory, memory_limit, env)
+    if family:
+        request, limit = None, parse_size(memory_limit) if memory_limit is not None else None
+    else:
+        request, limit = memory_figures(memory, memory_limit, env)
     hello = p.Hello(
         version=p.PROTOCOL_VERSION,
         name=name or f"{program_name(sys.argv[0], sys.orig_argv)}-{os.getpid()}",
         memory_limit=limit,
         memory_request=request,
         weight=weight if weight is not None else env.portion,
-        portion=env.portion,  # the limit's share when none is given; and the weight's source
-        portion_limit=env.portion_limit,
+        # the limit's share when none is given; and the weight's source (a member's
+        # limit and weight are its session's)
+        portion=None if family else env.portion,
+        portion_limit=None if family else env.portion_limit,
         sharing=env.sharing_mode,
         compute_limit=compute_limit_of(compute_limit, os.environ.get("GPUSHARE_COMPUTE_LIMIT")),
         gpu=gpu if gpu is not None else env.gpu,
@@ -138,6 +148,7 @@ def attach_with(
         grows=True,  # the sim backend asks before it grows past a bound (a node lends
         # bounds only on simulated GPUs: the torch backend's allocator cannot wait yet)
         **gang_fields(),  # a rank of a distributed job: granted with the others
+        family=family,
     )
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)
@@ -231,9 +242,6 @@ class Session:
         self.gpu_index = welcome.gpu
         self.gpu_name = welcome.gpu_name
         self.simulated = welcome.simulated
-        self.memory_limit = welcome.memory_limit
-        # what the node guarantees and packs by (its limit unless it asked for less)
-        self.memory_request = welcome.memory_request or welcome.memory_limit
         self.weight = welcome.weight
         self.idle_release_s = welcome.idle_release_s
         self.tq_s = welcome.tq_s  # the GPU's TQ when it attached (0: the node did not say)
@@ -320,6 +328,16 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def memory_limit(self) -> int:
+        """The most it may have on the GPU (less once a process of its family joined)."""
+        return self._lease.memory_limit
+
+    @property
+    def memory_request(self) -> int:
+        """What the node guarantees it and packs by (its limit unless it asked for less)."""
+        return self._lease.memory_request
 
     @property
     def holding(self) -> bool:

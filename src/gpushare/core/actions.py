@@ -76,6 +76,16 @@ class ThawAction:
 
 
 @dataclass(frozen=True)
+class LimitsAction:
+    """A session's memory limit and request changed: a process of its family joined or
+    left (core/families.py); its client is told, and holds itself to them."""
+
+    session: int
+    memory_limit: int
+    memory_request: int  # 0: its limit
+
+
+@dataclass(frozen=True)
 class EventAction:
     record: dict[str, Any] = field(hash=False)
 
@@ -88,6 +98,7 @@ Action = (
     | SwapOutAction
     | EscalateAction
     | ThawAction
+    | LimitsAction
     | EventAction
 )
 

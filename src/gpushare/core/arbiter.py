@@ -21,8 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from gpushare.core import caps
-from gpushare.core.actions import Action, Outbox
+from gpushare.core import caps, families
+from gpushare.core.actions import Action, LimitsAction, Outbox
 from gpushare.core.admission import Admission
 from gpushare.core.caps import Caps
 from gpushare.core.checks import (
@@ -187,6 +187,8 @@ class Arbiter:
         gang: str = "",
         gang_size: int = 0,
         spans_nodes: bool = False,
+        family: int = 0,
+        joins_family: bool = False,
     ) -> list[Action]:
         """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
         outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
@@ -203,8 +205,15 @@ class Arbiter:
         before it has more than its grant's bound. ``sharing``: its pod's compute-sharing
         mode (``time-slicing``: exclusive quanta; ``sm-sharing``: mode auto), else the
         GPU's mode. ``compute_limit``: the most of the GPU's time it may take over a
-        window (core/caps.py), even when the GPU would otherwise idle."""
+        window (core/caps.py), even when the GPU would otherwise idle. ``family``: it is a
+        process of that session's (core/families.py), in its family's gang ``gang``;
+        ``joins_family``: it joins now (not back after a restart), its memory taken out
+        of that session's limit (``memory_limit`` the most it asks)."""
         st = self.st
+        head = st.get(family) if joins_family else None
+        cut = families.split(head, memory_limit) if head is not None else None
+        if cut is not None:
+            memory_limit, memory_request = cut.limit, cut.request or cut.limit
         limit = memory_limit
         weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
         request = self._check_request(memory_request, limit)
@@ -213,8 +222,8 @@ class Arbiter:
                 f"sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
                 f" gpu-compute-sharing-mode), not {sharing!r}"
             )
-        if gang:
-            self.gangs.check(gang, limit, spans_nodes)
+        # A family's limits add up to what its session had: checked as they were.
+        self.gangs.check(gang, 0 if cut else limit, spans_nodes)
         now = self.clock.monotonic()
         mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
         cap = self._check_compute_limit(compute_limit)
@@ -228,6 +237,11 @@ class Arbiter:
         st.set_memory(s, resident, swapped)
         st.sessions[sid] = s
         st.ledger.weigh(weight, 1)
+        s.rank.family = family if family != sid else 0
+        if head is not None and cut is not None:
+            self._left_to(head, cut.head_limit, cut.head_request)
+            if not head.rank.gang:
+                self.gangs.join(head, gang, 0, False)
         if gang:
             self.gangs.join(s, gang, gang_size, spans_nodes)
         resumed = bool(resident or swapped or holding)
@@ -244,6 +258,7 @@ class Arbiter:
                 gang=gang or None,
                 gang_size=gang_size if gang else None,
                 spans_nodes=spans_nodes if gang else None,
+                family=s.rank.family or None,
             )
         )
         if holding:  # it was working when the node went away
@@ -256,6 +271,12 @@ class Arbiter:
             else:
                 self.admission.resume_or_yield(s, lease)
         return self._decide()
+
+    def _left_to(self, head: SessionState, limit: int, request: int) -> None:
+        """A family's session has a new limit and request (a member joined or left)."""
+        families.give(head.memory, limit, request)
+        self.st.ledger.recount(head)
+        self.st.out.act(LimitsAction(head.id, limit, request))
 
     def _check_attach(
         self, sid: int, limit: int, weight: float, resident: int, swapped: int, lease: int
@@ -347,6 +368,9 @@ class Arbiter:
         st.ledger.weigh(s.weight, -1)
         if s.rank.gang:
             self.gangs.leave(s)
+        head = st.sessions.get(s.rank.family)
+        if head is not None:  # what it took of its session's limit goes back
+            self._left_to(head, *families.back(head, s))
         st.out.emit(Detach(session=sid, reason=reason, freed_bytes=s.memory.resident))
         return self._decide()
 

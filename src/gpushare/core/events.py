@@ -56,6 +56,7 @@ class Attach(Event):
     gang: str | None = None  # a rank of a distributed job: its gang, and as its client says
     gang_size: int | None = None
     spans_nodes: bool | None = None
+    family: int | None = None  # a process of this session's, its memory out of that one's
 
 
 @dataclass(kw_only=True, slots=True)

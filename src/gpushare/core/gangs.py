@@ -122,7 +122,10 @@ class Gangs(Mapping[str, Gang]):
     # --- members come and go ------------------------------------------------------
 
     def check(self, key: str, limit: int, spans_nodes: bool) -> None:
-        """A member the gang can hold the GPU with, or :class:`ArbiterError`."""
+        """A member the gang can hold the GPU with, or :class:`ArbiterError` (no gang:
+        nothing to check)."""
+        if not key:
+            return
         st = self.st
         if spans_nodes and st.settings.mode == "exclusive":
             raise ArbiterError(

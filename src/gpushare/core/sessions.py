@@ -5,7 +5,8 @@ core by rule"): :class:`Memory` the ledger's (core/ledger.py), :class:`Lease` th
 arbiter's grants and revokes, :class:`Escalation` the deadlines' and escalation's
 (core/deadlines.py, core/escalation.py, core/claims.py), :class:`Share` the quantum's, the
 window's and the turns' (core/shares.py, core/window.py, core/turns.py),
-:class:`Prefetch` core/prefetch.py's, :class:`Rank` core/gangs.py's, and
+:class:`Prefetch` core/prefetch.py's, :class:`Rank` core/gangs.py's and
+core/families.py's, and
 :class:`Totals` what is only counted, for status and metrics.
 """
 
@@ -160,6 +161,9 @@ class Rank:
     gang: str = ""  # the node's key of the job it is a rank of ("": none)
     parked: bool = False  # yielded to its gang's revoke; waits for its peers to yield too
     held: bool = False  # its gang holds the GPU: counted at its limit, never a victim
+    # A process of session ``family``'s (core/families.py: 0, none): its memory came from
+    # that session's limit, and goes back to it when it detaches.
+    family: int = 0
 
 
 @dataclass

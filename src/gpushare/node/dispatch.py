@@ -1,7 +1,7 @@
 """Dispatch: the one place the arbiters' decisions leave the node.
 
 Each action goes where it belongs: a grant (signed, so that it can be claimed back after a
-restart), revoke, room or swap-out to its session's connection, an event to the bus, an
+restart), revoke, room, swap-out or new limits to its session's connection, an event to the bus, an
 escalation to the log and (freeze, kill) as a signal to the whole workload: every process
 of the session's uid holding its connection, each reached through a pidfd, never a
 process that took a pid since. A batch's frames for one connection leave in one write; a
@@ -26,6 +26,7 @@ from gpushare.core.actions import (
     EscalateAction,
     EventAction,
     GrantAction,
+    LimitsAction,
     PrefetchAction,
     RevokeAction,
     RoomAction,
@@ -131,8 +132,19 @@ class Dispatch:
             elif isinstance(a, PrefetchAction):
                 c.may_hold_memory = True
                 send(c, p.Prefetch(room=a.room, seq=a.seq))
+            elif isinstance(a, LimitsAction):
+                self._limits(c, a)
+                send(c, p.Limits(memory_limit=a.memory_limit, memory_request=a.memory_request))
         for c, out in frames.values():  # one write per connection
             self._write(c, out[0] if len(out) == 1 else b"".join(out))
+
+    def _limits(self, c: Conn, a: LimitsAction) -> None:
+        """A family's session has new limits: on record at once, with the family, so
+        that a restarted node matches the session (by its new limit) and rebuilds it."""
+        if c.record is not None:
+            c.record = msgspec.structs.replace(c.record, limit=a.memory_limit, family=c.session)
+        if self.recovery is not None:
+            self.recovery.save_soon(0.0)
 
     def _write(self, c: Conn, data: bytes) -> None:
         c.write(data)

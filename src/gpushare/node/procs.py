@@ -54,6 +54,35 @@ def stat_of(pid: int, proc_root: str = "/proc") -> tuple[int, int, int] | None:
         return None
 
 
+def parent_of(pid: int, proc_root: str = "/proc") -> int:
+    """The parent pid of ``pid`` (field 4 of /proc/PID/stat), or 0 if it is gone."""
+    try:
+        text = (Path(proc_root) / str(pid) / "stat").read_text()
+        return int(text.rsplit(")", 1)[-1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# Deeper than any engine's process tree (vLLM: server, EngineCore, Worker): a chain
+# this long is not followed further (a loop in a corrupt or hostile /proc view).
+MAX_DEPTH = 64
+
+
+def descends(pid: int, ancestor: ProcRef, proc_root: str = "/proc") -> bool:
+    """Whether ``pid`` was started by ``ancestor`` or by a process it started (its
+    chain of parents reaches it), ``ancestor`` still being the process it was."""
+    if not same_process(ancestor, proc_root):
+        return False
+    at = pid
+    for _ in range(MAX_DEPTH):
+        at = parent_of(at, proc_root)
+        if at <= 1:
+            return False
+        if at == ancestor.pid:
+            return True
+    return False
+
+
 def uids_of(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
     """(real, effective) uid of ``pid``, or None if it is gone."""
     try:

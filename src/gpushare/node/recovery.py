@@ -56,6 +56,10 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     resident: int = 0
     swapped: int = 0
     lease: int = 0
+    # Its family (core/families.py): the session it is a process of, or its own id when
+    # processes of its own are members (0: neither). A restart rebuilds the family from
+    # this, never from what a client says.
+    family: int = 0
 
     def ref(self) -> ProcRef:
         return ProcRef(self.pid, self.start_time, self.uid)

@@ -130,6 +130,7 @@ def session(
         turn_credit_rate=a.turns.rate(s),
         usual_burst_seconds=a.turns.usual_burst(s) or 0.0,
         measured_use_ratio=a.turns.use(s),
+        family=s.rank.family,
     )
 
 

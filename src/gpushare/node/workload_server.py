@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 
 from gpushare import protocol as p
+from gpushare.core import families
 from gpushare.core.actions import Action
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.attribution import Attribution
@@ -26,6 +27,7 @@ from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
 from gpushare.node.k8s import PodCache
+from gpushare.node.procs import descends
 from gpushare.node.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
 from gpushare.status import Claimed
@@ -204,6 +206,38 @@ class WorkloadServer:
             )
         return gpu
 
+    def _where(self, conn: Conn, h: p.Hello, proc_root: str) -> tuple[Conn | None, int]:
+        """The session a member joins now (new, or back after a restart that kept no
+        record of it; None: not a member) and the GPU: a member's is its session's."""
+        if h.family and not (h.session and h.session in self.recovery.previous):
+            head = self._head_of(conn, h, proc_root)
+            return head, head.gpu
+        return None, self._gpu_of(h)
+
+    def _head_of(self, conn: Conn, h: p.Hello, proc_root: str) -> Conn:
+        """The session a hello with ``family`` joins as one of its processes: attached
+        here, of the same user, and this process started by its process or by one that
+        process started (the kernel's view, not the client's word); or :class:`Refused`."""
+        head = self.conns.get(h.family)
+        fix = (
+            "a process joins the session of the program that started it (gpushare run sets"
+            " GPUSHARE_FAMILY in its environment): unset GPUSHARE_FAMILY to attach it as"
+            " a session of its own"
+        )
+        if head is None or head.session != h.family:
+            raise Refused("family", f"hello: no session {h.family} is attached to join: {fix}")
+        if (
+            head.uid != conn.uid
+            or head.proc is None
+            or not descends(conn.pid, head.proc, proc_root)
+        ):
+            raise Refused(
+                "family",
+                f"hello: process {conn.pid} was not started by session {h.family}'s process"
+                f" (pid {head.pid}) or its children, or is another user's: {fix}",
+            )
+        return head
+
     def _weight(self, conn: Conn, h: p.Hello) -> tuple[float, str]:
         """The session's weight and where it comes from: the pod's gpu-fraction
         annotation through the API (checked), else the workload's word."""
@@ -234,12 +268,17 @@ class WorkloadServer:
                 " use the same gpushare version in workloads and node",
             )
         check_hello(h)
-        gpu = self._gpu_of(h)
-        arb, g, cfg = self.arbiters[gpu], self.gpus[gpu], self._config()
-        limit = _limit_of(h, arb.capacity)
+        cfg = self._config()
+        head, gpu = self._where(conn, h, cfg.proc_root)
+        arb, g = self.arbiters[gpu], self.gpus[gpu]
+        # A member asks for its part of its session's limit (all it has free, unless it
+        # names less), at its session's weight.
+        limit = _limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
         weight, source = self._weight(conn, h)
+        if head is not None:
+            weight, source = arb.sessions[head.session].weight, "family"
         # Back after a restart? Only the process the record names gets the id it had,
         # and its lease only with the token that lease was granted with.
         rec = None
@@ -258,6 +297,7 @@ class WorkloadServer:
         verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
         gang, spans_nodes = gang_of(h, conn.uid, identity)
+        family, gang = _family_of(arb, head, rec, gang, _who(conn.uid, identity))
         if gang:
             elsewhere = {
                 a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
@@ -271,7 +311,7 @@ class WorkloadServer:
                 sid,
                 name=name,
                 memory_limit=limit,
-                memory_request=_request_of(h, arb.capacity, limit),
+                memory_request=_request_of(h, arb.capacity, limit) if head is None else None,
                 grows=h.grows and g.simulated,
                 sharing=h.sharing,
                 compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
@@ -286,9 +326,12 @@ class WorkloadServer:
                 gang=gang,
                 gang_size=h.gang_size,
                 spans_nodes=spans_nodes,
+                family=family,
+                joins_family=head is not None,
             )
         except ArbiterError as e:
             raise Refused("attach", str(e)) from None
+        limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
@@ -308,6 +351,7 @@ class WorkloadServer:
             container_id=identity.container_id,
             limit=limit,
             name=name,
+            family=family,
         )
         self.conns[sid] = conn
         self.guard.joined(conn)
@@ -440,6 +484,24 @@ def _claims_memory(msg: p.Message, conn: Conn) -> bool:
     return 0 < msg.resident <= limit
 
 
+def _family_of(
+    arb: Arbiter, head: Conn | None, rec: SessionRecord | None, gang: str, who: str
+) -> tuple[int, str]:
+    """A session's family (a new member's session, checked; else what its record says;
+    0: none) and the gang it is in: its job's, else its family's."""
+    family = head.session if head is not None else (rec.family if rec is not None else 0)
+    if family and not gang:  # a rank's processes are in its job's gang already
+        gang = families.key(family, who)
+    if head is not None:  # the session's own gang, if it is a rank of a job
+        gang = arb.sessions[head.session].rank.gang or gang
+    return family, gang
+
+
+def _who(uid: int, identity: CgroupIdentity) -> str:
+    """Whose a job or family is, as the kernel says: the pod, else the uid."""
+    return f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
+
+
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     """The node's key of the job a hello says it is a rank of ("" for none), and whether
     the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
@@ -447,8 +509,7 @@ def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     of its own pod or user, whatever id it claims."""
     if not h.gang:
         return "", False
-    who = f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
-    return f"{h.gang}@{who}", 0 < h.gang_size < h.world_size
+    return f"{h.gang}@{_who(uid, identity)}", 0 < h.gang_size < h.world_size
 
 
 def _limit_of(h: p.Hello, capacity: int) -> int:

@@ -11,7 +11,7 @@ import types
 
 # "1": the command gpushare run started; this process's own pid: the session's program
 # exec'd itself or another program (os.execv keeps the pid: it stays the session); any
-# other pid: a process the session started, not attached.
+# other pid: a process the session started, a member of it once it does GPU work.
 if os.environ.get("GPUSHARE_AUTOATTACH") in ("1", str(os.getpid())):
     try:
         from gpushare.client.runner import child_start
@@ -25,20 +25,22 @@ if os.environ.get("GPUSHARE_AUTOATTACH") in ("1", str(os.getpid())):
         sys.stderr.flush()
         os._exit(3)  # SystemExit would be reported and ignored in sitecustomize
     child_start()
-elif os.environ.get("GPUSHARE_AUTOATTACH", "").isdigit() and not os.environ.get(
-    "GPUSHARE_UNGATED_SAID"
+elif (
+    os.environ.get("GPUSHARE_AUTOATTACH", "").isdigit()
+    and os.environ.get("GPUSHARE_FAMILY")
+    and not os.environ.get("GPUSHARE_UNGATED_SAID")
 ):
-    # A Python process the session's process started (multiprocessing's spawn or
-    # forkserver, an engine's workers): not a session. Nothing is said unless it uses
-    # CUDA, then one line at its CUDA start (torch.cuda._lazy_init, which every first
-    # use goes through), where its GPU work ran ungated without a word. No gpushare
-    # import here: a child that never uses CUDA pays a look at each import's name.
+    # A Python process the session's program started (multiprocessing's spawn or
+    # forkserver, an engine's workers, a subprocess): it joins the session at its first
+    # GPU work (gpushare.client.runner.watch_for_gpu_work), once PyTorch is imported. No
+    # gpushare import before: a child that never imports PyTorch pays a look at each
+    # import's name. (The ranks of torch.multiprocessing.spawn were said for by it.)
 
-    class _SayCudaUngated:
+    class _JoinAtGpuWork:
         def find_spec(
             self, name: str, path: object = None, target: object = None
         ) -> importlib.machinery.ModuleSpec | None:
-            if name != "torch.cuda":
+            if name != "torch":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -49,27 +51,14 @@ elif os.environ.get("GPUSHARE_AUTOATTACH", "").isdigit() and not os.environ.get(
 
             def exec_module(module: types.ModuleType) -> None:
                 run(module)
-                names = vars(module)
-                init = names["_lazy_init"]
+                from gpushare.client.runner import watch_for_gpu_work
 
-                def _lazy_init() -> object:
-                    names["_lazy_init"] = init  # said once: the original from now on
-                    os.write(
-                        2,
-                        f"gpushare run: process {os.getpid()}, started by the session's process"
-                        f" {os.environ['GPUSHARE_AUTOATTACH']}, uses CUDA ungated (not a session:"
-                        f" its GPU work is not gated, its memory not counted): start GPU"
-                        f" processes with a launcher (gpushare run -- torchrun ...), or call"
-                        f" gpushare.attach() in them (docs/run.md)\n".encode(),
-                    )
-                    return init()
-
-                names["_lazy_init"] = _lazy_init
+                watch_for_gpu_work(module)
 
             loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, _SayCudaUngated())
+    sys.meta_path.insert(0, _JoinAtGpuWork())
 
 _here = os.path.dirname(os.path.abspath(__file__))
 for _entry in sys.path:

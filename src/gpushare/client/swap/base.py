@@ -68,6 +68,10 @@ class SwapBackend(ABC):
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 
+    def set_limit(self, limit: int) -> None:  # noqa: B027  a backend with no limit of its own
+        """The session's memory limit is now ``limit`` (a process of its family joined or
+        left): allocations past it fail from now on. What it has stays."""
+
     def room_for(self, resident: int) -> float:
         """Wait until the node allows ``resident`` bytes on the GPU (:attr:`wait_room`);
         returns the seconds waited, which a swap's timing leaves out."""

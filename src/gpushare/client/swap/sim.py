@@ -159,6 +159,17 @@ class SimBackend(SwapBackend):
         self._host_ready = threading.Event()
         threading.Thread(target=self._make_host, name="gpushare-sim-host", daemon=True).start()
 
+    def set_limit(self, limit: int) -> None:
+        """Allocations are held to ``limit`` from now on; a larger one gets the slots
+        (and host memory) its chunks need."""
+        self._host_ready.wait()
+        have = len(self._host) // self.chunk_real if self.chunk_real else 0
+        need = -(-limit // self.chunk_bytes)
+        if need > have:  # popped last: the slots there are first taken
+            self._free_slots[:0] = range(need - 1, have - 1, -1)
+            self._host.extend(bytes((need - have) * self.chunk_real))
+        self.limit = limit
+
     def _make_host(self) -> None:
         self._host = bytearray(len(self._free_slots) * self.chunk_real)
         self._host_ready.set()

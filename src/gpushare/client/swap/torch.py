@@ -250,6 +250,7 @@ class TorchBackend(VmmBackend):
             hooks=hooks,
         )
         self.lib = lib
+        self._first_limit = limit
         self._idle = IdleWaiter(lambda: torch.cuda.synchronize(self.device))
         self.pool: Any = None
         self._routing = False
@@ -265,6 +266,12 @@ class TorchBackend(VmmBackend):
                 log.warning("%s", POOL_WARNING)
                 self._make_pool()
             _active.append(self)
+
+    def set_limit(self, limit: int) -> None:
+        """PyTorch's cap moved to ``limit`` (never past the limit the allocator was
+        configured with at the start: its host memory and pieces were sized by it)."""
+        self.limit = min(limit, self._first_limit)
+        limit_process_memory(self._torch, self.limit, self.device)
 
     def _preload_reaches_pytorch(self) -> bool:
         """Route ``cudaMalloc`` here, and check that a new PyTorch segment came through."""

@@ -1,0 +1,97 @@
+"""Families: the processes of one session, one lease and one memory limit among them.
+
+An engine runs its model in processes its program starts (vLLM's ``EngineCore`` and
+``Worker``, a multiprocessing server's workers, ``torch.multiprocessing`` children). Each
+such process that does GPU work attaches as a *member* of the session that started it
+(docs/scheduling.md "Families"); the node has checked that it descends from the
+session's process. The rules, here beside no state of their own (a family is the
+members' gang and each member's :attr:`~gpushare.core.sessions.Rank.family`):
+
+* **one lease**: the family is a gang (core/gangs.py), granted and revoked as one
+  holder, so that a process blocked on its sibling's answer never holds the GPU the
+  sibling waits for. A session that is a rank of a distributed job keeps its job's
+  gang: its members join it (they inherit the rank's environment, so their hellos name
+  the job already);
+* **one memory limit**: a member's limit comes out of its session's. It gets what it
+  asks, at most the part of the session's limit that the session does not have now
+  (on the GPU, in host memory or dropped); the session keeps the rest, and its client
+  is told (:class:`~gpushare.core.actions.LimitsAction`). The request is split the same
+  way, the member's first (the session keeps what is left, at least what it has). When
+  the member detaches, what it took goes back to its session, if that is still here.
+  So a family never counts for more than the one limit its pod asked for, and the GPU's
+  totals stay as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpushare.core.checks import ArbiterError
+from gpushare.core.sessions import Memory, SessionState
+from gpushare.units import format_size
+
+
+@dataclass(frozen=True)
+class Split:
+    """A member's part of its session's memory, and what the session keeps."""
+
+    limit: int
+    request: int  # 0: its limit
+    head_limit: int
+    head_request: int  # 0: its limit
+
+
+def key(head: int, who: str) -> str:
+    """The gang key of session ``head``'s family (``who``: the pod or uid the node saw,
+    as a job's key has it, so a family's key never matches another owner's)."""
+    return f"session:{head}@{who}"
+
+
+def has(m: Memory) -> int:
+    """What a session has now, wherever it is: what it must keep of its limit."""
+    return m.resident + m.swapped + m.discarded
+
+
+def split(head: SessionState, asked: int) -> Split:
+    """A member asking ``asked`` bytes joins ``head``: the limits and requests after."""
+    m = head.memory
+    keep = has(m)
+    free = m.limit - keep
+    if free <= 0:
+        raise ArbiterError(
+            f"session {head.id} ({head.name}) has all of its memory limit"
+            f" ({format_size(m.limit)}) in its own process: a process it starts has none"
+            " left to use; give the session a larger limit (gpushare run --memory-limit)"
+            " or free memory before starting it"
+        )
+    limit = min(asked, free)
+    head_limit = m.limit - limit
+    request = min(limit, m.guaranteed)
+    # The session keeps what is left of its request, and at least what it has: its
+    # guarantee never falls below the bytes it holds. (A request of 0 would read as the
+    # limit: 1 byte is the least a session with a limit left is guaranteed.)
+    head_request = max(m.guaranteed - request, keep, 1) if head_limit else 0
+    return Split(
+        limit=limit,
+        request=request if request < limit else 0,
+        head_limit=head_limit,
+        head_request=head_request if head_request < head_limit else 0,
+    )
+
+
+def give(m: Memory, limit: int, request: int) -> None:
+    """Set a session's limit and request (after a member joined or left it); a bound
+    of a grant under way is kept within the new limit."""
+    m.limit, m.request = limit, request
+    if m.bound > limit:
+        m.bound = limit
+    if m.room > limit:
+        m.room = limit
+
+
+def back(head: SessionState, member: SessionState) -> tuple[int, int]:
+    """A member leaves: the limit and request its session has again."""
+    h, g = head.memory, member.memory
+    limit = h.limit + g.limit
+    request = h.guaranteed + g.guaranteed if (h.request or g.request) else 0
+    return limit, request if request < limit else 0

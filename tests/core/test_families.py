@@ -1,0 +1,111 @@
+"""Families (core/families.py): the processes of one session granted as one holder, their
+memory limits adding up to the one the session had."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushare.core.actions import GrantAction, LimitsAction, RevokeAction
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.checks import ArbiterError
+from gpushare.settings import GpuSettings
+from tests.core.model import GiB, actions_of, events_of
+
+KEY = "session:1@uid:1000"
+
+
+def arb(clock, mode="exclusive", capacity=80 * GiB, tq_s=10.0):
+    return Arbiter(0, capacity, clock, GpuSettings(mode=mode, tq_s=tq_s))
+
+
+def member(a, sid, head=1, asked=80 * GiB, **kw):
+    return a.attach(
+        sid, name=f"m{sid}", memory_limit=asked, gang=KEY, family=head, joins_family=True, **kw
+    )
+
+
+def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(clock):
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=30 * GiB)
+    a.acquire(1)
+    a.report(1, resident=2 * GiB, swapped=0)
+    out = member(a, 2)  # asks for the whole GPU: gets what session 1 does not have
+    head, m = a.sessions[1].memory, a.sessions[2].memory
+    assert (m.limit, m.guaranteed) == (38 * GiB, 30 * GiB)
+    assert (head.limit, head.guaranteed) == (2 * GiB, 2 * GiB)  # it keeps what it has
+    assert actions_of(out, LimitsAction) == [LimitsAction(1, 2 * GiB, 0)]
+    (ev,) = events_of(out, "attach")
+    assert ev["family"] == 1 and ev["limit_bytes"] == 38 * GiB
+    assert a.sessions[2].rank.family == 1 and a.sessions[1].rank.family == 0
+    assert a.gangs[KEY].members == {1, 2}  # the session joined its family's gang
+
+
+def test_a_member_asking_less_leaves_the_rest_to_its_session(clock):
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=40 * GiB)
+    member(a, 2, asked=10 * GiB)
+    assert a.sessions[2].memory.limit == 10 * GiB
+    assert a.sessions[1].memory.limit == 30 * GiB
+    assert a.sessions[1].memory.guaranteed == 30 * GiB  # request = limit on both sides
+
+
+def test_what_a_member_took_goes_back_when_it_detaches(clock):
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=30 * GiB)
+    member(a, 2, asked=10 * GiB)
+    assert (a.sessions[1].memory.limit, a.sessions[1].memory.guaranteed) == (30 * GiB, 20 * GiB)
+    out = a.detach(2)
+    assert actions_of(out, LimitsAction) == [LimitsAction(1, 40 * GiB, 30 * GiB)]
+    assert (a.sessions[1].memory.limit, a.sessions[1].memory.guaranteed) == (40 * GiB, 30 * GiB)
+
+
+def test_a_member_left_by_its_session_keeps_its_memory(clock):
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=40 * GiB)
+    member(a, 2)
+    out = a.detach(1)
+    assert not actions_of(out, LimitsAction) and a.sessions[2].memory.limit == 40 * GiB
+    a.detach(2)  # and its own detach finds no session to give back to
+    assert not a.sessions
+
+
+def test_a_session_with_its_whole_limit_in_use_refuses_a_member_and_nothing_changes(clock):
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=8 * GiB)
+    a.acquire(1)
+    a.report(1, resident=8 * GiB, swapped=0)
+    with pytest.raises(ArbiterError, match="all of its memory limit"):
+        member(a, 2)
+    assert 2 not in a.sessions and a.sessions[1].memory.limit == 8 * GiB
+    assert not a.gangs  # nor did session 1 join a gang
+
+
+def test_a_family_is_granted_and_revoked_as_one_holder(clock):
+    a = arb(clock, tq_s=1.0)
+    a.attach(1, name="server", memory_limit=30 * GiB)
+    member(a, 2, asked=20 * GiB)  # the engine: 20 of the server's 30
+    a.attach(3, name="trainer", memory_limit=40 * GiB)
+    a.acquire(2)
+    assert list(a.holders) == [2]
+    a.acquire(3)
+    out = a.acquire(1)  # the server's own process asks while its family holds: at once
+    assert actions_of(out, GrantAction) and set(a.holders) == {1, 2}
+    clock.advance(1.5)
+    out = a.tick()  # the quantum ends and the trainer waits: both members revoked
+    assert {r.session for r in actions_of(out, RevokeAction)} == {1, 2}
+    a.release(1, resident=0, swapped=0)
+    assert 3 not in a.holders  # the GPU stays the family's until every member yielded
+    a.release(2, resident=0, swapped=0)
+    assert list(a.holders) == [3]
+
+
+def test_the_gpu_total_never_grows_with_members(clock):
+    a = arb(clock, mode="auto")
+    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(9, name="other", memory_limit=40 * GiB)
+    member(a, 2, asked=25 * GiB)
+    member(a, 3, asked=10 * GiB)
+    assert [a.sessions[i].memory.limit for i in (1, 2, 3)] == [5 * GiB, 25 * GiB, 10 * GiB]
+    total = sum(s.memory.limit for s in a.sessions.values())
+    assert total == 80 * GiB  # the server's 40 split among its processes, the other's 40
+    a.verify()  # the running totals agree with a scan (raises if not)

@@ -1,0 +1,88 @@
+"""A session's family through a node restart (core/families.py): the node SIGKILLed
+with a member attached rebuilds the family from its records (the ids, the split limits,
+one gang), and the member's memory goes back to its session when it leaves."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from tests.support import sim, wait_until
+
+G = 2**30
+
+MEMBER = """
+import sys
+from gpushare.client.session import attach_with
+m = attach_with(memory_limit=3 * 2**30, socket=sys.argv[1], family=int(sys.argv[2]), name="member")
+print(m.id, m.memory_limit, flush=True)
+sys.stdin.read()
+m.close()
+"""
+
+HEAD = """
+import subprocess, sys, time
+import gpushare
+s = gpushare.attach("8GiB", socket=sys.argv[1], name="head")
+member = subprocess.Popen(
+    [sys.executable, "-c", sys.argv[2], sys.argv[1], str(s.id)],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+)
+mid, mlimit = member.stdout.readline().split()
+t = time.monotonic()
+while s.memory_limit == 8 * 2**30 and time.monotonic() - t < 30:
+    time.sleep(0.02)
+print(s.id, mid, mlimit, s.memory_limit, flush=True)
+sys.stdin.readline()  # after the restart: the member leaves
+member.stdin.close()
+member.wait()
+t = time.monotonic()
+while s.memory_limit != 8 * 2**30 and time.monotonic() - t < 30:
+    time.sleep(0.02)
+print(s.memory_limit, flush=True)
+"""
+
+
+def _sessions(node) -> dict[int, dict]:
+    return {s["id"]: s for s in node.status()["gpus"][0]["sessions"]}
+
+
+def test_a_family_survives_a_node_killed_and_its_memory_goes_back(node_factory):
+    node = node_factory(*sim("16GiB", mode="exclusive"))
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD, node.socket, MEMBER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert head.stdout is not None and head.stdin is not None
+        hid, mid, mlimit, hlimit = map(int, head.stdout.readline().split())
+        assert (mlimit, hlimit) == (3 * G, 5 * G)  # the head was told its part
+        before = _sessions(node)
+        assert before[mid]["family"] == hid and before[hid]["family"] == 0
+        gang = before[mid]["gang"]
+        assert gang.startswith(f"session:{hid}@") and before[hid]["gang"] == gang
+
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+        node.start()
+
+        def back() -> dict[int, dict] | None:
+            now = _sessions(node)
+            return now if {hid, mid} <= set(now) else None
+
+        after = wait_until(back, 60, "the head and its member back with their ids")
+        assert after[mid]["family"] == hid
+        assert after[mid]["gang"] == gang and after[hid]["gang"] == gang  # one gang again
+        assert after[mid]["memory_limit_bytes"] == 3 * G
+        assert after[hid]["memory_limit_bytes"] == 5 * G  # not 8: nothing counted twice
+
+        head.stdin.write("\n")
+        head.stdin.flush()
+        assert int(head.stdout.readline()) == 8 * G  # the member left: its part is back
+        assert _sessions(node)[hid]["memory_limit_bytes"] == 8 * G
+    finally:
+        head.kill()
+        head.wait()
