@@ -96,6 +96,8 @@ def test_an_engine_process_joins_the_session_and_waits_for_its_lease(
         assert head["state"] == "idle" and head["gang"] == member["gang"]
         assert member["memory_limit_bytes"] == 3 * GIB
         assert head["memory_limit_bytes"] == 5 * GIB  # the 8 GiB split, no more counted
+        table = node.ctl("status").stdout
+        assert f"family of session {head['id']}: sessions {head['id']}, {member['id']}" in table
     rival.close()
     out, err = pr.communicate(timeout=180)
     assert pr.returncode == 0, err

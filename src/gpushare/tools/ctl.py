@@ -59,10 +59,15 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
                 " frame: holders and the queue are shown first)\n"
             )
-        for gang in g.gangs:  # the ranks of one job: one holder
+        for gang in g.gangs:  # the ranks of one job, or a session's processes: one holder
             spans = "  spans nodes" if gang.spans_nodes else ""
+            who = ", ".join(map(str, gang.sessions))
+            if not gang.size and gang.gang.startswith("session:"):  # a family: no ranks
+                head = gang.gang.removeprefix("session:").split("@")[0]
+                out.write(f"  family of session {head}: sessions {who} {gang.state}\n")
+                continue
             out.write(
-                f"  gang {gang.gang}: sessions {', '.join(map(str, gang.sessions))}"
+                f"  gang {gang.gang}: sessions {who}"
                 f" ({len(gang.sessions)} of {gang.size or '?'} ranks) {gang.state}{spans}\n"
             )
 

@@ -37,19 +37,28 @@ elif (
     # import's name. (The ranks of torch.multiprocessing.spawn were said for by it.)
 
     class _JoinAtGpuWork:
+        # Kept until torch is imported, not just looked for: transformers asks
+        # find_spec("torch") without importing it (seen in vLLM's processes).
+        looking = False
+
         def find_spec(
             self, name: str, path: object = None, target: object = None
         ) -> importlib.machinery.ModuleSpec | None:
-            if name != "torch":
+            if name != "torch" or self.looking:
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            self.looking = True
+            try:
+                spec = importlib.util.find_spec(name)  # the other finders' (this one: None)
+            finally:
+                self.looking = False
             loader = getattr(spec, "loader", None)
             if loader is None or not hasattr(loader, "exec_module"):
                 return spec
             run = loader.exec_module
 
             def exec_module(module: types.ModuleType) -> None:
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 run(module)
                 from gpushare.client.runner import watch_for_gpu_work
 
