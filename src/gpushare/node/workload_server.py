@@ -224,6 +224,11 @@ class WorkloadServer:
             " GPUSHARE_FAMILY in its environment): unset GPUSHARE_FAMILY to attach it as"
             " a session of its own"
         )
+        if (head is None or head.session != h.family) and h.family in self.recovery.expected:
+            raise Refused(  # its session comes back first: the client tries again
+                "busy",
+                f"the node restarted and session {h.family} is not back yet: try again soon",
+            )
         if head is None or head.session != h.family:
             raise Refused("family", f"hello: no session {h.family} is attached to join: {fix}")
         if (
