@@ -112,11 +112,29 @@ class Turns:
             return st.turn_s
         return max(st.turn_s, self._rates(s)[1] * self.shares.quantum(s))
 
+    def answers(self, s: SessionState) -> bool:
+        """A server, by its measured use (:meth:`serves`) or by its history
+        (:meth:`requests`): a turn it is refused must not send it behind a quantum. Not
+        by its use alone: at a light load its use is below a notebook's rate, by a few
+        hundredths, or above it, by how long its swap-ins took (its waits count as use);
+        a server whose cache is dropped rather than swapped (no swap-in) fell below, had
+        no overdraft and waited for the batch job's whole quantum (issue 28: p50 5.6 s)."""
+        return self.serves(s) or self.requests(s)
+
     def overdraft(self, s: SessionState) -> float:
         """What a server's turn may take beyond its credit, paid back while it idles:
         half a turn (a request that finds the credit spent by the last bunch is answered,
-        not sent behind a quantum); a notebook none."""
-        return self.st.settings.turn_s / 2 if self.serves(s) else 0.0
+        not sent behind a quantum); a session not taken for a server, none."""
+        return self.st.settings.turn_s / 2 if self.answers(s) else 0.0
+
+    def waiting_rate(self, s: SessionState) -> float:
+        """What a refused server earns per second it waits: the fraction of time its rate
+        ``r`` per idle second gives its turns, ``r / (1 + r)`` (``u``, for a rate earned
+        for its measured use); 0 for a session not taken for a server."""
+        if not self.answers(s):
+            return 0.0
+        r = self.rate(s)
+        return r / (1.0 + r)
 
     @staticmethod
     def usual_burst(s: SessionState) -> float | None:
@@ -194,8 +212,8 @@ class Turns:
         """A server short of credit waits, earning its fraction ``u`` of each second it
         waits (as a rate per second held or waited, not idle: its turns stay within
         ``u`` of the time); when that covers its usual burst it is looked at again."""
-        u = self._rates(s)[1]
-        if not self.serves(s) or u <= 0:
+        u = self.waiting_rate(s)
+        if u <= 0:
             return
         need = max(TURN_MIN_S, usual) - self.overdraft(s) - s.share.credit
         # (at least a millisecond on: rounding must not look again at the same instant)
@@ -225,7 +243,7 @@ class Turns:
                 continue
             del self.refused[sid]
             sh = s.share
-            sh.credit = min(self.bank(s), sh.credit + self._rates(s)[1] * (now - since))
+            sh.credit = min(self.bank(s), sh.credit + self.waiting_rate(s) * (now - since))
             usual = self.usual_burst(s) or 0.0
             if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
                 self._refuse(s, now, usual)
