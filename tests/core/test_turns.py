@@ -112,3 +112,36 @@ def test_a_light_servers_requests_beside_a_trainer_are_all_turns(bandwidth):
     assert max(waits) <= 0.17 + 0.5, sorted(waits)[-5:]
     turns = [e for e in m.events if e["event"] == "grant" and e["session"] == 2]
     assert all(e.get("turn") for e in turns[1:]), [e for e in turns if not e.get("turn")]
+
+
+def bursts_then_grant(a, clock, sid, bursts):
+    """``sid`` alone works ``bursts`` (seconds each), idle 2 s after each: its next grant."""
+    for seconds in bursts:
+        a.acquire(sid)
+        clock.advance(seconds)
+        a.release(sid, resident=0, swapped=0)
+        clock.advance(2.0)
+        a.tick()
+    (g,) = actions_of(a.acquire(sid), GrantAction)
+    return g
+
+
+@pytest.mark.parametrize(
+    ("bursts", "short"),
+    [
+        ([0.05, 0.67], True),  # its memory made, one request (held 0.5 s idle after it)
+        ([0.05], False),  # one burst: nothing says it asks briefly
+        ([0.05, 20.0], False),  # a training loop's memory, then its loop
+        ([0.05, 0.2, 20.0], True),  # two of three short
+        ([0.05, 0.2, 20.0, 20.0], False),  # half: not a majority (a lower median: short)
+    ],
+)
+def test_a_server_is_taken_for_one_from_its_second_short_burst(clock, bursts, short):
+    """The short idle release from two bursts seen, when both are short: its second
+    request's turn ends 0.05 s after the request, not 0.5 s (the trainer's time). A
+    strict majority of short bursts, so a training loop's long burst after its short
+    first is never taken for a request's."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
+    a.attach(2, name="s", memory_limit=GiB)
+    g = bursts_then_grant(a, clock, 2, bursts)
+    assert (g.idle_release_s == SERVER_IDLE_S) is short

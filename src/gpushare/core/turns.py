@@ -28,7 +28,7 @@ RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
 USE_TAU_S = 60.0  # its measured use is a decayed average over about this long
 HEADROOM = 1.5  # credit earned for this much of its measured use (within its share)
 SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session has 1)
-SERVER_BURSTS = 3  # bursts seen before a session is taken for a server
+SERVER_BURSTS = 2  # bursts seen before a session is taken for a server
 SERVER_IDLE_S = 0.05  # a server's implicit burst ends this long after its last safe point
 
 
@@ -91,18 +91,19 @@ class Turns:
 
     def requests(self, s: SessionState) -> bool:
         """Request-driven (a server, a notebook): it asks often and briefly after idle
-        gaps (bursts usually shorter than a turn, gaps longer than the shortest window),
-        so its implicit bursts end soon after each request (:data:`SERVER_IDLE_S`), not
-        the node's ``idle_release`` later: the GPU goes back to the batch job at once."""
+        gaps (most of its recent bursts, more than half, shorter than a turn; gaps longer
+        than the shortest window), so its implicit bursts end soon after each request
+        (:data:`SERVER_IDLE_S`), not the node's ``idle_release`` later: the GPU goes back
+        to the batch job at once. Two bursts seen are enough when both are short (a
+        server's memory made, then its first request: each request before this held the
+        GPU idle 0.5 s more, a trainer's time); a training loop's short first burst (its
+        memory made) then its long one is not."""
         sh = s.share
-        if len(sh.bursts) < SERVER_BURSTS or sh.gap_ewma is None:
+        n = len(sh.bursts)
+        if n < SERVER_BURSTS or sh.gap_ewma is None:
             return False
-        usual = self.usual_burst(s)
-        return (
-            usual is not None
-            and usual < self.st.settings.turn_s
-            and sh.gap_ewma > ANTICIPATE_FLOOR_S
-        )
+        upper = sorted(sh.bursts)[n // 2]  # (the upper median: a strict majority below it)
+        return upper < self.st.settings.turn_s and sh.gap_ewma > ANTICIPATE_FLOOR_S
 
     def bank(self, s: SessionState) -> float:
         """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
