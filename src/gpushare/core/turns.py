@@ -10,8 +10,10 @@ at ``turn_share`` of its weight share, or at what its measured use needs (with h
 up to its weight's share of the GPU, and is kept up to ``turn_s``: a session cannot take
 more than its share this way. Its usual burst is the lower median of its recent bursts,
 a burst that waited (and so drained a backlog) counted at most at ``turn_s``: one backlog
-or one slow request does not lock it out. Turns never starve a queue: none is taken while
-someone has waited a whole round.
+or one slow request does not lock it out. A server (by its measured use, or by its history:
+:meth:`Turns.requests`) short of credit overdraws half a turn, or waits only until its
+wait has earned the turn, never for a quantum. Turns never starve a queue: none is taken
+while someone has waited a whole round.
 """
 
 from __future__ import annotations
