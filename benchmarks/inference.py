@@ -25,7 +25,11 @@ ended by the client after the grant's idle release (short for a session the node
 for a server: docs/scheduling.md 3) instead of ``--hold``.
 
     python benchmarks/inference.py [--quick] [--seconds S] [--rates 0.5 2 8]
-                                   [--tqs 30 5] [--json out.json]
+                                   [--tqs 30 5] [--json out.json] [--events DIR]
+
+``--events DIR``: each node run's event log kept there, with the server's turn figures
+as the node's status showed them every 20 ms (its credit, rate, usual burst, measured
+use: ``*.status.jsonl``) and the measured window (``*.t0``, Unix seconds).
 
 ``--quick``: 10 s per run (20 s at 0.5 requests a second: ten requests at least, on
 average) at TQ 30 only: about two minutes with the starts and the drains. The last line
@@ -60,6 +64,7 @@ SERVICE_S = 0.17  # a request's GPU time (issue 28: a small model's greedy gener
 TRAIN_STEP_S = 0.05  # deploy/examples/train.py's default step
 SERVER_MEMORY = 20 * GIB
 TRAINER_MEMORY = 64 * GIB
+KEEP = ""  # --events DIR: each run's node event log copied there
 
 
 def work(s: Any, seconds: float) -> None:
@@ -235,7 +240,12 @@ def run(
         start(procs, "trainer", spec, train_out + ".ready")
         t_go = time.monotonic()
         Path(go).touch()
+        stop = threading.Event()
+        rows: list[dict[str, Any]] = []
+        if KEEP and tq is not None:  # the server's turn figures as the node sees them
+            threading.Thread(target=watch, args=(admin, stop, rows), daemon=True).start()
         lat = load(port, arrivals(rate, seconds, seed=int(rate * 1000)), t_go + warm)
+        stop.set()
         if procs[1].wait(timeout=warm + seconds + 300) != 0:
             raise SystemExit(f"the benchmark's trainer failed with {procs[1].returncode}")
     finally:
@@ -258,7 +268,31 @@ def run(
     }
     if tq is not None:
         out.update(from_events(d / "events.jsonl", t0, len(lat)))
+        if KEEP:  # the node's event log, and when the measured window began (Unix time)
+            tag = f"r{rate:g}-tq{tq:g}-d{discard // GIB}"
+            Path(KEEP, tag + ".jsonl").write_text((d / "events.jsonl").read_text())
+            wall = time.time() - time.monotonic()
+            Path(KEEP, tag + ".t0").write_text(f"{t0 + wall} {t1 + wall}\n")
+            lines = "".join(json.dumps(r) + "\n" for r in rows)
+            Path(KEEP, tag + ".status.jsonl").write_text(lines)
     return out
+
+
+def watch(admin: str, stop: threading.Event, rows: list[dict[str, Any]]) -> None:
+    """Every 20 ms, the server's status row's turn figures (and the Unix time)."""
+    from gpushare.tools.admin import AdminClient
+
+    keys = ("state", "turns_total", "turn_credit_seconds", "turn_credit_rate")
+    keys += ("usual_burst_seconds", "measured_use_ratio", "bursts_total")
+    with AdminClient(admin) as c:
+        last: dict[str, Any] = {}
+        while not stop.wait(0.02):
+            for s in c.status().gpus[0].sessions:
+                if s.name == "server":
+                    row = {k: getattr(s, k) for k in keys}
+                    if row != last:
+                        rows.append({"ts": time.time(), **row})
+                        last = row
 
 
 def from_events(path: Path, t0: float, requests: int) -> dict[str, Any]:
@@ -311,7 +345,12 @@ def main() -> None:
         " with discard (default 8; 0: none)",
     )
     ap.add_argument("--json", default="", help="write the figures here too")
+    ap.add_argument("--events", default="", help="copy each run's node event log into this folder")
     a = ap.parse_args()
+    global KEEP
+    if a.events:
+        Path(a.events).mkdir(parents=True, exist_ok=True)
+        KEEP = a.events
     seconds = a.seconds or (10.0 if a.quick else 60.0)
     if a.implicit:
         a.hold = -1.0  # (the server's engine: implicit bursts)
@@ -346,23 +385,28 @@ def main() -> None:
                     " per request",
                     flush=True,
                 )
-    load1 = os.getloadavg()
-    print(f"load average {load0[0]:.2f} before, {load1[0]:.2f} after (1 min)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
     target = next((r for r in rows if r["rate"] == a.rates[0] and r["tq"] == tqs[0]), rows[-1])
     with_discard = "n/a"
     if a.discard > 0:  # the target's case again, the server's cache discardable
         with tempfile.TemporaryDirectory() as tmp:
             secs = max(seconds, 10 / a.rates[0])
             d = run(Path(tmp), a.rates[0], tqs[0], secs, a.hold, int(a.discard * GIB))
+        bare = next(r for r in rows if r["rate"] == a.rates[0] and r["tq"] is None)
+        d["discard_gib"] = a.discard
+        d["train_vs_bare"] = d["train_steps_per_s"] / bare["train_steps_per_s"]
+        rows.append(d)
         with_discard = f"{d['mib_to_host_per_request']:.0f}"
         print(
             f"  with {a.discard:g} GiB discardable: p50 {d['p50']:.2f} s p99 {d['p99']:.2f} s;"
+            f" trainer {d['train_vs_bare']:.2f} of bare; {d['turns']} turns;"
             f" {d['mib_to_host_per_request']:.0f} MiB to host and"
             f" {d['mib_dropped_per_request']:.0f} MiB dropped per request",
             flush=True,
         )
+    load1 = os.getloadavg()
+    print(f"load average {load0[0]:.2f} before, {load1[0]:.2f} after (1 min)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
     print(
         f"p99 beside training / alone: {target['p99_over_bare']:.2f}; bytes to host per"
         f" request: with discard {with_discard} MiB, without"

@@ -10,8 +10,10 @@ at ``turn_share`` of its weight share, or at what its measured use needs (with h
 up to its weight's share of the GPU, and is kept up to ``turn_s``: a session cannot take
 more than its share this way. Its usual burst is the lower median of its recent bursts,
 a burst that waited (and so drained a backlog) counted at most at ``turn_s``: one backlog
-or one slow request does not lock it out. Turns never starve a queue: none is taken while
-someone has waited a whole round.
+or one slow request does not lock it out. A server (by its measured use, or by its history:
+:meth:`Turns.requests`) short of credit overdraws half a turn, or waits only until its
+wait has earned the turn, never for a quantum. Turns never starve a queue: none is taken
+while someone has waited a whole round.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ RESUME_MIN_S = 0.01  # less left of a paused quantum than this: not resumed
 USE_TAU_S = 60.0  # its measured use is a decayed average over about this long
 HEADROOM = 1.5  # credit earned for this much of its measured use (within its share)
 SHARE_MOST = 0.9  # the most of the GPU turns are earned for (alone, a session has 1)
-SERVER_BURSTS = 3  # bursts seen before a session is taken for a server
+SERVER_BURSTS = 2  # bursts seen before a session is taken for a server
 SERVER_IDLE_S = 0.05  # a server's implicit burst ends this long after its last safe point
 
 
@@ -91,18 +93,19 @@ class Turns:
 
     def requests(self, s: SessionState) -> bool:
         """Request-driven (a server, a notebook): it asks often and briefly after idle
-        gaps (bursts usually shorter than a turn, gaps longer than the shortest window),
-        so its implicit bursts end soon after each request (:data:`SERVER_IDLE_S`), not
-        the node's ``idle_release`` later: the GPU goes back to the batch job at once."""
+        gaps (most of its recent bursts, more than half, shorter than a turn; gaps longer
+        than the shortest window), so its implicit bursts end soon after each request
+        (:data:`SERVER_IDLE_S`), not the node's ``idle_release`` later: the GPU goes back
+        to the batch job at once. Two bursts seen are enough when both are short (a
+        server's memory made, then its first request: each request before this held the
+        GPU idle 0.5 s more, a trainer's time); a training loop's short first burst (its
+        memory made) then its long one is not."""
         sh = s.share
-        if len(sh.bursts) < SERVER_BURSTS or sh.gap_ewma is None:
+        n = len(sh.bursts)
+        if n < SERVER_BURSTS or sh.gap_ewma is None:
             return False
-        usual = self.usual_burst(s)
-        return (
-            usual is not None
-            and usual < self.st.settings.turn_s
-            and sh.gap_ewma > ANTICIPATE_FLOOR_S
-        )
+        upper = sorted(sh.bursts)[n // 2]  # (the upper median: a strict majority below it)
+        return upper < self.st.settings.turn_s and sh.gap_ewma > ANTICIPATE_FLOOR_S
 
     def bank(self, s: SessionState) -> float:
         """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
@@ -112,11 +115,29 @@ class Turns:
             return st.turn_s
         return max(st.turn_s, self._rates(s)[1] * self.shares.quantum(s))
 
+    def answers(self, s: SessionState) -> bool:
+        """A server, by its measured use (:meth:`serves`) or by its history
+        (:meth:`requests`): a turn it is refused must not send it behind a quantum. Not
+        by its use alone: at a light load its use is below a notebook's rate, by a few
+        hundredths, or above it, by how long its swap-ins took (its waits count as use);
+        a server whose cache is dropped rather than swapped (no swap-in) fell below, had
+        no overdraft and waited for the batch job's whole quantum (issue 28: p50 5.6 s)."""
+        return self.serves(s) or self.requests(s)
+
     def overdraft(self, s: SessionState) -> float:
         """What a server's turn may take beyond its credit, paid back while it idles:
         half a turn (a request that finds the credit spent by the last bunch is answered,
-        not sent behind a quantum); a notebook none."""
-        return self.st.settings.turn_s / 2 if self.serves(s) else 0.0
+        not sent behind a quantum); a session not taken for a server, none."""
+        return self.st.settings.turn_s / 2 if self.answers(s) else 0.0
+
+    def waiting_rate(self, s: SessionState) -> float:
+        """What a refused server earns per second it waits: the fraction of time its rate
+        ``r`` per idle second gives its turns, ``r / (1 + r)`` (``u``, for a rate earned
+        for its measured use); 0 for a session not taken for a server."""
+        if not self.answers(s):
+            return 0.0
+        r = self.rate(s)
+        return r / (1.0 + r)
 
     @staticmethod
     def usual_burst(s: SessionState) -> float | None:
@@ -194,8 +215,8 @@ class Turns:
         """A server short of credit waits, earning its fraction ``u`` of each second it
         waits (as a rate per second held or waited, not idle: its turns stay within
         ``u`` of the time); when that covers its usual burst it is looked at again."""
-        u = self._rates(s)[1]
-        if not self.serves(s) or u <= 0:
+        u = self.waiting_rate(s)
+        if u <= 0:
             return
         need = max(TURN_MIN_S, usual) - self.overdraft(s) - s.share.credit
         # (at least a millisecond on: rounding must not look again at the same instant)
@@ -225,7 +246,7 @@ class Turns:
                 continue
             del self.refused[sid]
             sh = s.share
-            sh.credit = min(self.bank(s), sh.credit + self._rates(s)[1] * (now - since))
+            sh.credit = min(self.bank(s), sh.credit + self.waiting_rate(s) * (now - since))
             usual = self.usual_burst(s) or 0.0
             if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
                 self._refuse(s, now, usual)
