@@ -94,14 +94,20 @@ class SimLink:
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
-    def book(self, lane: int, nbytes: int, bandwidth: float) -> float:
-        """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done."""
+    def book(self, lane: int, nbytes: int, bandwidth: float, after: float = 0.0) -> float:
+        """Book ``nbytes`` on ``lane``; returns when (monotonic) the transfer is done.
+        ``after``: the end of this swap's previous chunk on the lane. If no one booked
+        the lane since, this chunk follows it back to back, as a copy engine streams a
+        swap's chunks, not from when the process got round to booking it (a few
+        milliseconds a chunk, which made a 4 GiB swap-in take 0.10 s, not 0.078)."""
         with self._locked():
             now = time.monotonic()
             booked = [
                 t if math.isfinite(t) and t <= now + MAX_LEAD_S else now
                 for t in _LANES.unpack_from(self._mem)
             ]
+            if after and booked[lane] == after:
+                now = min(now, after)
             end = book(booked, lane, nbytes, bandwidth, now)
             _LANES.pack_into(self._mem, 0, *booked)
             return end

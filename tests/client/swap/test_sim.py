@@ -69,6 +69,21 @@ def test_swap_time_follows_the_model():
     assert r.seconds < 10 * (2 * G / 20e9)
 
 
+def test_a_swaps_chunks_stream_back_to_back_unless_another_booked_between():
+    from gpushare.simlink import OUT, SimLink
+
+    link = SimLink()
+    bw, n = 1e9, 10_000_000  # 10 ms a chunk
+    start = time.monotonic()
+    first = link.book(OUT, n, bw)
+    time.sleep(0.03)  # the process is late to book its next chunk
+    second = link.book(OUT, n, bw, after=first)
+    assert second == pytest.approx(first + 0.01, abs=1e-6)  # streamed: no gap
+    late = link.book(OUT, n, bw)  # without after: from when it booked
+    assert late >= start + 0.03 + 0.01
+    link.close()
+
+
 def test_freed_memory_returns_its_host_slots(backend):
     for _ in range(100):  # would run out of host slots if they leaked
         m = backend.allocate(9 * G)

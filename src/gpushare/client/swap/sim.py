@@ -240,13 +240,13 @@ class SimBackend(SwapBackend):
                 dropped += c.nbytes
                 self._dropped_from(c)
                 self.progress()
-        moved = 0
+        moved, done = 0, 0.0
         for c in reversed(self._chunks):
             if moved + dropped >= nbytes:
                 break
             if c.data is None:
                 continue
-            done = self.link.book(OUT, c.nbytes, self.bandwidth)
+            done = self.link.book(OUT, c.nbytes, self.bandwidth, after=done)
             off = c.slot * self.chunk_real
             self._host[off : off + len(c.data)] = c.data
             c.crc = zlib.crc32(c.data)
@@ -264,15 +264,18 @@ class SimBackend(SwapBackend):
     def swap_in(self) -> SwapResult:
         self._host_ready.wait()
         t0 = time.perf_counter()
-        moved = 0
+        moved, done = 0, 0.0
         for c in self._chunks:
             if c.data is not None:
                 continue
-            t0 += self.room_for(self.resident_bytes + c.nbytes)  # not transfer time
+            waited = self.room_for(self.resident_bytes + c.nbytes)  # not transfer time
+            t0 += waited
+            if waited > 1e-3:
+                done = 0.0  # the stream stopped for room: the next chunk starts anew
             if c.dropped:  # made again, empty: its workload rebuilds it
                 c.data, c.dropped = bytearray(-(-c.nbytes // self.scale)), False
                 continue
-            done = self.link.book(IN, c.nbytes, self.bandwidth)
+            done = self.link.book(IN, c.nbytes, self.bandwidth, after=done)
             real = -(-c.nbytes // self.scale)
             off = c.slot * self.chunk_real
             data = bytearray(self._host[off : off + real])
