@@ -359,8 +359,13 @@ def main() -> None:
     print(
         f"inference beside training: server {SERVER_MEMORY // GIB} GiB, trainer"
         f" {TRAINER_MEMORY // GIB} GiB on a simulated 80 GiB GPU, mode exclusive;"
-        f" requests of {SERVICE_S} s, the lease kept {a.hold:g} s after the last;"
-        f" {seconds:g} s per run (at least 10 / rate);"
+        f" requests of {SERVICE_S} s, "
+        + (
+            "implicit bursts (ended by the client after the grant's idle release);"
+            if a.implicit
+            else f"the lease kept {a.hold:g} s after the last;"
+        )
+        + f" {seconds:g} s per run (at least 10 / rate);"
         f" load average {load0[0]:.2f}",
         flush=True,
     )
