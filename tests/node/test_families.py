@@ -4,10 +4,17 @@ one gang), and the member's memory goes back to its session when it leaves."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
 import sys
 
+import pytest
+
+from gpushare import protocol as p
+from gpushare.node import workload_server
+from tests.node.harness import InProcessNode, Workload, in_process
 from tests.support import sim, wait_until
 
 G = 2**30
@@ -86,3 +93,45 @@ def test_a_family_survives_a_node_killed_and_its_memory_goes_back(node_factory):
     finally:
         head.kill()
         head.wait()
+
+
+# --- the node's checks and records, in process (every peer is this process: the /proc
+# check that a member descends from its session's process is taken as passed) ---------
+
+
+@pytest.fixture
+def descendants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workload_server, "descends", lambda pid, ancestor, root: True)
+
+
+async def _refused(node: InProcessNode, **hello: object) -> p.Error:
+    peer = Workload(*await asyncio.open_unix_connection(node.socket))
+    await peer.send(p.Hello(version=p.PROTOCOL_VERSION, **hello))
+    err: p.Error = await peer.expect(p.Error)
+    assert "\n" not in err.message
+    return err
+
+
+@in_process(mode="auto")
+async def test_a_members_gang_fields_do_not_put_its_session_in_a_job(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    m = await node.workload(
+        memory_limit=2 * G, family=head.session, gang="job", gang_size=2, rank=0, world_size=4
+    )
+    key = f"session:{head.session}@uid:{os.getuid()}"
+    gangs = node.node.status().gpus[0].gangs
+    assert [(g.gang, sorted(g.sessions), g.spans_nodes) for g in gangs] == [
+        (key, sorted([head.session, m.session]), False)
+    ]
+
+
+@in_process()
+async def test_a_member_of_a_member_is_refused(node: InProcessNode, descendants: None) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    m = await node.workload(memory_limit=2 * G, family=head.session)
+    err = await _refused(node, memory_limit=G, family=m.session)
+    assert err.code == "attach" and f"a process of session {head.session}'s" in err.message
+    assert set(node.node.arbiters[0].sessions) == {head.session, m.session}
+

@@ -52,6 +52,22 @@ def has(m: Memory) -> int:
     return m.resident + m.swapped + m.discarded
 
 
+def check_join(head: SessionState, gang: str) -> None:
+    """A member joins a session that is no member itself (what a member of a member
+    took would go back to a session that may have left: lost to the family), in that
+    session's gang (or a new one, the family's); else :class:`ArbiterError`."""
+    if head.rank.family:
+        raise ArbiterError(
+            f"session {head.id} ({head.name}) is a process of session {head.rank.family}'s:"
+            f" a process it starts joins session {head.rank.family}"
+        )
+    if not gang or (head.rank.gang and head.rank.gang != gang):
+        raise ArbiterError(
+            f"a process of session {head.id} joins its gang"
+            f" ({head.rank.gang or 'a new one, its family'}), not {gang or 'none'}"
+        )
+
+
 def split(head: SessionState, asked: int) -> Split:
     """A member asking ``asked`` bytes joins ``head``: the limits and requests after."""
     m = head.memory
