@@ -135,3 +135,26 @@ async def test_a_member_of_a_member_is_refused(node: InProcessNode, descendants:
     assert err.code == "attach" and f"a process of session {head.session}'s" in err.message
     assert set(node.node.arbiters[0].sessions) == {head.session, m.session}
 
+
+@in_process()
+async def test_a_node_killed_once_the_session_heard_its_new_limit_gives_both_their_ids_back(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    await node.settle()  # the head on record
+    rec = node.node.recovery
+    # From here a SIGKILL: no save later than the ones made at once, none at the stop.
+    rec.save_soon = lambda delay=0.1: None  # type: ignore[method-assign]
+    rec.hold = lambda: setattr(rec, "_held", True)  # type: ignore[method-assign]
+    m = await node.workload(memory_limit=3 * G, family=head.session, name="member")
+    limits = await head.expect(p.Limits)
+    assert limits.memory_limit == 5 * G
+    await node.restart()
+    back = await node.workload(session=head.session, memory_limit=5 * G, name="head")
+    member = await node.workload(
+        session=m.session, memory_limit=3 * G, family=head.session, name="member"
+    )
+    assert (back.session, member.session) == (head.session, m.session)
+    s = node.node.arbiters[0].sessions
+    assert s[m.session].rank.family == head.session
+    assert s[m.session].rank.gang == s[head.session].rank.gang != ""
