@@ -8,6 +8,7 @@ import pytest
 from gpushare.core.actions import GrantAction, LimitsAction, RevokeAction
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.checks import ArbiterError
+from gpushare.core.families import Holding
 from gpushare.settings import GpuSettings
 from tests.core.model import GiB, actions_of, events_of
 
@@ -28,7 +29,7 @@ def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(c
     a = arb(clock)
     a.attach(1, name="server", memory_limit=40 * GiB, memory_request=30 * GiB)
     a.acquire(1)
-    a.report(1, resident=2 * GiB, swapped=0)
+    a.release(1, resident=2 * GiB, swapped=0)
     out = member(a, 2)  # asks for the whole GPU: gets what session 1 does not have
     head, m = a.sessions[1].memory, a.sessions[2].memory
     assert (m.limit, m.guaranteed) == (38 * GiB, 30 * GiB)
@@ -73,8 +74,8 @@ def test_a_session_with_its_whole_limit_in_use_refuses_a_member_and_nothing_chan
     a = arb(clock)
     a.attach(1, name="server", memory_limit=8 * GiB)
     a.acquire(1)
-    a.report(1, resident=8 * GiB, swapped=0)
-    with pytest.raises(ArbiterError, match="all of its memory limit"):
+    a.release(1, resident=8 * GiB, swapped=0)
+    with pytest.raises(ArbiterError, match="in its own process"):
         member(a, 2)
     assert 2 not in a.sessions and a.sessions[1].memory.limit == 8 * GiB
     assert not a.gangs  # nor did session 1 join a gang
@@ -176,3 +177,31 @@ def test_members_joining_while_the_session_yields_with_a_swap_out_asked(clock):
     assert list(a.holders) == [9]
     a.detach(2)
     assert a.sessions[1].memory.limit == 30 * GiB
+
+
+def test_a_member_waits_while_its_session_holds_all_its_grant_lets_it_have(clock):
+    # A holder may have up to its bound (here its limit) since its last report: a member
+    # given the "free" part would have memory the holder uses (the GPU over, uncounted;
+    # the holder over its new limit, escalated for it). Busy: the member tries again.
+    a = arb(clock)
+    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.acquire(1)
+    a.report(1, resident=2 * GiB, swapped=0)  # and may have allocated 30 more since
+    with pytest.raises(Holding, match="holds the GPU") as e:
+        member(a, 2)
+    assert e.value.code == "busy"
+    assert 2 not in a.sessions and a.sessions[1].memory.limit == 40 * GiB and not a.gangs
+    a.release(1, resident=32 * GiB, swapped=0)
+    member(a, 2)  # once it has released: what it does not have
+    assert [a.sessions[i].memory.limit for i in (1, 2)] == [32 * GiB, 8 * GiB]
+
+
+def test_a_member_of_a_holder_with_a_bound_gets_only_what_is_past_the_bound(clock):
+    a = arb(clock, mode="auto")
+    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=10 * GiB, grows=True)
+    a.acquire(1)
+    bound = a.sessions[1].memory.bound
+    assert 0 < bound < 40 * GiB
+    member(a, 2)
+    assert a.sessions[2].memory.limit == 40 * GiB - bound
+    assert a.sessions[1].memory.limit == bound == a.sessions[1].memory.bound  # as granted

@@ -158,3 +158,15 @@ async def test_a_node_killed_once_the_session_heard_its_new_limit_gives_both_the
     s = node.node.arbiters[0].sessions
     assert s[m.session].rank.family == head.session
     assert s[m.session].rank.gang == s[head.session].rank.gang != ""
+
+
+@in_process()
+async def test_a_member_is_told_busy_while_its_session_holds(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    await head.send(p.Acquire())
+    await head.expect(p.Grant)
+    err = await _refused(node, memory_limit=G, family=head.session)
+    assert err.code == "busy" and "holds the GPU" in err.message
+    assert set(node.node.arbiters[0].sessions) == {head.session}

@@ -336,8 +336,8 @@ class WorkloadServer:
                 family=family,
                 joins_family=head is not None,
             )
-        except ArbiterError as e:
-            raise Refused("attach", str(e)) from None
+        except ArbiterError as e:  # busy: a member whose session holds tries again
+            raise Refused("busy" if e.code == "busy" else "attach", str(e)) from None
         limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
