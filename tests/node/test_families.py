@@ -4,10 +4,17 @@ one gang), and the member's memory goes back to its session when it leaves."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
 import sys
 
+import pytest
+
+from gpushare import protocol as p
+from gpushare.node import workload_server
+from tests.node.harness import InProcessNode, Workload, in_process
 from tests.support import sim, wait_until
 
 G = 2**30
@@ -86,3 +93,80 @@ def test_a_family_survives_a_node_killed_and_its_memory_goes_back(node_factory):
     finally:
         head.kill()
         head.wait()
+
+
+# --- the node's checks and records, in process (every peer is this process: the /proc
+# check that a member descends from its session's process is taken as passed) ---------
+
+
+@pytest.fixture
+def descendants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workload_server, "descends", lambda pid, ancestor, root: True)
+
+
+async def _refused(node: InProcessNode, **hello: object) -> p.Error:
+    peer = Workload(*await asyncio.open_unix_connection(node.socket))
+    await peer.send(p.Hello(version=p.PROTOCOL_VERSION, **hello))
+    err: p.Error = await peer.expect(p.Error)
+    assert "\n" not in err.message
+    return err
+
+
+@in_process(mode="auto")
+async def test_a_members_gang_fields_do_not_put_its_session_in_a_job(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    m = await node.workload(
+        memory_limit=2 * G, family=head.session, gang="job", gang_size=2, rank=0, world_size=4
+    )
+    key = f"session:{head.session}@uid:{os.getuid()}"
+    gangs = node.node.status().gpus[0].gangs
+    assert [(g.gang, sorted(g.sessions), g.spans_nodes) for g in gangs] == [
+        (key, sorted([head.session, m.session]), False)
+    ]
+
+
+@in_process()
+async def test_a_member_of_a_member_is_refused(node: InProcessNode, descendants: None) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    m = await node.workload(memory_limit=2 * G, family=head.session)
+    err = await _refused(node, memory_limit=G, family=m.session)
+    assert err.code == "attach" and f"a process of session {head.session}'s" in err.message
+    assert set(node.node.arbiters[0].sessions) == {head.session, m.session}
+
+
+@in_process()
+async def test_a_node_killed_once_the_session_heard_its_new_limit_gives_both_their_ids_back(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    await node.settle()  # the head on record
+    rec = node.node.recovery
+    # From here a SIGKILL: no save later than the ones made at once, none at the stop.
+    rec.save_soon = lambda delay=0.1: None  # type: ignore[method-assign]
+    rec.hold = lambda: setattr(rec, "_held", True)  # type: ignore[method-assign]
+    m = await node.workload(memory_limit=3 * G, family=head.session, name="member")
+    limits = await head.expect(p.Limits)
+    assert limits.memory_limit == 5 * G
+    await node.restart()
+    back = await node.workload(session=head.session, memory_limit=5 * G, name="head")
+    member = await node.workload(
+        session=m.session, memory_limit=3 * G, family=head.session, name="member"
+    )
+    assert (back.session, member.session) == (head.session, m.session)
+    s = node.node.arbiters[0].sessions
+    assert s[m.session].rank.family == head.session
+    assert s[m.session].rank.gang == s[head.session].rank.gang != ""
+
+
+@in_process()
+async def test_a_member_is_told_busy_while_its_session_holds(
+    node: InProcessNode, descendants: None
+) -> None:
+    head = await node.workload(memory_limit=8 * G, name="head")
+    await head.send(p.Acquire())
+    await head.expect(p.Grant)
+    err = await _refused(node, memory_limit=G, family=head.session)
+    assert err.code == "busy" and "holds the GPU" in err.message
+    assert set(node.node.arbiters[0].sessions) == {head.session}

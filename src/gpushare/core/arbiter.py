@@ -222,8 +222,7 @@ class Arbiter:
                 f"sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
                 f" gpu-compute-sharing-mode), not {sharing!r}"
             )
-        # A family's limits add up to what its session had: checked as they were.
-        self.gangs.check(gang, 0 if cut else limit, spans_nodes)
+        self._check_gang(head, gang, limit, spans_nodes)
         now = self.clock.monotonic()
         mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
         cap = self._check_compute_limit(compute_limit)
@@ -271,6 +270,19 @@ class Arbiter:
             else:
                 self.admission.resume_or_yield(s, lease)
         return self._decide()
+
+    def _check_gang(
+        self, head: SessionState | None, gang: str, limit: int, spans_nodes: bool
+    ) -> None:
+        """The gang a session joins can hold the GPU with it. A family's limits add up to
+        what its session had: checked as they were (the session's whole limit where the
+        session is not in the gang yet)."""
+        if head is None:
+            self.gangs.check(gang, limit, spans_nodes)
+            return
+        families.check_join(head, gang)
+        if head.rank.gang != gang:
+            self.gangs.check(gang, head.memory.limit, spans_nodes)
 
     def _left_to(self, head: SessionState, limit: int, request: int) -> None:
         """A family's session has a new limit and request (a member joined or left)."""

@@ -14,7 +14,8 @@ members' gang and each member's :attr:`~gpushare.core.sessions.Rank.family`):
   the job already);
 * **one memory limit**: a member's limit comes out of its session's. It gets what it
   asks, at most the part of the session's limit that the session does not have now
-  (on the GPU, in host memory or dropped); the session keeps the rest, and its client
+  (on the GPU, in host memory or dropped; holding the GPU, all its grant lets it have:
+  it may have that by now, unreported); the session keeps the rest, and its client
   is told (:class:`~gpushare.core.actions.LimitsAction`). The request is split the same
   way, the member's first (the session keeps what is left, at least what it has). When
   the member detaches, what it took goes back to its session, if that is still here.
@@ -52,11 +53,41 @@ def has(m: Memory) -> int:
     return m.resident + m.swapped + m.discarded
 
 
+class Holding(ArbiterError):
+    """The session holds the GPU, and may have all it is let have since its last report:
+    a member joins once it has released (the node says busy: its client tries again)."""
+
+    code = "busy"
+
+
+def check_join(head: SessionState, gang: str) -> None:
+    """A member joins a session that is no member itself (what a member of a member
+    took would go back to a session that may have left: lost to the family), in that
+    session's gang (or a new one, the family's); else :class:`ArbiterError`."""
+    if head.rank.family:
+        raise ArbiterError(
+            f"session {head.id} ({head.name}) is a process of session {head.rank.family}'s:"
+            f" a process it starts joins session {head.rank.family}"
+        )
+    if not gang or (head.rank.gang and head.rank.gang != gang):
+        raise ArbiterError(
+            f"a process of session {head.id} joins its gang"
+            f" ({head.rank.gang or 'a new one, its family'}), not {gang or 'none'}"
+        )
+
+
 def split(head: SessionState, asked: int) -> Split:
     """A member asking ``asked`` bytes joins ``head``: the limits and requests after."""
     m = head.memory
     keep = has(m)
+    if head.holding:  # it may have up to its grant's bound (or limit) by now, unreported
+        keep = max(keep, m.held)
     free = m.limit - keep
+    if free <= 0 and head.holding:
+        raise Holding(
+            f"session {head.id} ({head.name}) holds the GPU, free to use all of its memory"
+            " limit: a process it starts joins it once it releases (try again soon)"
+        )
     if free <= 0:
         raise ArbiterError(
             f"session {head.id} ({head.name}) has all of its memory limit"

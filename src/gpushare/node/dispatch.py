@@ -144,7 +144,10 @@ class Dispatch:
         if c.record is not None:
             c.record = msgspec.structs.replace(c.record, limit=a.memory_limit, family=c.session)
         if self.recovery is not None:
-            self.recovery.save_soon(0.0)
+            # On disk before the session hears it (this batch's frames leave after): a
+            # node killed once it has would find no record with its new limit, and take
+            # it for a stranger (and its member's part, never given back, lost).
+            self.recovery.save()
 
     def _write(self, c: Conn, data: bytes) -> None:
         c.write(data)

@@ -301,7 +301,9 @@ class WorkloadServer:
         resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
         verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
         name = h.name or f"pid-{conn.pid}"
-        gang, spans_nodes = gang_of(h, conn.uid, identity)
+        # A new member's gang is its session's, never its hello's word (which would put
+        # that session in a gang of its choosing).
+        gang, spans_nodes = gang_of(h, conn.uid, identity) if head is None else ("", False)
         family, gang = _family_of(arb, head, rec, gang, _who(conn.uid, identity))
         if gang:
             elsewhere = {
@@ -334,8 +336,8 @@ class WorkloadServer:
                 family=family,
                 joins_family=head is not None,
             )
-        except ArbiterError as e:
-            raise Refused("attach", str(e)) from None
+        except ArbiterError as e:  # busy: a member whose session holds tries again
+            raise Refused("busy" if e.code == "busy" else "attach", str(e)) from None
         limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
         if rec is None:
             self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
@@ -497,8 +499,8 @@ def _family_of(
     family = head.session if head is not None else (rec.family if rec is not None else 0)
     if family and not gang:  # a rank's processes are in its job's gang already
         gang = families.key(family, who)
-    if head is not None:  # the session's own gang, if it is a rank of a job
-        gang = arb.sessions[head.session].rank.gang or gang
+    if head is not None:  # the session's own gang (its job's if it is a rank of one)
+        gang = arb.sessions[head.session].rank.gang or families.key(family, who)
     return family, gang
 
 
