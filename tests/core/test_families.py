@@ -32,13 +32,28 @@ def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(c
     a.release(1, resident=2 * GiB, swapped=0)
     out = member(a, 2)  # asks for the whole GPU: gets what session 1 does not have
     head, m = a.sessions[1].memory, a.sessions[2].memory
-    assert (m.limit, m.guaranteed) == (38 * GiB, 30 * GiB)
-    assert (head.limit, head.guaranteed) == (2 * GiB, 2 * GiB)  # it keeps what it has
+    # the request split too, adding up to the 30 GiB asked: the session keeps what it has
+    assert (m.limit, m.guaranteed) == (38 * GiB, 28 * GiB)
+    assert (head.limit, head.guaranteed) == (2 * GiB, 2 * GiB)
     assert actions_of(out, LimitsAction) == [LimitsAction(1, 2 * GiB, 0)]
     (ev,) = events_of(out, "attach")
     assert ev["family"] == 1 and ev["limit_bytes"] == 38 * GiB
     assert a.sessions[2].rank.family == 1 and a.sessions[1].rank.family == 0
     assert a.gangs[KEY].members == {1, 2}  # the session joined its family's gang
+    a.detach(2)  # and both come back whole: no request grown by the split
+    assert (head.limit, head.guaranteed, head.request) == (40 * GiB, 30 * GiB, 30 * GiB)
+
+
+def test_a_member_of_a_session_with_more_than_its_request_is_guaranteed_a_byte(clock):
+    a = arb(clock, mode="auto")
+    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=4 * GiB, grows=True)
+    a.acquire(1)
+    a.release(1, resident=6 * GiB, swapped=0)  # lent above its request, now idle
+    member(a, 2)
+    assert a.sessions[1].memory.guaranteed == 4 * GiB  # all of its request: it has more
+    assert a.sessions[2].memory.guaranteed == 1  # nothing of it left: the least there is
+    a.detach(2)
+    assert a.sessions[1].memory.request == 4 * GiB  # the byte is not given back as request
 
 
 def test_a_member_asking_less_leaves_the_rest_to_its_session(clock):
@@ -75,7 +90,7 @@ def test_a_session_with_its_whole_limit_in_use_refuses_a_member_and_nothing_chan
     a.attach(1, name="server", memory_limit=8 * GiB)
     a.acquire(1)
     a.release(1, resident=8 * GiB, swapped=0)
-    with pytest.raises(ArbiterError, match="in its own process"):
+    with pytest.raises(ArbiterError, match=r"all of its memory limit .* in use"):
         member(a, 2)
     assert 2 not in a.sessions and a.sessions[1].memory.limit == 8 * GiB
     assert not a.gangs  # nor did session 1 join a gang

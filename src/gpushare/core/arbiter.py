@@ -237,6 +237,7 @@ class Arbiter:
         st.sessions[sid] = s
         st.ledger.weigh(weight, 1)
         s.rank.family = family if family != sid else 0
+        s.rank.took = cut.took if cut is not None else 0
         if head is not None and cut is not None:
             self._left_to(head, cut.head_limit, cut.head_request)
             if not head.rank.gang:

@@ -40,6 +40,7 @@ class Split:
     request: int  # 0: its limit
     head_limit: int
     head_request: int  # 0: its limit
+    took: int  # of the session's request (0: none, or the request was the limit)
 
 
 def key(head: int, who: str) -> str:
@@ -91,22 +92,29 @@ def split(head: SessionState, asked: int) -> Split:
     if free <= 0:
         raise ArbiterError(
             f"session {head.id} ({head.name}) has all of its memory limit"
-            f" ({format_size(m.limit)}) in its own process: a process it starts has none"
-            " left to use; give the session a larger limit (gpushare run --memory-limit)"
-            " or free memory before starting it"
+            f" ({format_size(m.limit)} left of it) in use: a process it starts has none"
+            " to take; give the session a larger limit (gpushare run --memory-limit), or"
+            " its processes less each (GPUSHARE_MEMBER_MEMORY)"
         )
     limit = min(asked, free)
     head_limit = m.limit - limit
-    request = min(limit, m.guaranteed)
-    # The session keeps what is left of its request, and at least what it has: its
-    # guarantee never falls below the bytes it holds. (A request of 0 would read as the
-    # limit: 1 byte is the least a session with a limit left is guaranteed.)
-    head_request = max(m.guaranteed - request, keep, 1) if head_limit else 0
+    if not m.request:  # its request is its limit: so is each part's
+        return Split(limit, 0, head_limit, 0, took=0)
+    # The session keeps of its request what it has (its guarantee never falls below the
+    # bytes it holds) and what the member's limit cannot take; the member the rest. The
+    # two add up to the request, which comes back whole when the member leaves.
+    r = m.request
+    kept = min(r, max(keep, r - limit, 1)) if head_limit else 0
+    took = r - kept
+    # (A request of 0 would read as the limit: a member that took none is guaranteed
+    # 1 byte while it is here, given back as none.)
+    request = max(took, 1)
     return Split(
         limit=limit,
         request=request if request < limit else 0,
         head_limit=head_limit,
-        head_request=head_request if head_request < head_limit else 0,
+        head_request=kept if kept < head_limit else 0,
+        took=took,
     )
 
 
@@ -122,7 +130,9 @@ def give(m: Memory, limit: int, request: int) -> None:
 
 def back(head: SessionState, member: SessionState) -> tuple[int, int]:
     """A member leaves: the limit and request its session has again."""
-    h, g = head.memory, member.memory
-    limit = h.limit + g.limit
-    request = h.guaranteed + g.guaranteed if (h.request or g.request) else 0
+    h = head.memory
+    limit = h.limit + member.memory.limit
+    if not (h.request or member.rank.took):  # the request was the limit: it still is
+        return limit, 0
+    request = h.guaranteed + member.rank.took
     return limit, request if request < limit else 0

@@ -164,6 +164,7 @@ class Rank:
     # A process of session ``family``'s (core/families.py: 0, none): its memory came from
     # that session's limit, and goes back to it when it detaches.
     family: int = 0
+    took: int = 0  # of that session's memory request, given back with its limit
 
 
 @dataclass
