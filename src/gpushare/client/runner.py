@@ -342,12 +342,13 @@ def _title() -> str:
     from gpushare.client.env import program_name
 
     try:
-        with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
-            first = f.read(256).split(b"\0")[0].decode(errors="replace").strip()
+        with open("/proc/self/cmdline", "rb") as f:
+            words = f.read(256).split(b"\0")[0].decode(errors="replace").split()
     except OSError:
-        first = ""
-    if first and "python" not in os.path.basename(first.split()[0]):
-        return os.path.basename(first.split()[0])[:64]
+        words = []
+    title = os.path.basename(words[0]) if words else ""
+    if title and "python" not in title:
+        return title[:64]
     return program_name(sys.argv[0], getattr(sys, "orig_argv", sys.argv))[:64]
 
 
@@ -399,12 +400,10 @@ def watch_for_gpu_work(torch: Any) -> None:
     handles: list[Any] = []
 
     def first_forward(*_args: Any) -> None:
-        if torch.utils.data.get_worker_info() is not None:
-            for h in handles:
-                h.remove()
-            return
-        for h in handles:
+        for h in handles:  # once: a DataLoader worker's first forward tells it is one
             h.remove()
+        if torch.utils.data.get_worker_info() is not None:
+            return
         session = join_family("runs a model")
         if session is not None:
             session.checkpoint()  # this forward is gated too
@@ -428,7 +427,7 @@ def watch_for_gpu_work(torch: Any) -> None:
 
 def _forked(torch: Any) -> None:
     """After a fork in a process of the family (a multiprocessing worker, an engine's
-    core): its inherited hooks step aside (core/hooks.py), and it joins at its first GPU
+    core): its inherited hooks step aside (client/hooks.py), and it joins at its first GPU
     work. No I/O here: a fork handler runs before the child's own code."""
     if SESSION is not None and not os.environ.get("GPUSHARE_UNGATED_SAID"):
         watch_for_gpu_work(torch)

@@ -224,12 +224,12 @@ class WorkloadServer:
             " GPUSHARE_FAMILY in its environment): unset GPUSHARE_FAMILY to attach it as"
             " a session of its own"
         )
-        if (head is None or head.session != h.family) and h.family in self.recovery.expected:
+        if head is None and h.family in self.recovery.expected:
             raise Refused(  # its session comes back first: the client tries again
                 "busy",
                 f"the node restarted and session {h.family} is not back yet: try again soon",
             )
-        if head is None or head.session != h.family:
+        if head is None:
             raise Refused("family", f"hello: no session {h.family} is attached to join: {fix}")
         if (
             head.uid != conn.uid
@@ -500,7 +500,7 @@ def _family_of(
     if family and not gang:  # a rank's processes are in its job's gang already
         gang = families.key(family, who)
     if head is not None:  # the session's own gang (its job's if it is a rank of one)
-        gang = arb.sessions[head.session].rank.gang or families.key(family, who)
+        gang = arb.sessions[head.session].rank.gang or gang
     return family, gang
 
 
