@@ -4,7 +4,6 @@ its arguments, waiting, and where the recorded fixtures are."""
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import gpushare
 from gpushare.status import to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.tools.demo import wait_for_socket
+from gpushare.tools.report import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -93,7 +93,8 @@ class NodeProcess:
         return r
 
     def event_list(self) -> list[dict]:
-        return [json.loads(x) for x in self.events.read_text().splitlines() if x.strip()]
+        # the node may be writing a line now (or have been killed writing one)
+        return read_events(self.events)
 
     def workload(self, kind: str, *args: str, **kw) -> subprocess.Popen[str]:
         return subprocess.Popen(

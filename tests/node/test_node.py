@@ -56,7 +56,7 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
     node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
     procs = [
         node.workload(
-            "batch", "--memory", "30GiB", "--seconds", "9", "--name", f"job{i}", "--seed", str(i)
+            "batch", "--memory", "30GiB", "--seconds", "12", "--name", f"job{i}", "--seed", str(i)
         )
         for i in range(3)
     ]
@@ -78,10 +78,15 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
     kinds = {e["event"] for e in ev}
     assert {"attach", "grant", "revoke", "release", "swap_out", "swap_in", "detach"} <= kinds
     # Round-robin shares over the whole rounds while all three contend: the quanta revoked
-    # one after another, once each has filled its memory (its first burst) and until a
-    # burst ends (over 9 s, a partial last round would weigh one quantum against none).
+    # one after another, once each has had its first (its memory filled in a first burst,
+    # the rest of that quantum continued after it: as short as the fill was long on a
+    # loaded machine) and until a burst ends (over 12 s, a partial last round would weigh
+    # one quantum against none).
     releases = [e for e in ev if e["event"] == "release"]
-    start = 1 + max(next(i for i, e in enumerate(releases) if e["session"] == s) for s in (1, 2, 3))
+    start = 1 + max(
+        next(i for i, e in enumerate(releases) if e["session"] == s and e["reason"] == "revoked")
+        for s in (1, 2, 3)
+    )
     leases = []
     for e in releases[start:]:
         if e["reason"] != "revoked":

@@ -24,6 +24,8 @@ import pytest
 import gpushare
 from gpushare.errors import GpushareError
 from gpushare.node.procs import ProcRef, holders_of, peer_inode, pidfd_signal, ref_of
+from gpushare.node.recovery import JOURNAL_FILE, Recovery, SessionRecord
+from gpushare.node.safefs import SafeDir
 from gpushare.tools.admin import AdminClient
 from tests.support import sim, wait_until
 
@@ -392,3 +394,82 @@ def test_an_honest_fast_client_is_slowed_down_not_ended(node_factory):
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-800:]
     assert took >= (600 - 200) / 100 * 0.9  # 600 messages or more, at 100 a second
     assert not events(node, "refused")
+
+
+# --- the lease journal: a grant on disk before its holder hears of it ---------------------
+
+
+def _records(tmp_path: Path, live: list) -> Recovery:
+    r = Recovery(SafeDir(tmp_path), 1, lambda: list(live), lambda: "/proc")
+    r.load()
+    return r
+
+
+def _me(sid: int, lease: int = 0) -> SessionRecord:
+    me = ref_of(os.getpid(), "/proc")
+    assert me is not None
+    return SessionRecord(id=sid, gpu=0, pid=me.pid, start_time=me.start_time, uid=me.uid,
+                         limit=G, name=f"s{sid}", lease=lease)  # fmt: skip
+
+
+def test_a_grant_is_a_journal_line_not_a_whole_write_and_is_read_back(tmp_path, monkeypatch):
+    r = _records(tmp_path, [_me(1, lease=1), _me(2)])  # as the node sees them
+    r.granted(0, 1, 1)  # the first lease moves the floor: a whole write
+    writes: list[str] = []
+    real = r.dir.write
+
+    def write(name: str, *args, **kw) -> None:
+        writes.append(name)
+        real(name, *args, **kw)
+
+    monkeypatch.setattr(r.dir, "write", write)
+    r.granted(0, 2, 2)
+    r.granted(0, 1, 3)
+    assert writes == []  # the hot path: an append, no flushed rename
+    # killed here: the next node reads the records and the journal's grants after them
+    back = {x.id: x for x in _records(tmp_path, []).previous.values()}
+    assert (back[1].lease, back[2].lease) == (3, 2)
+
+
+def test_a_journal_line_a_later_whole_write_holds_is_never_read_back_over_it(tmp_path):
+    live = [_me(1)]
+    r = _records(tmp_path, live)
+    r.granted(0, 1, 1)
+    r.granted(0, 1, 2)  # journalled
+    journal = (tmp_path / JOURNAL_FILE).read_bytes()
+    assert journal
+    assert r.save()  # session 1 released lease 2 since: on record as holding none
+    assert (tmp_path / JOURNAL_FILE).read_bytes() == b""  # emptied
+    # A node killed between the rename and the emptying left the old lines: skipped
+    (tmp_path / JOURNAL_FILE).write_bytes(journal)
+    assert _records(tmp_path, []).previous[1].lease == 0  # released stays released
+
+
+def test_a_torn_journal_line_is_skipped_and_the_next_not_joined_to_it(tmp_path):
+    live = [_me(1), _me(2)]
+    r = _records(tmp_path, live)
+    r.granted(0, 1, 1)
+    assert r.save()
+    gen = r.generation
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:
+        f.write(f"{gen} 0 2 7\n{gen} 0 1 9".encode()[:-1])  # killed writing "…1 9"
+    # a line no grant could have written (a lease past the floor, another GPU) neither
+    r2 = _records(tmp_path, live)
+    r2.granted(0, 1, 8)  # the next node's first grant, appended after the torn line
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:
+        f.write(f"{gen} 0 2 {10**9}\n{gen} 5 2 4\nnonsense\n".encode())
+    back = _records(tmp_path, []).previous
+    assert (back[1].lease, back[2].lease) == (8, 7)
+
+
+def test_a_lease_journal_symlink_is_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    d = tmp_path / "state"
+    d.mkdir()
+    os.symlink(victim, d / JOURNAL_FILE)
+    r = _records(d, [_me(1, lease=2)])
+    r.granted(0, 1, 1)
+    r.granted(0, 1, 2)  # without a journal: a whole write, as safe
+    assert victim.read_bytes() == b"keep" and os.path.islink(d / JOURNAL_FILE)
+    assert _records(d, []).previous[1].lease == 2

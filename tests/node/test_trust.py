@@ -517,6 +517,30 @@ async def test_a_lease_token_is_good_once_for_the_lease_live_at_the_crash(node):
     consistent(node)
 
 
+@in_process(memory="80GiB", mode="exclusive", tq=5)
+async def test_a_lease_granted_just_before_the_node_was_killed_comes_back(node):
+    # Seen: a node killed within 0.1 s of a grant had not written the lease down; its
+    # holder, told to yield while it worked, blocked no one, and the next holder went in
+    # beside it (three 30 GiB workloads on an 80 GiB GPU).
+    a = await holder(node, 50 * G, "a")
+    b = await node.workload(memory_limit=50 * G, name="b")
+    await b.send(p.Acquire())
+    await node.settle()
+    rec = node.node.recovery
+    # From here a SIGKILL: no save later than the ones made at once, none at the stop.
+    rec.save_soon = lambda delay=0.1: None  # type: ignore[method-assign]
+    rec.hold = lambda: setattr(rec, "_held", True)  # type: ignore[method-assign]
+    await a.send(p.Release(resident=0, swapped=0))
+    grant = await b.expect(p.Grant)
+    await node.restart()
+    await back(node, a)
+    b2 = await back(node, b, holding=True, lease=grant.lease, token=grant.token)
+    resumed = await b2.expect(p.Grant)
+    assert resumed.resume and resumed.lease > grant.lease  # its claim believed, honoured
+    assert not [e for e in node.events("revoke") if e["session"] == b.session]
+    consistent(node)
+
+
 @in_process(memory="80GiB")
 async def test_session_ids_stay_unique_when_the_state_directory_is_full(node, monkeypatch):
     # Seen: with the state directory full, session ids repeated after SIGKILL + restart.

@@ -101,11 +101,10 @@ class Dispatch:
                 if a.thaw:
                     self._thaw(c)
                 token = ""
-                if self.recovery is not None:  # the floor on disk first, then the lease
-                    self.recovery.lease_granted(arb.gpu, a.lease)
+                if self.recovery is not None:  # on disk before its holder hears of it
+                    self.recovery.granted(arb.gpu, a.session, a.lease)
                     token = self.recovery.token(arb.gpu, a.session, a.lease)
-                    # on record soon: only the lease on record at a crash comes back
-                    self.recovery.save_soon()
+                    self.recovery.save_soon()  # and the rest of its record soon
                 send(
                     c,
                     p.Grant(

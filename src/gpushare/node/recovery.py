@@ -10,6 +10,15 @@ lease numbers (leases are numbered on across restarts). Beside it, a key the nod
 each lease with: a workload that comes back claiming a lease shows the token it was
 granted with, so only leases this node (or the one before it) granted are given back.
 
+The records are written whole a moment after a change (an attach, a release), but a
+grant cannot wait for that, nor pay for it (it is the hot path: a whole write costs a
+flush and grows with the sessions): its holder may claim it at the very next restart.
+So each grant goes first, as one line, into a journal beside the records (an append:
+in the kernel's page cache, which a killed node does not lose; a machine that loses
+power loses its workloads too). Each whole write numbers itself (its generation) and
+empties the journal; a line counts only under the generation it follows, so a line a
+later whole write already holds is never read back over it.
+
 On start, the sessions on record whose processes still run are *expected*: nothing is
 granted until each has re-registered (matched by pid, start time, uid, cgroup and the
 session id it names among its process's records, never by its word alone) or the
@@ -19,9 +28,11 @@ window (``recovery_window`` seconds) ends. A re-registered session gets its old 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -34,6 +45,8 @@ from gpushare.node.safefs import SafeDir, UnsafePath
 log = logging.getLogger("gpushare.node.recovery")
 
 STATE_FILE = "sessions.state"
+JOURNAL_FILE = "leases.journal"  # the grants since the state file was last written
+JOURNAL_MOST = 16 << 20  # read back at most (it is emptied at every whole write)
 KEY_FILE = "lease.key"
 LEASE_BLOCK = 100_000  # lease numbers reserved on disk at a time
 ID_BLOCK = 1_000  # session ids reserved on disk at a time
@@ -75,6 +88,7 @@ class Saved(msgspec.Struct, kw_only=True):
     next_session: int = 1  # ids below this may have been used
     lease_floor: list[int] = []  # per GPU
     sessions: list[SessionRecord] = []
+    generation: int = 0  # the journal's lines of this generation come after this file
 
 
 @dataclass
@@ -124,6 +138,8 @@ class Recovery:
         self._soon: asyncio.TimerHandle | None = None
         self._soon_delay = 0.0
         self._held = False  # the node is stopping: the records stay as they are
+        self.generation = 0  # of the state file on disk
+        self._journal: int | None = None  # its descriptor, opened at load
 
     # --- at start ---------------------------------------------------------------------
 
@@ -161,8 +177,11 @@ class Recovery:
         self.next_session = self.id_floor = max(1, saved.next_session)
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
+        self.generation = saved.generation
+        journal = self._open_journal()
         if saved.boot_id != self.boot:
             return []  # another boot: no process of then runs now
+        self._replay(saved, journal)
         root = self.proc_root()
         alive = [
             r
@@ -172,6 +191,38 @@ class Recovery:
         self.previous = {r.id: r for r in alive}
         self.expected = dict(self.previous)
         return alive
+
+    def _open_journal(self) -> bytes:
+        """The journal's lines as the last node left them, and the journal opened to
+        append to (without it, every grant is a whole write: slower, as safe)."""
+        try:
+            lines = self.dir.read(JOURNAL_FILE, most=JOURNAL_MOST) or b""
+        except UnsafePath as e:
+            log.warning("lease journal not usable (%s): its grants are not read back", e)
+            lines = b""
+        try:
+            self._journal = self.dir.append(JOURNAL_FILE)
+        except (OSError, UnsafePath) as e:
+            log.warning("cannot open the lease journal (%s): each grant writes the records", e)
+            self._journal = None
+        return lines
+
+    def _replay(self, saved: Saved, lines: bytes) -> None:
+        """The grants the journal holds after ``saved`` (its generation's lines), onto
+        the records: each session's lease, the last one granted it. A line a killed
+        node left torn, or one no grant of that file's could have written, is skipped."""
+        records = {r.id: r for r in saved.sessions}
+        floors = saved.lease_floor
+        for line in lines.split(b"\n"):
+            try:
+                gen, gpu, sid, lease = map(int, line.split())
+            except ValueError:
+                continue
+            r = records.get(sid)
+            if gen != saved.generation or r is None or r.gpu != gpu or gpu >= len(floors):
+                continue
+            if 0 < lease < floors[gpu]:
+                r.lease = lease
 
     # --- ids, leases, tokens -------------------------------------------------------------
 
@@ -209,17 +260,35 @@ class Recovery:
         """The token of the lease ``rec`` says its session held when the last node wrote
         it down: a lease released before the crash, or one given back already (its
         session was granted anew since, and that is on record), is not."""
-        if not (lease and token) or lease != rec.lease:
-            return False
-        return hmac.compare_digest(self.token(rec.gpu, rec.id, lease), token)
+        return not self.claim_wrong(rec, lease, token)
 
-    def lease_granted(self, gpu: int, lease: int) -> bool:
-        """A lease is about to go out: True if the floor on disk had to move (saved)."""
-        if lease < self.lease_floor[gpu]:
-            return False
-        self.lease_floor[gpu] = lease + LEASE_BLOCK
+    def claim_wrong(self, rec: SessionRecord | None, lease: int, token: str) -> str:
+        """Why a claim of ``lease`` is not believed ('' when it is), for the log."""
+        if rec is None:
+            return "the session is not on record"
+        if not (lease and token):
+            return "it shows no lease and token"
+        if lease != rec.lease:
+            return f"the lease on record is {rec.lease or 'none'}"
+        if not hmac.compare_digest(self.token(rec.gpu, rec.id, lease), token):
+            return "its token is not that lease's"
+        return ""
+
+    def granted(self, gpu: int, sid: int, lease: int) -> None:
+        """``lease`` is about to go out to session ``sid``: on disk first, so that its
+        holder finds it on record whenever the node is killed (a line in the journal;
+        a whole write where the lease floor must move past it, or the journal fails)."""
+        if self._held:
+            return
+        if lease >= self.lease_floor[gpu]:
+            self.lease_floor[gpu] = lease + LEASE_BLOCK
+        elif self._journal is not None:
+            try:
+                os.write(self._journal, f"{self.generation} {gpu} {sid} {lease}\n".encode())
+                return
+            except OSError as e:
+                log.warning("cannot append to the lease journal (%s): writing the records", e)
         self.save()
-        return True
 
     # --- re-registering ----------------------------------------------------------------
 
@@ -268,6 +337,7 @@ class Recovery:
             next_session=self.id_floor,
             lease_floor=self.lease_floor,
             sessions=list(now.values()),
+            generation=self.generation + 1,
         )
         try:
             self.dir.write(STATE_FILE, msgspec.json.encode(saved), mode=0o600)
@@ -285,6 +355,12 @@ class Recovery:
         if self._failing:
             log.info("session records written to %s again", self.dir.path)
         self._failing = False
+        # The journal's lines are in the new file: emptied (its lines would be of the
+        # generation before, and skipped, were the node killed before this).
+        self.generation = saved.generation
+        if self._journal is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._journal, 0)
         return True
 
     def save_soon(self, delay: float = 0.1) -> None:

@@ -143,12 +143,16 @@ class SafeDir:
         return True
 
     def append(self, name: str, mode: int = 0o600) -> int:
-        """A file of this user's opened to append to (made if missing), never through a
-        symlink; the caller closes the descriptor."""
-        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _OPEN, mode, dir_fd=self.fd)
+        """A file of this user's opened to append lines to (made if missing), never
+        through a symlink; the caller closes the descriptor. A last line a killed writer
+        left unended is ended first, so that the next line is not joined to it."""
+        fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | _OPEN, mode, dir_fd=self.fd)
         try:
-            self._own(name, os.fstat(fd))
+            st = os.fstat(fd)
+            self._own(name, st)
             os.fchmod(fd, mode)
+            if st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+                os.write(fd, b"\n")
         except BaseException:
             os.close(fd)
             raise
