@@ -7,7 +7,7 @@
 """
 
 from gpushare._version import __version__
-from gpushare.client.session import Session, attach
+from gpushare.client.session import Session, attach, discardable
 from gpushare.errors import (
     AttachRefusedError,
     DaemonUnavailableError,
@@ -28,6 +28,7 @@ __all__ = [
     "SwapIntegrityError",
     "__version__",
     "attach",
+    "discardable",
     "format_size",
     "parse_size",
 ]

@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from gpushare import protocol as p
 from gpushare.client.env import compute_limit_of, memory_figures, program_name, read_env
@@ -31,6 +32,7 @@ from gpushare.client.launchers import gang_fields
 from gpushare.client.lease import Lease
 from gpushare.client.swap.base import SwapBackend, SwapHooks
 from gpushare.client.swap.sim import SimBackend
+from gpushare.client.swap.vmm import Discardable
 from gpushare.client.transport import (
     Connector,
     Link,
@@ -52,6 +54,23 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def discardable(tensor: Any) -> Discardable:
+    """Mark a CUDA tensor's memory as a cache this workload can rebuild (a server's KV
+    cache): when the node takes memory back it is dropped rather than copied to host
+    memory, and it comes back zeroed at the next grant; the mark's ``drops`` grows each
+    time it was dropped (rebuild it then). For the torch backend (a real GPU); where no
+    session of this process serves the tensor's GPU (run bare, or on a simulated GPU,
+    where ``backend.allocate(n, discardable=True)`` is the way), nothing is marked and
+    ``bytes`` is 0, so the same code runs everywhere."""
+    from gpushare.client.swap.torch import TorchBackend  # no PyTorch import of its own
+
+    for s in list(_sessions):
+        b = s.backend
+        if isinstance(b, TorchBackend) and b.device == tensor.device.index and s.open:
+            return b.discardable_tensor(tensor)
+    return Discardable(tensor.data_ptr(), tensor.untyped_storage().nbytes(), 0)
 
 
 def attach(
@@ -322,6 +341,11 @@ class Session:
         self._link.shut()
         with self._lease.swap_lock:  # a swap in progress stops at its next piece
             self.backend.close()
+
+    @property
+    def open(self) -> bool:
+        """Attached (connected, or reconnecting), not closed."""
+        return self._link.state not in (Link.CLOSED, Link.FORKED)
 
     def __enter__(self) -> Session:
         return self

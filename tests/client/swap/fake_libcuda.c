@@ -236,6 +236,13 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAl
     pthread_mutex_unlock(&mu);
     int fd = memfd_create("fake-cuda", 0);
     if (fd < 0 || ftruncate(fd, (off_t)size)) return OUT_OF_MEMORY;
+    const char *dirty = getenv("FAKE_CUDA_DIRTY"); /* as a GPU's: what was there before */
+    if (dirty && *dirty == '1') {
+        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) return OUT_OF_MEMORY;
+        memset(m, 0xA5, size);
+        munmap(m, size);
+    }
     *h = ((unsigned long long)size << 20) | (unsigned)fd; /* fd and size, as a handle */
     return OK;
 }
@@ -329,6 +336,13 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstre
     NEEDS_CONTEXT();
     if (s != &stream_token) return INVALID_VALUE;
     memcpy((void *)dst, src, n);
+    return OK;
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+    CALLED("cuMemsetD8Async");
+    NEEDS_CONTEXT();
+    if (s != &stream_token) return INVALID_VALUE;
+    memset((void *)dst, v, n);
     return OK;
 }
 CUresult cuEventCreate(CUevent *e, unsigned flags) {

@@ -317,3 +317,31 @@ def test_pytorchs_caching_allocator_keeps_its_behaviour_under_the_preload_route(
     assert out["oom_retry"] == [5 * GiB + 12345, True], out
     assert out["record_stream_reserved"] <= 2 * GiB, out  # not 40 blocks of 256 MiB
     assert out["swapped"] > 0 and out["intact"], out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
+def test_a_discardable_tensor_is_dropped_not_copied_and_comes_back_zeroed(backend):
+    dev = backend.device
+    keep = torch.randn(2**20, device=dev)
+    kept = keep.cpu()
+    cache = torch.ones(512 * 2**20, dtype=torch.uint8, device=dev)  # two pieces at least
+    d = backend.discardable_tensor(cache)
+    assert d.bytes >= 256 * 2**20 and d.drops == 0
+    held = backend.resident_bytes
+    r = backend.swap_out(held)
+    assert r.discarded == d.bytes  # the marked pieces go first, none copied
+    assert backend.discarded_bytes == d.bytes and d.drops > 0
+    backend.swap_in()
+    assert torch.equal(keep.cpu(), kept)
+    assert int(cache.sum()) == cache.numel() - d.bytes  # the dropped pieces: zeros
+    assert backend.discarded_bytes == 0
+    del cache
+
+
+def test_discardable_marks_nothing_where_no_session_serves_the_tensor():
+    import gpushare
+
+    x = torch.zeros(4096, dtype=torch.uint8)  # run bare: the same call, nothing marked
+    d = gpushare.discardable(x)
+    assert (d.va, d.size, d.bytes, d.drops) == (x.data_ptr(), 4096, 0, 0)

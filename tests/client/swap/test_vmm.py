@@ -400,3 +400,73 @@ def test_cgroup_v1_limit_and_no_limit(tmp_path):
     assert cgroup_memory_room(str(proc), str(cg)) is None  # v1's "unlimited"
     assert host_memory_available(str(proc), str(cg)) == 64 * GiB
     assert cgroup_memory_room(str(tmp_path / "none"), str(cg)) is None
+
+
+# --- discardable memory: dropped, not copied; back zeroed -----------------------------------
+
+
+def test_discardable_memory_is_dropped_first_not_copied_and_comes_back_zeroed(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("FAKE_CUDA_DIRTY", "1")  # new GPU memory holds what was there
+    b = gpu.backend()
+    (keep_va, keep), (cache_va, _) = fill(b, [2 * PIECE, 3 * PIECE])
+    d = b.discardable(cache_va, 3 * PIECE)
+    assert d.bytes == 3 * PIECE and d.drops == 0
+    copies = gpu.calls("cuMemcpyDtoHAsync_v2")
+    r = b.swap_out(PIECE)  # one piece asked: the cache's newest piece, dropped
+    assert (r.bytes, r.discarded) == (0, PIECE)
+    assert gpu.calls("cuMemcpyDtoHAsync_v2") == copies  # nothing copied to host
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (4 * PIECE, 0, PIECE)
+    assert gpu.physical_bytes == 4 * PIECE and d.drops == 1
+    r = b.swap_out(b.resident_bytes)  # the rest of the cache dropped before anything moves
+    assert (r.bytes, r.discarded) == (2 * PIECE, 2 * PIECE)
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (0, 2 * PIECE, 3 * PIECE)
+    assert gpu.physical_bytes == 0 and d.drops == 3
+    assert perms(cache_va) == "---p"
+    r = b.swap_in()
+    assert r.bytes == 2 * PIECE  # only the copied bytes move back
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (5 * PIECE, 0, 0)
+    assert ctypes.string_at(keep_va, len(keep)) == keep  # the rest intact
+    assert ctypes.string_at(cache_va, 3 * PIECE) == bytes(3 * PIECE)  # the cache: zeros
+    b.close()
+
+
+def test_only_whole_pieces_within_the_range_are_discardable(gpu: FakeGpu):
+    b = gpu.backend()
+    ((va, data),) = fill(b, [4 * PIECE])
+    d = b.discardable(va + PIECE // 2, 2 * PIECE)  # covers piece 1 only wholly
+    assert d.bytes == PIECE
+    r = b.swap_out(b.resident_bytes)
+    assert (r.bytes, r.discarded) == (3 * PIECE, PIECE)
+    b.swap_in()
+    got = ctypes.string_at(va, 4 * PIECE)
+    assert got[:PIECE] == data[:PIECE] and got[2 * PIECE :] == data[2 * PIECE :]
+    assert got[PIECE : 2 * PIECE] == bytes(PIECE)
+    b.close()
+
+
+def test_a_dropped_piece_keeps_its_claim_on_the_limit_and_frees_cleanly(gpu: FakeGpu):
+    b = gpu.backend(limit=8 * PIECE)
+    ((va, _),) = fill(b, [6 * PIECE])
+    b.discardable(va, 6 * PIECE)
+    b.swap_out(6 * PIECE)
+    assert (b.resident_bytes, b.discarded_bytes) == (0, 6 * PIECE)
+    with pytest.raises(OutOfMemoryError):  # it comes back at the next grant: still counted
+        b.allocate(3 * PIECE)
+    b.free(va)  # freed while dropped: nothing left of it anywhere
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (0, 0, 0)
+    b.allocate(8 * PIECE)
+    b.close()
+
+
+def test_memory_no_longer_discardable_is_copied_again(gpu: FakeGpu):
+    b = gpu.backend()
+    ((va, data),) = fill(b, [2 * PIECE])
+    d = b.discardable(va, 2 * PIECE)
+    b.keep(d)  # the workload put what cannot be rebuilt there
+    r = b.swap_out(b.resident_bytes)
+    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
+    b.swap_in()
+    assert ctypes.string_at(va, 2 * PIECE) == data
+    b.close()

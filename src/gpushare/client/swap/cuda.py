@@ -49,6 +49,7 @@ class Driver(Protocol):
     def destroy_event(self, event: int) -> None: ...
     def copy_dtoh(self, dst: int, src: int, size: int, stream: int) -> None: ...
     def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None: ...
+    def zero(self, dst: int, size: int, stream: int) -> None: ...
     def record(self, event: int, stream: int) -> None: ...
     def wait(self, event: int) -> None: ...
     def close(self) -> None: ...
@@ -166,6 +167,7 @@ class CudaDriver:
             "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
             "cuMemcpyDtoHAsync_v2": [_ptr, _u64, _size, _ptr],
             "cuMemcpyHtoDAsync_v2": [_u64, _ptr, _size, _ptr],
+            "cuMemsetD8Async": [_u64, ctypes.c_ubyte, _size, _ptr],
             "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
             "cuEventRecord": [_ptr, _ptr],
             "cuEventSynchronize": [_ptr],
@@ -276,6 +278,11 @@ class CudaDriver:
 
     def copy_htod(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check("cuMemcpyHtoDAsync", self._cu.cuMemcpyHtoDAsync_v2(dst, src, size, stream))
+
+    def zero(self, dst: int, size: int, stream: int) -> None:
+        """Zeros over ``size`` bytes at ``dst``, queued on ``stream`` (new physical memory
+        holds whatever was there before)."""
+        self._check("cuMemsetD8Async", self._cu.cuMemsetD8Async(dst, 0, size, stream))
 
     def new_event(self) -> int:
         e = _ptr()

@@ -13,7 +13,10 @@
  *    gs_pool_free are given to a torch.cuda.MemPool.
  *
  * Swapping is driven from Python (vmm.py) piece by piece: gs_claim_out / gs_claim_in
- * hand it pieces marked busy, gs_settle says where each ended up. The table's lock is
+ * hand it pieces marked busy, gs_settle says where each ended up. A piece marked
+ * discardable (gs_mark: it lies wholly in a cache the workload can rebuild) is claimed
+ * out first and dropped, not copied: settled with neither memory nor host copy, it is
+ * counted apart (gs_discarded) and comes back empty at the next swap-in. The table's lock is
  * held only inside these functions, never while Python runs, and a cudaFree of a
  * segment with busy pieces is finished by the gs_settle of its last one.
  *
@@ -94,6 +97,8 @@ struct piece {
     CUmemGenericAllocationHandle handle; /* physical memory; 0 while swapped out */
     uint64_t host;                       /* the host copy while swapped out */
     int busy;                            /* claimed by a swap in progress */
+    int discard;                         /* discardable: dropped at a swap-out, not copied */
+    int dropped;                         /* out, and dropped: nothing of it to copy back */
     struct seg *seg;
 };
 struct seg {
@@ -103,8 +108,11 @@ struct seg {
     struct seg *prev, *next;
     struct piece p[];
 };
-/* What a claim hands Python: the piece (its id) and where it is. */
-typedef struct { uint64_t id, va, size, handle, host; } gs_piece;
+/* What a claim hands Python: the piece (its id), where it is, and GS_DISCARD /
+ * GS_DROPPED. */
+typedef struct { uint64_t id, va, size, handle, host, flags; } gs_piece;
+#define GS_DISCARD 1
+#define GS_DROPPED 2
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int configured, device_index;
@@ -116,7 +124,8 @@ static CUmemAllocationProp prop;
 static CUmemAccessDesc access_desc[MAX_ACCESS];
 static int naccess;
 static CUdevice ctx_dev;
-static size_t gran, piece_bytes, limit, resident, swapped;
+static size_t gran, piece_bytes, limit, resident, swapped, discarded;
+static unsigned long long drops;
 static struct seg *head, *tail;
 static uint64_t *returned;
 static int nreturned, capreturned, npieces;
@@ -134,7 +143,7 @@ static void fail(const char *call, CUresult rc) {
 }
 
 const char *gs_error(void) { return err; }
-int gs_abi(void) { return 1; }
+int gs_abi(void) { return 2; }
 
 /* The session's context current on this thread, pushed if another was (and popped
  * after), so a workload's own current context is never switched under it. */
@@ -269,6 +278,8 @@ void gs_pause(int on) { __atomic_add_fetch(&paused, on ? 1 : -1, __ATOMIC_SEQ_CS
 void gs_notify(int fd) { notify_fd = fd; }
 unsigned long long gs_resident(void) { return resident; }
 unsigned long long gs_swapped(void) { return swapped; }
+unsigned long long gs_discarded(void) { return discarded; }
+unsigned long long gs_drops(void) { return drops; }
 int gs_npieces(void) { return npieces; }
 unsigned long long gs_mallocs_seen(void) { return mallocs_seen; }
 unsigned long long gs_frees_seen(void) { return frees_seen; }
@@ -299,12 +310,14 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
     }
     size_t rounded = round_up(size ? size : 1, gran);
     pthread_mutex_lock(&mu);
-    if (resident + swapped + rounded > limit) {
+    /* dropped pieces count: they come back (empty) at the next swap-in */
+    size_t held = resident + swapped + discarded;
+    if (held + rounded > limit) {
         snprintf(err, sizeof err,
                  "allocating %zu bytes would take this session past its memory limit of %zu"
                  " bytes (%zu in use): free memory or ask for a larger limit (--memory,"
                  " GPUSHARE_MEMORY)",
-                 rounded, limit, resident + swapped);
+                 rounded, limit, held);
         pthread_mutex_unlock(&mu);
         return GS_LIMIT;
     }
@@ -423,6 +436,8 @@ int gs_free(unsigned long long va) {
             cu.MemUnmap(p->va, p->size);
             cu.MemRelease(p->handle);
             resident -= p->size;
+        } else if (p->dropped) {
+            discarded -= p->size;
         } else {
             swapped -= p->size;
             if (p->host) give_back_host(p->host);
@@ -443,19 +458,43 @@ static void claim(struct piece *p, gs_piece *out) {
     out->size = p->size;
     out->handle = p->handle;
     out->host = p->host;
+    out->flags = (p->discard ? GS_DISCARD : 0) | (p->dropped ? GS_DROPPED : 0);
 }
 
-/* Resident pieces, the most recently allocated first, until nbytes (at most max). */
+/* Resident pieces until nbytes (at most max): the discardable first (dropping them
+ * costs no copy), then the others; the most recently allocated first within each. */
 int gs_claim_out(unsigned long long nbytes, gs_piece *out, int max) {
     int n = 0;
     size_t want = 0;
     pthread_mutex_lock(&mu);
-    for (struct seg *s = tail; s && want < nbytes && n < max; s = s->prev)
-        for (int i = s->n - 1; i >= 0 && want < nbytes && n < max; i--)
-            if (!s->p[i].busy && s->p[i].handle) {
-                claim(&s->p[i], &out[n++]);
-                want += s->p[i].size;
+    for (int pass = 1; pass >= 0; pass--)
+        for (struct seg *s = tail; s && want < nbytes && n < max; s = s->prev)
+            for (int i = s->n - 1; i >= 0 && want < nbytes && n < max; i--) {
+                struct piece *p = &s->p[i];
+                if (!p->busy && p->handle && (p->discard != 0) == pass) {
+                    claim(p, &out[n++]);
+                    want += p->size;
+                }
             }
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Mark (on) or unmark the pieces lying wholly within [va, va + size) discardable: the
+ * bytes marked. A piece the range only touches is not: other memory shares it. */
+unsigned long long gs_mark(unsigned long long va, unsigned long long size, int on) {
+    size_t n = 0;
+    pthread_mutex_lock(&mu);
+    for (struct seg *s = head; s; s = s->next) {
+        if (s->va + s->size <= va || s->va >= va + size) continue;
+        for (int i = 0; i < s->n; i++) {
+            struct piece *p = &s->p[i];
+            if (p->va >= va && p->va + p->size <= va + size) {
+                p->discard = on;
+                n += p->size;
+            }
+        }
+    }
     pthread_mutex_unlock(&mu);
     return n;
 }
@@ -478,12 +517,24 @@ void gs_settle(uint64_t id, unsigned long long handle, uint64_t host) {
     struct seg *s = p->seg;
     int was = p->handle != 0;
     if (!s->freed) {
-        if (was && !handle) resident -= p->size, swapped += p->size;
-        if (!was && handle) swapped -= p->size, resident += p->size;
+        if (was && !handle) {
+            resident -= p->size;
+            /* out with no host copy: a discardable piece dropped */
+            p->dropped = p->discard && !host;
+            if (p->dropped) discarded += p->size, drops++;
+            else swapped += p->size;
+        }
+        if (!was && handle) {
+            if (p->dropped) discarded -= p->size; else swapped -= p->size;
+            resident += p->size;
+            p->dropped = 0;
+        }
         p->handle = handle;
         p->host = host;
     } else { /* freed while it moved: nothing of it stays */
-        if (was) resident -= p->size; else swapped -= p->size;
+        if (was) resident -= p->size;
+        else if (p->dropped) discarded -= p->size;
+        else swapped -= p->size;
         if (handle) {
             int pushed = enter();
             cu.MemUnmap(p->va, p->size);

@@ -124,18 +124,25 @@ def _mapped(path: str) -> bool:
 
 
 class _Piece(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("id", "va", "size", "handle", "host")]
+    _fields_ = [(n, ctypes.c_uint64) for n in ("id", "va", "size", "handle", "host", "flags")]
+
+
+_GS_DISCARD, _GS_DROPPED = 1, 2
 
 
 @dataclass
 class Piece:
-    """A claimed piece: where it is now (``handle`` 0: swapped out, bytes at ``host``)."""
+    """A claimed piece: where it is now (``handle`` 0: swapped out, bytes at ``host``;
+    ``dropped``: out with nothing to copy back). ``discard``: it lies wholly in memory
+    marked discardable (dropped at a swap-out rather than copied)."""
 
     id: int
     va: int
     size: int
     handle: int
     host: int
+    discard: bool = False
+    dropped: bool = False
 
 
 _u64 = ctypes.c_ulonglong
@@ -162,6 +169,9 @@ class Shim:
             ("gs_notify", None, [ctypes.c_int]),
             ("gs_resident", _u64, []),
             ("gs_swapped", _u64, []),
+            ("gs_discarded", _u64, []),
+            ("gs_drops", _u64, []),
+            ("gs_mark", _u64, [_u64, _u64, ctypes.c_int]),
             ("gs_npieces", ctypes.c_int, []),
             ("gs_mallocs_seen", _u64, []),
             ("gs_interposing", ctypes.c_int, []),
@@ -199,6 +209,21 @@ class Shim:
     @property
     def swapped(self) -> int:
         return int(self.lib.gs_swapped())
+
+    @property
+    def discarded(self) -> int:
+        """Bytes of discardable pieces dropped (neither on the GPU nor on the host)."""
+        return int(self.lib.gs_discarded())
+
+    @property
+    def drops(self) -> int:
+        """Pieces dropped so far, all together."""
+        return int(self.lib.gs_drops())
+
+    def mark(self, va: int, size: int, on: bool = True) -> int:
+        """Mark the pieces wholly within ``[va, va + size)`` discardable (or no longer):
+        the bytes marked."""
+        return int(self.lib.gs_mark(va, size, int(on)))
 
     @property
     def interposing(self) -> bool:
@@ -241,7 +266,13 @@ class Shim:
         return bool(self.lib.gs_owns(va))
 
     def _claimed(self, arr: ctypes.Array[_Piece], n: int) -> list[Piece]:
-        return [Piece(p.id, p.va, p.size, p.handle, p.host) for p in arr[:n]]
+        return [
+            Piece(
+                p.id, p.va, p.size, p.handle, p.host,
+                discard=bool(p.flags & _GS_DISCARD), dropped=bool(p.flags & _GS_DROPPED),
+            )
+            for p in arr[:n]
+        ]  # fmt: skip
 
     def claim_out(self, nbytes: int) -> list[Piece]:
         """Resident pieces, newest first, until ``nbytes``; each busy until settled."""

@@ -45,6 +45,7 @@ import ctypes
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,7 @@ from gpushare.client.swap.base import NO_HOOKS, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
 from gpushare.client.swap.vmm import (
     PIECE_BYTES,
+    Discardable,
     IdleWaiter,
     VmmBackend,
     host_memory_available,
@@ -320,6 +322,22 @@ class TorchBackend(VmmBackend):
     def synchronize(self) -> None:
         self._torch.cuda.synchronize(self.device)
 
+    def discardable_tensor(self, tensor: Any) -> Discardable:
+        """Mark ``tensor``'s storage (a KV cache, say) as memory the workload can rebuild:
+        dropped rather than copied when the node takes memory back, zeros when it comes
+        back; the mark's ``drops`` grows each time (rebuild then). The mark goes with
+        the tensor object (once it is collected, its memory may be another tensor's)."""
+        dev = tensor.device
+        if dev.type != "cuda" or dev.index != self.device:
+            raise ValueError(
+                f"a discardable tensor must be on this session's GPU (cuda:{self.device}),"
+                f" not {dev}"
+            )
+        st = tensor.untyped_storage()
+        d = self.discardable(st.data_ptr(), st.nbytes())
+        weakref.finalize(tensor, _keep, weakref.ref(self), d)
+        return d
+
     def swap_out(self, nbytes: int) -> SwapResult:
         torch = self._torch
         # No kernel may touch what leaves. Bounded, and off this thread: a swap-out the
@@ -346,6 +364,12 @@ class TorchBackend(VmmBackend):
         super().close()
         with contextlib.suppress(SwapError):
             self.driver.close()  # our hold on the primary context: PyTorch keeps its own
+
+
+def _keep(backend: weakref.ref[TorchBackend], d: Discardable) -> None:
+    b = backend()
+    if b is not None:
+        b.keep(d)
 
 
 _patched = False

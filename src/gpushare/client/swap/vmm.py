@@ -7,7 +7,10 @@ to pinned host memory, then unmaps and releases them, piece by piece, telling th
 after each (so the next holder can swap into what was freed); swap-in creates and maps
 new pieces at the same addresses, after the node has given room for each, and copies the
 bytes back. Pointers into the memory (tensors, modules, optimizer state, CUDA graphs)
-stay valid.
+stay valid. Memory the workload marked discardable (:meth:`VmmBackend.discardable`: a
+cache it can rebuild) goes first and is dropped, not copied; its pieces come back zeroed
+at the next swap-in, and the mark's :attr:`Discardable.drops` tells the workload to
+rebuild.
 
 Copies are pipelined, :data:`DEPTH` batches in flight on one stream, a batch being one
 piece or several small ones (PyTorch's 2 and 20 MiB segments) up to a piece's size, with
@@ -29,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -55,7 +59,10 @@ class Store(Protocol):
     @property
     def swapped(self) -> int: ...
     @property
+    def discarded(self) -> int: ...
+    @property
     def piece_bytes(self) -> int: ...
+    def mark(self, va: int, size: int, on: bool = True) -> int: ...
     def alloc(self, size: int) -> int: ...
     def free(self, va: int) -> None: ...
     def claim_out(self, nbytes: int) -> list[Piece]: ...
@@ -315,6 +322,19 @@ class HostBuffers:
 # --- the backend ---------------------------------------------------------------------------
 
 
+@dataclass
+class Discardable:
+    """Memory marked discardable (:meth:`VmmBackend.discardable`): the ``bytes`` of
+    ``[va, va + size)`` in pieces wholly its own are dropped, not copied, when the node
+    takes memory back, and zeroed when they come back at the next grant. ``drops``
+    counts its pieces dropped so far: when it has grown, the workload rebuilds."""
+
+    va: int
+    size: int
+    bytes: int
+    drops: int = 0
+
+
 class VmmBackend(SwapBackend):
     """One session's swappable GPU memory on one device (see the module doc)."""
 
@@ -339,6 +359,8 @@ class VmmBackend(SwapBackend):
             self._stream = driver.new_stream()
             self._events = [driver.new_event() for _ in range(DEPTH + 1)]
         self._next_event = 0
+        self._marks: list[Discardable] = []
+        self._dropped = 0  # by the swap-out in progress
         target = limit if host_bytes is None else host_bytes
         self.host = HostBuffers(driver, self.piece_bytes, _round_up(target, self.piece_bytes))
         # The allocator writes a byte here after each allocation and free (in C, without
@@ -356,6 +378,31 @@ class VmmBackend(SwapBackend):
     @property
     def swapped_bytes(self) -> int:
         return self.store.swapped
+
+    @property
+    def discarded_bytes(self) -> int:
+        return self.store.discarded
+
+    def discardable(self, va: int, size: int) -> Discardable:
+        """Mark ``[va, va + size)`` (memory of this backend's) as a cache the workload
+        can rebuild. Only whole pieces within it are marked (a piece it shares with other
+        memory is copied as ever): :attr:`Discardable.bytes` says how much."""
+        if size <= 0:
+            raise ValueError("a discardable range needs a positive size")
+        with self._lock:
+            d = Discardable(va, size, self.store.mark(va, size, True))
+            self._marks.append(d)
+        return d
+
+    def keep(self, d: Discardable) -> None:
+        """``d`` is no longer discardable (its memory is freed, or holds what cannot be
+        rebuilt): copied like the rest from now on."""
+        with self._lock:
+            if d in self._marks:
+                self._marks.remove(d)
+                self.store.mark(d.va, d.size, False)
+                for other in self._marks:  # a piece it shared with another mark stays his
+                    self.store.mark(other.va, other.size, True)
 
     def _watch(self) -> None:
         while True:
@@ -435,6 +482,9 @@ class VmmBackend(SwapBackend):
         ``nbytes`` went, freeing each on the GPU as its copy is done."""
 
         def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
+            if p.discard:  # dropped, not copied (no host buffer): the workload rebuilds it
+                batch.append((p, 0))
+                return
             buf = self.host.take(p.size)
             batch.append((p, buf))
             self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
@@ -442,6 +492,7 @@ class VmmBackend(SwapBackend):
         with self._lock, self.driver.context():
             self._take_back_host()
             t0 = time.perf_counter()
+            self._dropped = 0
             todo = deque(self.store.claim_out(nbytes))
             inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
             try:
@@ -450,12 +501,13 @@ class VmmBackend(SwapBackend):
                 self._drain_stream()  # copies issued are done before their buffers go back
                 for batch, _ in inflight:  # not freed: they stay resident
                     for p, buf in batch:
-                        self.host.give(buf)
+                        if buf:
+                            self.host.give(buf)
                         self.store.settle(p, p.handle, p.host)
                 for p in todo:
                     self.store.settle(p, p.handle, p.host)
                 raise
-            return SwapResult(moved, time.perf_counter() - t0)
+            return SwapResult(moved, time.perf_counter() - t0, self._dropped)
 
     def _retire_out(self, batch: deque[tuple[Piece, int]], ev: list[int]) -> int:
         self.driver.wait(ev[0])
@@ -469,7 +521,13 @@ class VmmBackend(SwapBackend):
             except SwapError as e:  # unmapped, its bytes on the host: out, the handle lost
                 log.error("releasing swapped-out GPU memory failed: %s", e)
             self.store.settle(p, 0, buf)
-            moved += p.size
+            if buf:
+                moved += p.size
+            else:
+                self._dropped += p.size
+                for d in self._marks:
+                    if d.va <= p.va < d.va + d.size:
+                        d.drops += 1
             self.progress()
         return moved
 
@@ -490,7 +548,10 @@ class VmmBackend(SwapBackend):
                 self.driver.release(h)
                 raise
             batch.append((p, h))
-            self.driver.copy_htod(p.va, p.host, p.size, self._stream)
+            if p.dropped:  # made again, empty (new memory holds what was there before)
+                self.driver.zero(p.va, p.size, self._stream)
+            else:
+                self.driver.copy_htod(p.va, p.host, p.size, self._stream)
 
         with self._lock, self.driver.context():
             self._take_back_host()
@@ -499,34 +560,43 @@ class VmmBackend(SwapBackend):
             try:
                 moved = self._pipeline(todo, inflight, issue, self._retire_in)
             except BaseException:
-                # Copies done are kept; the others go back to being only on the host.
-                self._drain_stream()
-                for batch, ev in inflight:
-                    done = False
-                    if ev:
-                        with contextlib.suppress(SwapError):
-                            self.driver.wait(ev[0])
-                            done = True
-                    for p, h in batch:
-                        if done:
-                            self.host.give(p.host)
-                            self.store.settle(p, h, 0)
-                        else:
-                            self._unback(p, h)
-                for p in todo:
-                    self.store.settle(p, 0, p.host)
-                self.on_change()
+                self._undo_in(inflight, todo)
                 raise
             return SwapResult(moved, time.perf_counter() - t0 - waited)  # not transfer time
+
+    def _undo_in(
+        self, inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]], todo: deque[Piece]
+    ) -> None:
+        """A swap-in failed: copies done are kept; the others go back to being only on
+        the host."""
+        self._drain_stream()
+        for batch, ev in inflight:
+            done = False
+            if ev:
+                with contextlib.suppress(SwapError):
+                    self.driver.wait(ev[0])
+                    done = True
+            for p, h in batch:
+                if done:
+                    if p.host:
+                        self.host.give(p.host)
+                    self.store.settle(p, h, 0)
+                else:
+                    self._unback(p, h)
+        for p in todo:
+            self.store.settle(p, 0, p.host)
+        self.on_change()
 
     def _retire_in(self, batch: deque[tuple[Piece, int]], ev: list[int]) -> int:
         self.driver.wait(ev[0])
         moved = 0
         while batch:
             p, h = batch.popleft()
-            self.host.give(p.host)
+            if p.host:
+                self.host.give(p.host)
+            if not p.dropped:
+                moved += p.size
             self.store.settle(p, h, 0)
-            moved += p.size
             self.progress()
         return moved
 
