@@ -22,6 +22,7 @@ from gpushare.core.actions import (
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.checks import MAX_WEIGHT, MIN_WEIGHT, ArbiterError, FieldError
 from gpushare.core.clock import ManualClock
+from gpushare.core.ledger import bound_for
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
 from tests.profiles import examples
@@ -150,6 +151,7 @@ inputs = st.one_of(
                 "weight": st.one_of(hostile_floats, st.just(1.0)),
                 "resident": sizes,
                 "swapped": sizes,
+                "discarded": sizes,
                 "holding": st.booleans(),
                 "lease": st.one_of(big, st.integers(0, 20)),
                 "verified": st.booleans(),
@@ -403,3 +405,21 @@ def test_a_refused_release_does_not_book_discarded_bytes():
         a.release(1, resident=0, swapped=0, discarded=4 * GiB)
     assert state_of(a) == before
     assert a.sessions[1].memory.discarded == 0 and a.sessions[1].totals.discarded_bytes == 0
+
+
+def test_memory_a_session_dropped_before_a_restart_is_in_its_bound_and_its_limit():
+    """Seen: a reconnecting hello's discarded bytes were not used at attach, so the
+    session's bound left out memory it makes again (empty) at its grant."""
+    a = arb(capacity=40 * GiB, clock=ManualClock())
+    a.attach(1, name="back", memory_limit=20 * GiB, memory_request=8 * GiB, grows=True,
+             resident=0, swapped=4 * GiB, discarded=6 * GiB)  # fmt: skip
+    m = a.sessions[1].memory
+    assert (m.swapped, m.discarded) == (4 * GiB, 6 * GiB)
+    assert a.sessions[1].totals.discarded_bytes == 0  # dropped under the node before
+    assert bound_for(a.sessions[1], "auto") == 10 * GiB  # all of it comes back
+    before = state_of(a)
+    with pytest.raises(FieldError, match="exceed the memory limit"):
+        a.attach(2, name="liar", memory_limit=10 * GiB, swapped=4 * GiB, discarded=7 * GiB)
+    with pytest.raises(FieldError, match="discarded"):
+        a.attach(2, name="liar", memory_limit=10 * GiB, discarded=-1)
+    assert state_of(a) == before

@@ -541,6 +541,24 @@ async def test_a_lease_granted_just_before_the_node_was_killed_comes_back(node):
     consistent(node)
 
 
+@in_process(memory="80GiB", mode="exclusive", tq=5)
+async def test_memory_dropped_before_a_restart_is_booked_when_its_session_is_back(node):
+    # Seen: a reconnecting hello's discarded bytes were not used: the session's bound
+    # left out the memory it makes again (empty) at its next grant.
+    a = await holder(node, 20 * G, "a")
+    await a.send(p.Release(resident=0, swapped=4 * G, discarded=6 * G))
+    await node.settle()
+    await node.restart()
+    a2 = await back(node, a, swapped=4 * G, discarded=6 * G)
+    await node.settle()
+    assert a2.welcome.session == a.session
+    m = node.node.arbiters[0].sessions[a.session].memory
+    assert (m.resident, m.swapped, m.discarded) == (0, 4 * G, 6 * G)
+    (row,) = node.node.status().gpus[0].sessions
+    assert row.discarded_bytes == 6 * G
+    consistent(node)
+
+
 @in_process(memory="80GiB")
 async def test_session_ids_stay_unique_when_the_state_directory_is_full(node, monkeypatch):
     # Seen: with the state directory full, session ids repeated after SIGKILL + restart.

@@ -179,6 +179,7 @@ class Arbiter:
         weight: float = 1.0,
         resident: int = 0,
         swapped: int = 0,
+        discarded: int = 0,
         holding: bool = False,
         lease: int = 0,
         verified: bool = False,
@@ -190,8 +191,9 @@ class Arbiter:
         family: int = 0,
         joins_family: bool = False,
     ) -> list[Action]:
-        """A new session; ``resident``/``swapped``/``holding`` re-register a workload that
-        outlived a node restart (it keeps its memory and, mid-burst, says it holds lease
+        """A new session; ``resident``/``swapped``/``discarded``/``holding`` re-register a
+        workload that outlived a node restart (it keeps its memory, made again empty at
+        its next grant where it was dropped, and, mid-burst, says it holds lease
         ``lease``). The lease is given back only when ``verified`` (the node matched the
         session to its record and checked the lease's token) and the rules allow it (after
         the recovery window, if one is open); any other claim is told to yield (a revoke
@@ -215,7 +217,7 @@ class Arbiter:
         if cut is not None:
             memory_limit, memory_request = cut.limit, cut.request or cut.limit
         limit = memory_limit
-        weight = self._check_attach(sid, limit, weight, resident, swapped, lease)
+        weight = self._check_attach(sid, limit, weight, resident, swapped, discarded, lease)
         request = self._check_request(memory_request, limit)
         if sharing and sharing not in SHARING_MODES:
             raise FieldError(
@@ -234,6 +236,7 @@ class Arbiter:
         s.prefetch.enabled = prefetch
         s.share.credit = self.turns.first_credit()
         st.set_memory(s, resident, swapped)
+        mem.discarded = discarded  # in its bound (it comes back); dropped before: not counted
         st.sessions[sid] = s
         st.ledger.weigh(weight, 1)
         s.rank.family = family if family != sid else 0
@@ -244,7 +247,7 @@ class Arbiter:
                 self.gangs.join(head, gang, 0, False)
         if gang:
             self.gangs.join(s, gang, gang_size, spans_nodes)
-        resumed = bool(resident or swapped or holding)
+        resumed = bool(resident or swapped or discarded or holding)
         st.out.emit(
             Attach(
                 session=sid,
@@ -292,7 +295,14 @@ class Arbiter:
         self.st.out.act(LimitsAction(head.id, limit, request))
 
     def _check_attach(
-        self, sid: int, limit: int, weight: float, resident: int, swapped: int, lease: int
+        self,
+        sid: int,
+        limit: int,
+        weight: float,
+        resident: int,
+        swapped: int,
+        discarded: int,
+        lease: int,
     ) -> float:
         """An attach's figures, each bounded by what the node knows; the weight checked."""
         if sid in self.st.sessions:
@@ -307,10 +317,11 @@ class Arbiter:
         weight = check_weight(weight)
         count("resident", resident, limit)
         count("swapped", swapped, limit)
-        if resident + swapped > limit:
+        count("discarded", discarded, limit)
+        if resident + swapped + discarded > limit:
             raise FieldError(
-                f"resident + swapped ({resident} + {swapped} bytes) exceed the memory limit"
-                f" of {limit} bytes"
+                f"resident + swapped + discarded ({resident} + {swapped} + {discarded} bytes)"
+                f" exceed the memory limit of {limit} bytes"
             )
         count("lease", lease, MAX_COUNT)
         if self.used_bytes() + resident > self.capacity:

@@ -334,6 +334,7 @@ class WorkloadServer:
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
+                discarded=h.discarded,
                 holding=h.holding,
                 lease=h.lease,
                 verified=verified,
@@ -411,11 +412,13 @@ class WorkloadServer:
                 f" back first (recovery_window, {self._config().recovery_window:g} s at"
                 " most): try again then",
             )
-        if min(h.resident, h.swapped) < 0 or h.resident + h.swapped > limit:
+        held = h.resident + h.swapped + h.discarded
+        if min(h.resident, h.swapped, h.discarded) < 0 or held > limit:
             raise Refused(  # no session could have these: a broken client, said so
                 "attach",
-                f"hello: resident + swapped ({h.resident} + {h.swapped} bytes) must be"
-                f" bytes within the memory limit of {limit} bytes",
+                f"hello: resident + swapped + discarded ({h.resident} + {h.swapped} +"
+                f" {h.discarded} bytes) must be bytes within the memory limit of {limit}"
+                " bytes",
             )
 
     def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
