@@ -122,6 +122,23 @@ def skipped_site(command: Sequence[str]) -> str:
     return ""
 
 
+def ungated_memory(command: Sequence[str]) -> str:
+    """What of a command line's GPU memory gpushare cannot see ('' where nothing): vLLM's
+    sleep mode allocates its weights and KV cache through an allocator of its own that
+    calls the driver (cuMemCreate), past gpushare's (which serves cudaMalloc)."""
+    words = [os.path.basename(a) for a in command]
+    vllm = any(w == "vllm" or w.startswith("vllm.") for w in words)
+    sleep = any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=") for a in command)
+    if vllm and sleep and "--enable-sleep-mode=false" not in command:
+        return (
+            "vLLM's --enable-sleep-mode allocates the model's memory through vLLM's own CUDA"
+            " allocator, which gpushare neither limits nor swaps (the node sees it only as"
+            " NVML counts it, past the session's limit): drop --enable-sleep-mode, and"
+            " gpushare swaps the weights and KV cache itself"
+        )
+    return ""
+
+
 def is_python(exe: str) -> bool:
     """Whether the file ``exe`` is a Python interpreter or a script run by one (its
     ``#!`` line names Python): what gpushare's start-up hook runs in."""
@@ -180,6 +197,9 @@ def run(
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
+    why = ungated_memory(command)
+    if why:
+        notes.append(why)
     if not is_python(exe):
         notes.append(
             f"{command[0]} is not a Python program: only the Python programs it starts are"
