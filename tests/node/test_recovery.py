@@ -9,6 +9,7 @@ the host or the node's own pod."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -445,21 +446,56 @@ def test_a_journal_line_a_later_whole_write_holds_is_never_read_back_over_it(tmp
     assert _records(tmp_path, []).previous[1].lease == 0  # released stays released
 
 
-def test_a_torn_journal_line_is_skipped_and_the_next_not_joined_to_it(tmp_path):
+def test_a_torn_journal_line_is_cut_off_and_never_read_as_a_grant(tmp_path):
+    # Seen (a review): a line cut inside its lease's digits ("... 1 10400" as "... 1 10")
+    # still parsed, as lease 10, which had been released and written whole: given back.
     live = [_me(1), _me(2)]
     r = _records(tmp_path, live)
     r.granted(0, 1, 1)
-    assert r.save()
+    r.granted(0, 1, 10)
+    assert r.save()  # lease 10 released since: on record as holding none
     gen = r.generation
     with open(tmp_path / JOURNAL_FILE, "ab") as f:
-        f.write(f"{gen} 0 2 7\n{gen} 0 1 9".encode()[:-1])  # killed writing "…1 9"
-    # a line no grant could have written (a lease past the floor, another GPU) neither
+        f.write(f"{gen} 0 2 7\n{gen} 0 1 10400".encode()[:-3])  # killed writing it
     r2 = _records(tmp_path, live)
-    r2.granted(0, 1, 8)  # the next node's first grant, appended after the torn line
-    with open(tmp_path / JOURNAL_FILE, "ab") as f:
-        f.write(f"{gen} 0 2 {10**9}\n{gen} 5 2 4\nnonsense\n".encode())
+    assert (r2.previous[1].lease, r2.previous[2].lease) == (0, 7)
+    r2.granted(0, 1, 11)  # the next node's first grant: a line of its own
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:  # lines no grant wrote
+        f.write(f"{gen} 5 2 4\n{gen - 1} 0 2 3\nnonsense\n".encode())
     back = _records(tmp_path, []).previous
-    assert (back[1].lease, back[2].lease) == (8, 7)
+    assert (back[1].lease, back[2].lease) == (11, 7)
+
+
+def test_a_short_journal_write_is_cut_back_and_the_records_written_whole(tmp_path, monkeypatch):
+    # Seen (a review): a short write (a full disk) went unnoticed: the grant taken for on
+    # disk, and a torn line left for the next one to join.
+    r = _records(tmp_path, [_me(1, lease=5)])
+    r.granted(0, 1, 1)
+    real = os.write
+    monkeypatch.setattr(
+        "gpushare.node.recovery.os.write",
+        lambda fd, data: real(fd, data[:3] if fd == r._journal else data),
+    )
+    r.granted(0, 1, 5)
+    monkeypatch.undo()
+    assert (tmp_path / JOURNAL_FILE).read_bytes() == b""  # nothing torn left behind
+    assert _records(tmp_path, []).previous[1].lease == 5  # the records, written whole
+
+
+def test_a_lease_out_while_its_floor_could_not_be_written_is_not_numbered_again(
+    tmp_path, monkeypatch
+):
+    # Seen (a review): on a full disk the floor past a new lease was not written, and the
+    # next node numbered its leases from the old floor: the same numbers again.
+    r = _records(tmp_path, [_me(1)])
+
+    def full(*args, **kw) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(r.dir, "write", full)
+    r.granted(0, 1, 1)  # the floor must move and cannot: the journal's line still fits
+    monkeypatch.undo()
+    assert _records(tmp_path, []).lease_floor[0] >= 1  # the next lease is past it
 
 
 def test_a_lease_journal_symlink_is_never_followed(tmp_path):

@@ -140,6 +140,7 @@ class Recovery:
         self._held = False  # the node is stopping: the records stay as they are
         self.generation = 0  # of the state file on disk
         self._journal: int | None = None  # its descriptor, opened at load
+        self._journal_size = 0  # its whole lines' bytes
 
     # --- at start ---------------------------------------------------------------------
 
@@ -178,10 +179,13 @@ class Recovery:
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
         self.generation = saved.generation
-        journal = self._open_journal()
+        grants = _grants(self._open_journal(), saved.generation)
+        for gpu, _, lease in grants:  # a lease out with its floor not on disk (a full disk)
+            if gpu < self.gpus:
+                self.lease_floor[gpu] = max(self.lease_floor[gpu], lease)
         if saved.boot_id != self.boot:
             return []  # another boot: no process of then runs now
-        self._replay(saved, journal)
+        _replay(saved, grants)
         root = self.proc_root()
         alive = [
             r
@@ -193,36 +197,45 @@ class Recovery:
         return alive
 
     def _open_journal(self) -> bytes:
-        """The journal's lines as the last node left them, and the journal opened to
-        append to (without it, every grant is a whole write: slower, as safe)."""
+        """The journal's whole lines as the last node left them, and the journal opened
+        to append to, a last line it left torn cut off (without a journal, every grant is
+        a whole write: slower, as safe)."""
         try:
             lines = self.dir.read(JOURNAL_FILE, most=JOURNAL_MOST) or b""
         except UnsafePath as e:
             log.warning("lease journal not usable (%s): its grants are not read back", e)
             lines = b""
+        lines = lines[: lines.rfind(b"\n") + 1]  # a torn line's digits may still parse
         try:
             self._journal = self.dir.append(JOURNAL_FILE)
+            os.ftruncate(self._journal, len(lines))
+            self._journal_size = len(lines)
         except (OSError, UnsafePath) as e:
             log.warning("cannot open the lease journal (%s): each grant writes the records", e)
+            if self._journal is not None:
+                os.close(self._journal)
             self._journal = None
         return lines
 
-    def _replay(self, saved: Saved, lines: bytes) -> None:
-        """The grants the journal holds after ``saved`` (its generation's lines), onto
-        the records: each session's lease, the last one granted it. A line a killed
-        node left torn, or one no grant of that file's could have written, is skipped."""
-        records = {r.id: r for r in saved.sessions}
-        floors = saved.lease_floor
-        for line in lines.split(b"\n"):
-            try:
-                gen, gpu, sid, lease = map(int, line.split())
-            except ValueError:
-                continue
-            r = records.get(sid)
-            if gen != saved.generation or r is None or r.gpu != gpu or gpu >= len(floors):
-                continue
-            if 0 < lease < floors[gpu]:
-                r.lease = lease
+    def _append(self, line: str) -> bool:
+        """``line`` appended to the journal, whole; a short write (a full disk) is cut
+        back off, so no torn line is left for the next one to join."""
+        if self._journal is None:
+            return False
+        data = line.encode()
+        try:
+            n = os.write(self._journal, data)
+        except OSError as e:
+            n, why = -1, e.strerror or str(e)
+        else:
+            why = "a short write"
+        if n == len(data):
+            self._journal_size += n
+            return True
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._journal, self._journal_size)
+        log.warning("cannot append to the lease journal (%s): writing the records", why)
+        return False
 
     # --- ids, leases, tokens -------------------------------------------------------------
 
@@ -280,15 +293,16 @@ class Recovery:
         a whole write where the lease floor must move past it, or the journal fails)."""
         if self._held:
             return
-        if lease >= self.lease_floor[gpu]:
+        line = f"{self.generation} {gpu} {sid} {lease}\n"
+        moved = lease >= self.lease_floor[gpu]
+        if moved:
             self.lease_floor[gpu] = lease + LEASE_BLOCK
-        elif self._journal is not None:
-            try:
-                os.write(self._journal, f"{self.generation} {gpu} {sid} {lease}\n".encode())
-                return
-            except OSError as e:
-                log.warning("cannot append to the lease journal (%s): writing the records", e)
-        self.save()
+        elif self._append(line):
+            return
+        if not self.save() and moved:
+            # The floor is not on disk (a full disk): a line may still fit, and the next
+            # node numbers its leases past it.
+            self._append(line)
 
     # --- re-registering ----------------------------------------------------------------
 
@@ -361,6 +375,7 @@ class Recovery:
         if self._journal is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._journal, 0)
+                self._journal_size = 0
         return True
 
     def save_soon(self, delay: float = 0.1) -> None:
@@ -394,3 +409,27 @@ class Recovery:
         for sid in [i for i, r in self.previous.items() if not same_process(r.ref(), root)]:
             self.previous.pop(sid)
             self.expected.pop(sid, None)
+
+
+def _grants(lines: bytes, generation: int) -> list[tuple[int, int, int]]:
+    """The journal's grants of ``generation`` (the state file's: the lines after it), as
+    (GPU, session, lease), in order; a line no grant wrote is skipped."""
+    out = []
+    for line in lines.split(b"\n"):
+        try:
+            gen, gpu, sid, lease = map(int, line.split())
+        except ValueError:
+            continue
+        if gen == generation and gpu >= 0 and sid > 0 and lease > 0:
+            out.append((gpu, sid, lease))
+    return out
+
+
+def _replay(saved: Saved, grants: list[tuple[int, int, int]]) -> None:
+    """The grants onto ``saved``'s records: each session's lease, the last one it was
+    granted (the state file holds its releases until then)."""
+    records = {r.id: r for r in saved.sessions}
+    for gpu, sid, lease in grants:
+        r = records.get(sid)
+        if r is not None and r.gpu == gpu:
+            r.lease = lease

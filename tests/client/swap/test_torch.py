@@ -345,3 +345,19 @@ def test_discardable_marks_nothing_where_no_session_serves_the_tensor():
     x = torch.zeros(4096, dtype=torch.uint8)  # run bare: the same call, nothing marked
     d = gpushare.discardable(x)
     assert (d.va, d.size, d.bytes, d.drops) == (x.data_ptr(), 4096, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
+def test_a_discardable_tensors_freed_storage_is_not_dropped_under_the_next_one(backend):
+    dev = backend.device
+    cache = torch.ones(512 * 2**20, dtype=torch.uint8, device=dev)
+    d = backend.discardable_tensor(cache)
+    assert d.bytes > 0
+    cache.untyped_storage().resize_(0)  # freed while the tensor lives (as FSDP does)
+    other = torch.full((512 * 2**20,), 7, dtype=torch.uint8, device=dev)  # may reuse it
+    r = backend.swap_out(backend.resident_bytes)
+    assert r.discarded == 0
+    backend.swap_in()
+    assert int((other == 7).sum()) == other.numel()
+    del cache, other

@@ -470,3 +470,40 @@ def test_memory_no_longer_discardable_is_copied_again(gpu: FakeGpu):
     b.swap_in()
     assert ctypes.string_at(va, 2 * PIECE) == data
     b.close()
+
+
+def test_a_mark_given_up_during_a_swap_out_leaves_the_figures_whole(gpu: FakeGpu):
+    # Seen (a review): a mark's finalizer running mid-swap (the tensor's last reference
+    # dropped in a report) left a dropped piece counted as swapped with no host copy,
+    # and the swap-in copied from host address 0 (a segfault).
+    b = gpu.backend()
+    ((va, data),) = fill(b, [2 * PIECE])
+    d = b.discardable(va, 2 * PIECE)
+    b.on_change = lambda: b.keep(d)  # given up after the first piece went
+    r = b.swap_out(2 * PIECE)
+    assert (r.bytes, r.discarded) == (0, 2 * PIECE)  # as the swap decided at its start
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == (0, 0, 2 * PIECE)
+    b.on_change = lambda: None
+    b.swap_in()
+    assert ctypes.string_at(va, 2 * PIECE) == bytes(2 * PIECE)
+    ctypes.memmove(va, data, len(data))  # rebuilt: and no longer discardable
+    r = b.swap_out(2 * PIECE)
+    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
+    b.swap_in()
+    assert ctypes.string_at(va, 2 * PIECE) == data
+    b.close()
+
+
+def test_a_mark_whose_memory_is_no_longer_the_caches_is_copied(gpu: FakeGpu):
+    # Suspected (a review): a tensor's storage freed or replaced while the tensor lives
+    # (resize_(0), set_) leaves its memory marked for whatever PyTorch puts there next.
+    b = gpu.backend()
+    ((va, data),) = fill(b, [2 * PIECE])
+    owner = {"va": va}  # where the marked tensor's storage is now
+    b.discardable(va, 2 * PIECE, still=lambda: owner["va"] == va)
+    owner["va"] = 0  # its storage went; another tensor's bytes are there now
+    r = b.swap_out(2 * PIECE)
+    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
+    b.swap_in()
+    assert ctypes.string_at(va, 2 * PIECE) == data
+    b.close()

@@ -519,8 +519,9 @@ void gs_settle(uint64_t id, unsigned long long handle, uint64_t host) {
     if (!s->freed) {
         if (was && !handle) {
             resident -= p->size;
-            /* out with no host copy: a discardable piece dropped */
-            p->dropped = p->discard && !host;
+            /* out with no host copy: dropped (the swap decided so from the mark it
+             * claimed the piece with, which may have changed since) */
+            p->dropped = !host;
             if (p->dropped) discarded += p->size, drops++;
             else swapped += p->size;
         }

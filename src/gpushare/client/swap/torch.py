@@ -334,7 +334,18 @@ class TorchBackend(VmmBackend):
                 f" not {dev}"
             )
         st = tensor.untyped_storage()
-        d = self.discardable(st.data_ptr(), st.nbytes())
+        va, size, ref = st.data_ptr(), st.nbytes(), weakref.ref(tensor)
+
+        def still() -> bool:
+            # Its storage freed or replaced (resize_, set_, .data =) while the tensor
+            # lives: that memory may be another tensor's now.
+            t = ref()
+            if t is None:
+                return False
+            s = t.untyped_storage()
+            return bool(s.data_ptr() == va and s.nbytes() == size)
+
+        d = self.discardable(va, size, still)
         weakref.finalize(tensor, _keep, weakref.ref(self), d)
         return d
 

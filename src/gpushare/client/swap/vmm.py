@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -333,6 +333,9 @@ class Discardable:
     size: int
     bytes: int
     drops: int = 0
+    # Whether the memory is still what was marked (a tensor's storage may be freed or
+    # swapped for another while the tensor lives): asked before each swap-out.
+    still: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
 
 class VmmBackend(SwapBackend):
@@ -383,14 +386,16 @@ class VmmBackend(SwapBackend):
     def discarded_bytes(self) -> int:
         return self.store.discarded
 
-    def discardable(self, va: int, size: int) -> Discardable:
+    def discardable(
+        self, va: int, size: int, still: Callable[[], bool] | None = None
+    ) -> Discardable:
         """Mark ``[va, va + size)`` (memory of this backend's) as a cache the workload
         can rebuild. Only whole pieces within it are marked (a piece it shares with other
         memory is copied as ever): :attr:`Discardable.bytes` says how much."""
         if size <= 0:
             raise ValueError("a discardable range needs a positive size")
         with self._lock:
-            d = Discardable(va, size, self.store.mark(va, size, True))
+            d = Discardable(va, size, self.store.mark(va, size, True), still=still)
             self._marks.append(d)
         return d
 
@@ -491,6 +496,8 @@ class VmmBackend(SwapBackend):
 
         with self._lock, self.driver.context():
             self._take_back_host()
+            for d in [d for d in self._marks if d.still is not None and not d.still()]:
+                self.keep(d)  # no longer the memory marked: copied like the rest
             t0 = time.perf_counter()
             self._dropped = 0
             todo = deque(self.store.claim_out(nbytes))
@@ -525,7 +532,7 @@ class VmmBackend(SwapBackend):
                 moved += p.size
             else:
                 self._dropped += p.size
-                for d in self._marks:
+                for d in list(self._marks):  # a mark's finalizer may run meanwhile
                     if d.va <= p.va < d.va + d.size:
                         d.drops += 1
             self.progress()
