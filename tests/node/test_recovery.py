@@ -25,7 +25,7 @@ import pytest
 import gpushare
 from gpushare.errors import GpushareError
 from gpushare.node.procs import ProcRef, holders_of, peer_inode, pidfd_signal, ref_of
-from gpushare.node.recovery import JOURNAL_FILE, Recovery, SessionRecord
+from gpushare.node.recovery import JOURNAL_FILE, LEASE_BLOCK, Recovery, SessionRecord
 from gpushare.node.safefs import SafeDir
 from gpushare.tools.admin import AdminClient
 from tests.support import sim, wait_until
@@ -496,6 +496,72 @@ def test_a_lease_out_while_its_floor_could_not_be_written_is_not_numbered_again(
     r.granted(0, 1, 1)  # the floor must move and cannot: the journal's line still fits
     monkeypatch.undo()
     assert _records(tmp_path, []).lease_floor[0] >= 1  # the next lease is past it
+
+
+def test_a_node_killed_before_it_cut_a_torn_line_leaves_it_torn(tmp_path, monkeypatch):
+    # Seen (a review): the journal's open ended the torn line before cutting it, so a
+    # node killed between the two left it whole, read as a grant by the next.
+    live = [_me(1)]
+    r = _records(tmp_path, live)
+    r.granted(0, 1, 1)
+    assert r.save()
+    torn = f"{r.generation} 0 1 10".encode()  # "... 1 10400", cut short
+    (tmp_path / JOURNAL_FILE).write_bytes(torn)
+
+    def killed(*args) -> None:
+        raise OSError(errno.EIO, "killed here")
+
+    monkeypatch.setattr("gpushare.node.recovery.os.ftruncate", killed)
+    _records(tmp_path, live)
+    monkeypatch.undo()
+    assert (tmp_path / JOURNAL_FILE).read_bytes() == torn  # as it was: still torn
+    assert _records(tmp_path, []).previous[1].lease == 0
+
+
+def test_a_journal_past_its_reading_size_keeps_its_last_lines(tmp_path, monkeypatch):
+    # Seen (a review): a journal over the size read back was emptied, with the floor its
+    # lines held (whole writes failing all along).
+    monkeypatch.setattr("gpushare.node.recovery.JOURNAL_MOST", 64)
+    r = _records(tmp_path, [_me(1)])
+    r.granted(0, 1, 1)
+    gen = r.generation
+    leases = range(2, 200_000, 997)
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:
+        f.write(b"".join(f"{gen} 0 1 {n}\n".encode() for n in leases))
+    r2 = _records(tmp_path, [])
+    assert r2.lease_floor[0] >= leases[-1]  # the last line's lease: numbered past it
+    assert r2.previous[1].lease == leases[-1]
+    assert (tmp_path / JOURNAL_FILE).stat().st_size > 64  # nothing thrown away
+
+
+def test_a_full_disk_leaves_half_a_block_of_leases_before_numbers_could_repeat(
+    tmp_path, monkeypatch
+):
+    # Seen (a review): with the records and the journal both failing, the lease that
+    # moved the floor went out past the floor on disk: the next node numbered it again.
+    r = _records(tmp_path, [_me(1)])
+    r.granted(0, 1, 1)  # the floor on disk: past half a block from here
+    real_write = r.dir.write
+    calls = {"n": 0}
+
+    def full(*args, **kw) -> None:
+        calls["n"] += 1
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(r.dir, "write", full)
+    os.close(r._journal)  # and no line fits either
+    r._journal = os.open(os.devnull, os.O_RDONLY)
+    half = LEASE_BLOCK // 2
+    for lease in range(half + 2, half + 5):  # near the floor: each tries a whole write
+        r.granted(0, 1, lease)
+    assert calls["n"] == 3
+    monkeypatch.setattr(r.dir, "write", real_write)  # room again, for one write
+    r.granted(0, 1, half + 5)
+    monkeypatch.setattr(r.dir, "write", full)
+    out = [LEASE_BLOCK + 1, LEASE_BLOCK + 2]  # past the first floor, the disk full again
+    for lease in out:
+        r.granted(0, 1, lease)
+    assert _records(tmp_path, []).lease_floor[0] > max(out)  # never handed out again
 
 
 def test_a_lease_journal_symlink_is_never_followed(tmp_path):

@@ -141,6 +141,7 @@ class Recovery:
         self.generation = 0  # of the state file on disk
         self._journal: int | None = None  # its descriptor, opened at load
         self._journal_size = 0  # its whole lines' bytes
+        self._disk_floor = [0] * gpus  # the lease floors last written
 
     # --- at start ---------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class Recovery:
         self.next_session = self.id_floor = max(1, saved.next_session)
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
+        self._disk_floor = list(self.lease_floor)
         self.generation = saved.generation
         grants = _grants(self._open_journal(), saved.generation)
         for gpu, _, lease in grants:  # a lease out with its floor not on disk (a full disk)
@@ -197,24 +199,33 @@ class Recovery:
         return alive
 
     def _open_journal(self) -> bytes:
-        """The journal's whole lines as the last node left them, and the journal opened
-        to append to, a last line it left torn cut off (without a journal, every grant is
-        a whole write: slower, as safe)."""
+        """The journal's whole lines as the last node left them (its last
+        :data:`JOURNAL_MOST` bytes: a journal that large has outlived many failed whole
+        writes), and the journal opened to append to, a last line it left torn cut off
+        (its lease's digits cut short would still read as a number). Without a journal,
+        every grant is a whole write: slower, as safe."""
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
         try:
-            lines = self.dir.read(JOURNAL_FILE, most=JOURNAL_MOST) or b""
-        except UnsafePath as e:
-            log.warning("lease journal not usable (%s): its grants are not read back", e)
-            lines = b""
-        lines = lines[: lines.rfind(b"\n") + 1]  # a torn line's digits may still parse
-        try:
-            self._journal = self.dir.append(JOURNAL_FILE)
-            os.ftruncate(self._journal, len(lines))
-            self._journal_size = len(lines)
+            fd = self.dir.append(JOURNAL_FILE, end_line=False)
         except (OSError, UnsafePath) as e:
             log.warning("cannot open the lease journal (%s): each grant writes the records", e)
-            if self._journal is not None:
-                os.close(self._journal)
-            self._journal = None
+            return b""
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - JOURNAL_MOST)
+            data = os.pread(fd, size - start, start)
+            if start:  # from within a line: from the next one
+                data = data[data.find(b"\n") + 1 :]
+            lines = data[: data.rfind(b"\n") + 1]
+            torn = len(data) - len(lines)
+            os.ftruncate(fd, size - torn)
+        except OSError as e:
+            os.close(fd)
+            log.warning("cannot read the lease journal (%s): each grant writes the records", e)
+            return b""
+        self._journal, self._journal_size = fd, size - torn
         return lines
 
     def _append(self, line: str) -> bool:
@@ -294,14 +305,16 @@ class Recovery:
         if self._held:
             return
         line = f"{self.generation} {gpu} {sid} {lease}\n"
-        moved = lease >= self.lease_floor[gpu]
-        if moved:
-            self.lease_floor[gpu] = lease + LEASE_BLOCK
+        # The floor moves half a block ahead of the leases, and a whole write carries it:
+        # on a full disk every grant tries again, and the floor on disk still covers the
+        # leases (for half a block more) until one succeeds.
+        near = lease + LEASE_BLOCK // 2 >= self._disk_floor[gpu]
+        if near:
+            self.lease_floor[gpu] = max(self.lease_floor[gpu], lease + LEASE_BLOCK)
         elif self._append(line):
             return
-        if not self.save() and moved:
-            # The floor is not on disk (a full disk): a line may still fit, and the next
-            # node numbers its leases past it.
+        if not self.save() and near:
+            # past the floor on disk, a line may still fit: the next node numbers past it
             self._append(line)
 
     # --- re-registering ----------------------------------------------------------------
@@ -372,6 +385,7 @@ class Recovery:
         # The journal's lines are in the new file: emptied (its lines would be of the
         # generation before, and skipped, were the node killed before this).
         self.generation = saved.generation
+        self._disk_floor = list(saved.lease_floor)
         if self._journal is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._journal, 0)

@@ -142,16 +142,17 @@ class SafeDir:
         self.write(name, data, mode, uid)
         return True
 
-    def append(self, name: str, mode: int = 0o600) -> int:
+    def append(self, name: str, mode: int = 0o600, end_line: bool = True) -> int:
         """A file of this user's opened to append lines to (made if missing), never
         through a symlink; the caller closes the descriptor. A last line a killed writer
-        left unended is ended first, so that the next line is not joined to it."""
+        left unended is ended first (``end_line``), so that the next line is not joined
+        to it; a caller that cuts such a line off itself says ``end_line=False``."""
         fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | _OPEN, mode, dir_fd=self.fd)
         try:
             st = os.fstat(fd)
             self._own(name, st)
             os.fchmod(fd, mode)
-            if st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+            if end_line and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
                 os.write(fd, b"\n")
         except BaseException:
             os.close(fd)

@@ -507,3 +507,33 @@ def test_a_mark_whose_memory_is_no_longer_the_caches_is_copied(gpu: FakeGpu):
     b.swap_in()
     assert ctypes.string_at(va, 2 * PIECE) == data
     b.close()
+
+
+def test_a_mark_given_up_before_its_first_drop_still_hears_of_it(gpu: FakeGpu):
+    # Seen (a review): its pieces were dropped (the swap decided so at its start) but its
+    # drops stayed 0: a view of its storage got zeros unannounced.
+    b = gpu.backend()
+    ((va, _),) = fill(b, [2 * PIECE])
+    d = b.discardable(va, 2 * PIECE)
+    real = b.driver.unmap
+
+    def unmap(*args: int) -> None:
+        if d in b._marks:
+            b.keep(d)  # a finalizer, run by a collection inside the swap
+        real(*args)
+
+    b.driver.unmap = unmap  # type: ignore[method-assign]
+    r = b.swap_out(b.resident_bytes)
+    assert r.discarded == 2 * PIECE and d.drops == 2
+    b.close()
+
+
+def test_a_mark_whose_check_fails_is_copied_not_dropped(gpu: FakeGpu):
+    b = gpu.backend()
+    ((va, data),) = fill(b, [2 * PIECE])
+    b.discardable(va, 2 * PIECE, still=lambda: 1 / 0 > 0)
+    r = b.swap_out(b.resident_bytes)  # the swap goes on
+    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
+    b.swap_in()
+    assert ctypes.string_at(va, 2 * PIECE) == data
+    b.close()

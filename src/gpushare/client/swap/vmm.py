@@ -322,6 +322,17 @@ class HostBuffers:
 # --- the backend ---------------------------------------------------------------------------
 
 
+def _still(d: Discardable) -> bool:
+    """Whether ``d``'s memory is still what was marked (a check that fails: no)."""
+    if d.still is None:
+        return True
+    try:
+        return d.still()
+    except Exception:
+        log.warning("checking a discardable mark failed: its memory is copied", exc_info=True)
+        return False
+
+
 @dataclass
 class Discardable:
     """Memory marked discardable (:meth:`VmmBackend.discardable`): the ``bytes`` of
@@ -364,6 +375,7 @@ class VmmBackend(SwapBackend):
         self._next_event = 0
         self._marks: list[Discardable] = []
         self._dropped = 0  # by the swap-out in progress
+        self._dropping: list[Discardable] = []  # the marks as it began
         target = limit if host_bytes is None else host_bytes
         self.host = HostBuffers(driver, self.piece_bytes, _round_up(target, self.piece_bytes))
         # The allocator writes a byte here after each allocation and free (in C, without
@@ -496,10 +508,11 @@ class VmmBackend(SwapBackend):
 
         with self._lock, self.driver.context():
             self._take_back_host()
-            for d in [d for d in self._marks if d.still is not None and not d.still()]:
+            for d in [d for d in self._marks if not _still(d)]:
                 self.keep(d)  # no longer the memory marked: copied like the rest
             t0 = time.perf_counter()
             self._dropped = 0
+            self._dropping = list(self._marks)  # a mark given up meanwhile still hears
             todo = deque(self.store.claim_out(nbytes))
             inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
             try:
@@ -532,7 +545,7 @@ class VmmBackend(SwapBackend):
                 moved += p.size
             else:
                 self._dropped += p.size
-                for d in list(self._marks):  # a mark's finalizer may run meanwhile
+                for d in self._dropping:
                     if d.va <= p.va < d.va + d.size:
                         d.drops += 1
             self.progress()
