@@ -125,7 +125,6 @@ static CUmemAccessDesc access_desc[MAX_ACCESS];
 static int naccess;
 static CUdevice ctx_dev;
 static size_t gran, piece_bytes, limit, resident, swapped, discarded;
-static unsigned long long drops;
 static struct seg *head, *tail;
 static uint64_t *returned;
 static int nreturned, capreturned, npieces;
@@ -279,7 +278,6 @@ void gs_notify(int fd) { notify_fd = fd; }
 unsigned long long gs_resident(void) { return resident; }
 unsigned long long gs_swapped(void) { return swapped; }
 unsigned long long gs_discarded(void) { return discarded; }
-unsigned long long gs_drops(void) { return drops; }
 int gs_npieces(void) { return npieces; }
 unsigned long long gs_mallocs_seen(void) { return mallocs_seen; }
 unsigned long long gs_frees_seen(void) { return frees_seen; }
@@ -522,7 +520,7 @@ void gs_settle(uint64_t id, unsigned long long handle, uint64_t host) {
             /* out with no host copy: dropped (the swap decided so from the mark it
              * claimed the piece with, which may have changed since) */
             p->dropped = !host;
-            if (p->dropped) discarded += p->size, drops++;
+            if (p->dropped) discarded += p->size;
             else swapped += p->size;
         }
         if (!was && handle) {

@@ -170,7 +170,6 @@ class Shim:
             ("gs_resident", _u64, []),
             ("gs_swapped", _u64, []),
             ("gs_discarded", _u64, []),
-            ("gs_drops", _u64, []),
             ("gs_mark", _u64, [_u64, _u64, ctypes.c_int]),
             ("gs_npieces", ctypes.c_int, []),
             ("gs_mallocs_seen", _u64, []),
@@ -214,11 +213,6 @@ class Shim:
     def discarded(self) -> int:
         """Bytes of discardable pieces dropped (neither on the GPU nor on the host)."""
         return int(self.lib.gs_discarded())
-
-    @property
-    def drops(self) -> int:
-        """Pieces dropped so far, all together."""
-        return int(self.lib.gs_drops())
 
     def mark(self, va: int, size: int, on: bool = True) -> int:
         """Mark the pieces wholly within ``[va, va + size)`` discardable (or no longer):
