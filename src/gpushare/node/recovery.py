@@ -280,14 +280,11 @@ class Recovery:
         msg = f"{gpu}:{sid}:{lease}".encode()
         return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:32]
 
-    def token_ok(self, rec: SessionRecord, lease: int, token: str) -> bool:
-        """The token of the lease ``rec`` says its session held when the last node wrote
-        it down: a lease released before the crash, or one given back already (its
-        session was granted anew since, and that is on record), is not."""
-        return not self.claim_wrong(rec, lease, token)
-
     def claim_wrong(self, rec: SessionRecord | None, lease: int, token: str) -> str:
-        """Why a claim of ``lease`` is not believed ('' when it is), for the log."""
+        """Why a claim of ``lease`` with ``token`` is not believed ('' when it is): only
+        the token of the lease ``rec`` says its session held when the last node wrote it
+        down is; a lease released before the crash, or one given back already (its
+        session was granted anew since, and that is on record), is not."""
         if rec is None:
             return "the session is not on record"
         if not (lease and token):

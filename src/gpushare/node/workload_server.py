@@ -299,15 +299,16 @@ class WorkloadServer:
         # says it has swapped out, in its own host memory, only costs it swap-ins.)
         sid = self._new_id(conn, h, limit) if rec is None else rec.id
         resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
-        verified = rec is not None and self.recovery.token_ok(rec, h.lease, h.token)
-        if h.holding and not verified:
+        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
+        verified = not wrong
+        if h.holding and wrong:
             log.warning(
                 "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
                 " to yield it",
                 conn.pid,
                 conn.uid,
                 h.lease,
-                self.recovery.claim_wrong(rec, h.lease, h.token),
+                wrong,
             )
         name = h.name or f"pid-{conn.pid}"
         # A new member's gang is its session's, never its hello's word (which would put
