@@ -326,7 +326,9 @@ class TorchBackend(VmmBackend):
         """Mark ``tensor``'s storage (a KV cache, say) as memory the workload can rebuild:
         dropped rather than copied when the node takes memory back, zeros when it comes
         back; the mark's ``drops`` grows each time (rebuild then). The mark goes with
-        the tensor object (once it is collected, its memory may be another tensor's)."""
+        the tensor's storage as it is now, checked before each swap-out: once the tensor
+        is collected, or its storage freed or replaced, that memory may be another
+        tensor's, and it is copied."""
         dev = tensor.device
         if dev.type != "cuda" or dev.index != self.device:
             raise ValueError(
@@ -337,17 +339,13 @@ class TorchBackend(VmmBackend):
         va, size, ref = st.data_ptr(), st.nbytes(), weakref.ref(tensor)
 
         def still() -> bool:
-            # Its storage freed or replaced (resize_, set_, .data =) while the tensor
-            # lives: that memory may be another tensor's now.
             t = ref()
             if t is None:
                 return False
             s = t.untyped_storage()
             return bool(s.data_ptr() == va and s.nbytes() == size)
 
-        d = self.discardable(va, size, still)
-        weakref.finalize(tensor, _keep, weakref.ref(self), d)
-        return d
+        return self.discardable(va, size, still)
 
     def swap_out(self, nbytes: int) -> SwapResult:
         torch = self._torch
@@ -375,12 +373,6 @@ class TorchBackend(VmmBackend):
         super().close()
         with contextlib.suppress(SwapError):
             self.driver.close()  # our hold on the primary context: PyTorch keeps its own
-
-
-def _keep(backend: weakref.ref[TorchBackend], d: Discardable) -> None:
-    b = backend()
-    if b is not None:
-        b.keep(d)
 
 
 _patched = False
