@@ -402,6 +402,14 @@ def test_cgroup_v1_limit_and_no_limit(tmp_path):
     assert cgroup_memory_room(str(tmp_path / "none"), str(cg)) is None
 
 
+def copied_back(b: VmmBackend, va: int, data: bytes) -> None:
+    """All of ``b`` swapped out and in: the range at ``va`` was copied, not dropped."""
+    r = b.swap_out(b.resident_bytes)
+    assert (r.bytes, r.discarded) == (len(data), 0)
+    b.swap_in()
+    assert ctypes.string_at(va, len(data)) == data
+
+
 # --- discardable memory: dropped, not copied; back zeroed -----------------------------------
 
 
@@ -465,10 +473,7 @@ def test_memory_no_longer_discardable_is_copied_again(gpu: FakeGpu):
     ((va, data),) = fill(b, [2 * PIECE])
     d = b.discardable(va, 2 * PIECE)
     b.keep(d)  # the workload put what cannot be rebuilt there
-    r = b.swap_out(b.resident_bytes)
-    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
-    b.swap_in()
-    assert ctypes.string_at(va, 2 * PIECE) == data
+    copied_back(b, va, data)
     b.close()
 
 
@@ -487,10 +492,7 @@ def test_a_mark_given_up_during_a_swap_out_leaves_the_figures_whole(gpu: FakeGpu
     b.swap_in()
     assert ctypes.string_at(va, 2 * PIECE) == bytes(2 * PIECE)
     ctypes.memmove(va, data, len(data))  # rebuilt: and no longer discardable
-    r = b.swap_out(2 * PIECE)
-    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
-    b.swap_in()
-    assert ctypes.string_at(va, 2 * PIECE) == data
+    copied_back(b, va, data)
     b.close()
 
 
@@ -502,10 +504,7 @@ def test_a_mark_whose_memory_is_no_longer_the_caches_is_copied(gpu: FakeGpu):
     owner = {"va": va}  # where the marked tensor's storage is now
     b.discardable(va, 2 * PIECE, still=lambda: owner["va"] == va)
     owner["va"] = 0  # its storage went; another tensor's bytes are there now
-    r = b.swap_out(2 * PIECE)
-    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
-    b.swap_in()
-    assert ctypes.string_at(va, 2 * PIECE) == data
+    copied_back(b, va, data)
     b.close()
 
 
@@ -532,8 +531,5 @@ def test_a_mark_whose_check_fails_is_copied_not_dropped(gpu: FakeGpu):
     b = gpu.backend()
     ((va, data),) = fill(b, [2 * PIECE])
     b.discardable(va, 2 * PIECE, still=lambda: 1 / 0 > 0)
-    r = b.swap_out(b.resident_bytes)  # the swap goes on
-    assert (r.bytes, r.discarded) == (2 * PIECE, 0)
-    b.swap_in()
-    assert ctypes.string_at(va, 2 * PIECE) == data
+    copied_back(b, va, data)  # the swap goes on
     b.close()
