@@ -48,6 +48,7 @@ t = time.monotonic()
 while s.memory_limit != 8 * 2**30 and time.monotonic() - t < 30:
     time.sleep(0.02)
 print(s.memory_limit, flush=True)
+sys.stdin.readline()  # attached until the test has read the node's status
 """
 
 
