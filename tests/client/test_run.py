@@ -424,14 +424,14 @@ def test_a_python_told_to_skip_the_start_up_hook_is_refused(node_factory, flag):
         (["-c", "pass", "--enable-sleep-mode"], False),  # not vLLM: its own flag
     ],
 )
-def test_vllms_sleep_mode_is_said_to_allocate_past_gpushare(node_factory, args, said):
+def test_vllms_sleep_mode_is_said_to_be_bounded_by_vllms_settings_alone(node_factory, args, said):
     node = node_factory(*sim("16GiB"))
     # The note comes before the program starts (vLLM need not be installed for it).
     pr = gs_run(node, "--", sys.executable, *args)
     _, err = pr.communicate(timeout=60)
-    assert ("neither limits nor swaps" in err) == said, err
+    assert ("cannot refuse it past the session's memory limit" in err) == said, err
     if said:
-        assert "drop --enable-sleep-mode" in err and err.count("--enable-sleep-mode allocates") == 1
+        assert "--gpu-memory-utilization" in err and err.count("--enable-sleep-mode allocates") == 1
 
 
 def test_unswappable_allocator_settings_are_taken_out_and_the_allocator_preloaded(node_factory):

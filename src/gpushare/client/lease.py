@@ -129,7 +129,9 @@ class Lease:
         self._idle_thread: threading.Thread | None = None
         # Last, the state above in place: a backend may report from its own thread at once.
         self.link = link(self)
-        self.backend = backend(SwapHooks(self.report, self.check_access, self.wait_room, self.grow))
+        self.backend = backend(
+            SwapHooks(self.report, self.check_access, self.wait_room, self.grow, self.checkpoint)
+        )
 
     # --- what the session's public methods do ---------------------------------------
 

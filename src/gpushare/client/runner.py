@@ -122,19 +122,21 @@ def skipped_site(command: Sequence[str]) -> str:
     return ""
 
 
-def ungated_memory(command: Sequence[str]) -> str:
-    """What of a command line's GPU memory gpushare cannot see ('' where nothing): vLLM's
-    sleep mode allocates its weights and KV cache through an allocator of its own that
-    calls the driver (cuMemCreate), past gpushare's (which serves cudaMalloc)."""
+def unbounded_memory(command: Sequence[str]) -> str:
+    """What of a command line's GPU memory gpushare cannot bound ('' where nothing):
+    vLLM's sleep mode allocates its weights and KV cache through an allocator of its own
+    that calls the driver (cuMemCreate), past gpushare's (which serves cudaMalloc and
+    refuses past the limit). gpushare counts and swaps that memory through vLLM's
+    allocator (:mod:`~gpushare.client.swap.vllm_sleep`), but cannot refuse it."""
     words = [os.path.basename(a) for a in command]
     vllm = any(w == "vllm" or w.startswith("vllm.") for w in words)
     sleep = any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=") for a in command)
     if vllm and sleep and "--enable-sleep-mode=false" not in command:
         return (
             "vLLM's --enable-sleep-mode allocates the model's memory through vLLM's own CUDA"
-            " allocator, which gpushare neither limits nor swaps (the node sees it only as"
-            " NVML counts it, past the session's limit): drop --enable-sleep-mode, and"
-            " gpushare swaps the weights and KV cache itself"
+            " allocator: gpushare counts it and swaps it through that allocator, but cannot"
+            " refuse it past the session's memory limit; set --gpu-memory-utilization so"
+            " that the weights and KV cache fit within the limit"
         )
     return ""
 
@@ -197,7 +199,7 @@ def run(
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
-    why = ungated_memory(command)
+    why = unbounded_memory(command)
     if why:
         notes.append(why)
     if not is_python(exe):

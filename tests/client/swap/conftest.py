@@ -8,12 +8,14 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gpushare.client.swap import shim as shim_mod
+from gpushare.client.swap.base import NO_HOOKS, ForeignPool, SwapHooks, no_pool
 from gpushare.client.swap.cuda import CudaDriver
 from gpushare.client.swap.shim import Shim
 from gpushare.client.swap.vmm import VmmBackend
@@ -97,10 +99,17 @@ class FakeGpu:
         return [x for x in (self.cu.fake_cuda_log() or b"").decode().split(";") if x]
 
     def backend(
-        self, limit: int = 64 * GRANULE, piece: int = GRANULE, host_bytes: int | None = None
+        self,
+        limit: int = 64 * GRANULE,
+        piece: int = GRANULE,
+        host_bytes: int | None = None,
+        hooks: SwapHooks = NO_HOOKS,
+        foreign: Callable[[], ForeignPool | None] = no_pool,
     ) -> VmmBackend:
         self.shim.configure(str(self.libcuda), 0, limit, piece)
-        b = VmmBackend(self.driver, self.shim, limit, host_bytes=host_bytes)
+        b = VmmBackend(
+            self.driver, self.shim, limit, host_bytes=host_bytes, hooks=hooks, foreign=foreign
+        )
         b.progress_every_s = 0.0  # every piece reported: the fake moves them at once
         assert b.wait_for_host_buffers(10)
         return b

@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 # Progress during a swap is reported at most this often: every piece at PCIe speed
 # (a 256 MiB piece takes ~5 ms), without flooding the node at a simulated 2 TB/s.
@@ -32,9 +33,37 @@ class SwapHooks:
     # Before an allocation: blocks until the session may have that many bytes in all
     # (past its grant's bound it asks the node again, yielding meanwhile).
     grow: Callable[[int], None] = _no_bound
+    # Blocks until the session holds the GPU (a burst opened, as GPU work at a safe point
+    # opens one): before memory another allocator brings back by itself (vLLM's wake).
+    hold: Callable[[], None] = _nothing
 
 
 NO_HOOKS = SwapHooks()
+
+
+class ForeignPool(Protocol):
+    """Memory another allocator of the process holds and can swap itself (vLLM's sleep
+    mode: :mod:`~gpushare.client.swap.vllm_sleep`), counted and swapped with the
+    session's own."""
+
+    @property
+    def resident_bytes(self) -> int: ...
+    @property
+    def swapped_bytes(self) -> int: ...
+    @property
+    def discarded_bytes(self) -> int: ...
+
+    def swap_out(self) -> SwapResult:
+        """All of it, or nothing where it cannot."""
+        ...
+
+    def swap_in(self, room: Callable[[int], float]) -> SwapResult:
+        """What :meth:`swap_out` took, once ``room(bytes)`` allowed that many more."""
+        ...
+
+
+def no_pool() -> ForeignPool | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,6 +94,7 @@ class SwapBackend(ABC):
         self.check_access: Callable[[], None] = hooks.check_access
         self.wait_room: Callable[[int], None] = hooks.wait_room
         self.grow: Callable[[int], None] = hooks.grow
+        self.hold: Callable[[], None] = hooks.hold
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 

@@ -52,6 +52,7 @@ from typing import Any
 from gpushare.client.swap import shim
 from gpushare.client.swap.base import NO_HOOKS, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
+from gpushare.client.swap.vllm_sleep import SleepModeFinder
 from gpushare.client.swap.vmm import (
     PIECE_BYTES,
     Discardable,
@@ -244,12 +245,20 @@ class TorchBackend(VmmBackend):
         self_test(driver)  # before any of the workload's memory goes through it
         limit_process_memory(torch, limit, self.device)
         lib.configure("libcuda.so.1", self.device, limit, PIECE_BYTES)
+        # vLLM's sleep-mode memory, once vLLM makes its allocator (after attach).
+        self.sleep_mode = SleepModeFinder(
+            lambda: self.on_change(),
+            lambda n: self.grow(self.store.resident + n),
+            prepin=self._pin_for_vllm,
+            hold=lambda: self.hold(),
+        )
         super().__init__(
             driver,
             lib,
             limit,
             host_bytes=default_host_bytes(limit) if host_bytes is None else host_bytes,
             hooks=hooks,
+            foreign=self.sleep_mode,
         )
         self.lib = lib
         self._first_limit = limit
@@ -321,6 +330,22 @@ class TorchBackend(VmmBackend):
 
     def synchronize(self) -> None:
         self._torch.cuda.synchronize(self.device)
+
+    def _pin_for_vllm(self, sizes: list[int]) -> None:
+        """Pinned host memory of these sizes, made and let go at once: PyTorch's cache of
+        pinned memory keeps it for vLLM's sleep, which asks for the same sizes (within
+        half of what the host can still give)."""
+        budget = host_memory_available() // 2
+        held = []
+        try:
+            for n in sorted(sizes, reverse=True):
+                if n > budget:
+                    continue
+                held.append(self._torch.empty(n, dtype=self._torch.uint8, pin_memory=True))
+                budget -= n
+        except RuntimeError as e:  # out of host memory: vLLM's sleep pins the rest itself
+            log.info("gpushare: pinning host memory ahead for vLLM stopped: %s", e)
+        del held
 
     def discardable_tensor(self, tensor: Any) -> Discardable:
         """Mark ``tensor``'s storage (a KV cache, say) as memory the workload can rebuild:

@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gpushare.client.swap.base import NO_HOOKS, SwapBackend, SwapHooks, SwapResult
+from gpushare.client.swap.base import (
+    NO_HOOKS,
+    ForeignPool,
+    SwapBackend,
+    SwapHooks,
+    SwapResult,
+    no_pool,
+)
 from gpushare.client.swap.cuda import Driver
 from gpushare.client.swap.shim import Piece
 from gpushare.errors import SwapError
@@ -362,8 +369,13 @@ class VmmBackend(SwapBackend):
         limit: int,
         host_bytes: int | None = None,
         hooks: SwapHooks = NO_HOOKS,
+        foreign: Callable[[], ForeignPool | None] = no_pool,
     ) -> None:
         super().__init__(hooks)
+        # Memory of another allocator in the process (vLLM's sleep mode), found once it
+        # exists: counted and swapped with ours.
+        self.foreign = foreign
+        self._over_said = False
         self.driver = driver
         self.store = store
         self.limit = limit
@@ -388,15 +400,32 @@ class VmmBackend(SwapBackend):
 
     @property
     def resident_bytes(self) -> int:
-        return self.store.resident
+        f = self.foreign()
+        if f is None:
+            return self.store.resident
+        own, other = self.store.resident, f.resident_bytes
+        held = own + other + f.swapped_bytes + f.discarded_bytes
+        if held > self.limit and not self._over_said:
+            self._over_said = True  # the node escalates it: the fix said here, once
+            log.error(
+                "gpushare: vLLM's sleep-mode memory (%d bytes) and gpushare's (%d) exceed"
+                " the session's limit (%d bytes): start vLLM with --gpu-memory-utilization"
+                " low enough that the model and its KV cache fit within the limit",
+                other + f.swapped_bytes + f.discarded_bytes,
+                own,
+                self.limit,
+            )
+        return own + other
 
     @property
     def swapped_bytes(self) -> int:
-        return self.store.swapped
+        f = self.foreign()
+        return self.store.swapped + (0 if f is None else f.swapped_bytes)
 
     @property
     def discarded_bytes(self) -> int:
-        return self.store.discarded
+        f = self.foreign()
+        return self.store.discarded + (0 if f is None else f.discarded_bytes)
 
     def discardable(
         self, va: int, size: int, still: Callable[[], bool] | None = None
@@ -496,7 +525,18 @@ class VmmBackend(SwapBackend):
 
     def swap_out(self, nbytes: int) -> SwapResult:
         """Move pieces (the most recently allocated first) to host memory until at least
-        ``nbytes`` went, freeing each on the GPU as its copy is done."""
+        ``nbytes`` went, freeing each on the GPU as its copy is done; then, if that was
+        not enough, the foreign pool (all of it)."""
+        r = self._swap_out_own(nbytes)
+        f = self.foreign()
+        if f is None or r.bytes + r.discarded >= nbytes or f.resident_bytes == 0:
+            return r
+        with self._lock:
+            o = f.swap_out()
+        self.on_change()
+        return SwapResult(r.bytes + o.bytes, r.seconds + o.seconds, r.discarded + o.discarded)
+
+    def _swap_out_own(self, nbytes: int) -> SwapResult:
 
         def issue(p: Piece, batch: deque[tuple[Piece, int]]) -> None:
             if p.discard:  # dropped, not copied (no host buffer): the workload rebuilds it
@@ -553,7 +593,18 @@ class VmmBackend(SwapBackend):
 
     def swap_in(self) -> SwapResult:
         """Bring every swapped piece back to its address, in allocation order, each
-        once the node has room for it."""
+        once the node has room for it; then the foreign pool, once there is room for
+        all of it."""
+        r = self._swap_in_own()
+        f = self.foreign()
+        if f is None or not (f.swapped_bytes or f.discarded_bytes):
+            return r
+        with self._lock:
+            o = f.swap_in(lambda n: self.room_for(self.store.resident + f.resident_bytes + n))
+        self.on_change()
+        return SwapResult(r.bytes + o.bytes, r.seconds + o.seconds)
+
+    def _swap_in_own(self) -> SwapResult:
         inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]] = deque()
         waited = 0.0
 
@@ -635,6 +686,9 @@ class VmmBackend(SwapBackend):
     def close(self) -> None:
         """Detach: the host buffers, the stream and the events go back to the driver
         (a workload that attaches again, or keeps running, holds none of them)."""
+        close = getattr(self.foreign, "close", None)  # a finder's: vLLM's calls its own again
+        if close is not None:
+            close()
         self.store.notify(-1)
         with contextlib.suppress(OSError):
             os.close(self._notify_w)  # the watching thread ends

@@ -1,0 +1,83 @@
+"""vLLM's sleep-mode allocator as vLLM has it (``vllm/device_allocator/cumem.py``: the
+``CuMemAllocator`` singleton and its ``AllocationData``), over the fake libcuda: vLLM's C
+extension reserves an address range and creates and maps memory there; ``sleep`` copies
+the offloaded tags' bytes to host memory (a synchronous ``cudaMemcpy``) and unmaps and
+releases every allocation, whatever its state; ``wake_up`` creates and maps memory again
+at the same addresses and copies back what was kept. vLLM needs CUDA, so its own
+allocator cannot run here; this follows its names and behaviour, bytes and all."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare.client.swap.cuda import CudaDriver
+
+
+@dataclass
+class AllocationData:
+    handle: tuple[int, int, int, int]  # (device, size, address, memory handle)
+    tag: str
+    cpu_backup_tensor: Any = None
+
+
+class CuMemAllocator:
+    instance: CuMemAllocator | None = None
+    default_tag = "default"
+
+    def __init__(self, driver: CudaDriver) -> None:
+        self.driver = driver
+        self.pointer_to_data: dict[int, AllocationData] = {}
+
+    def allocate(self, size: int, tag: str) -> int:
+        """What a tensor made inside ``use_memory_pool(tag)`` gets (the C extension's
+        ``my_malloc`` and the malloc callback)."""
+        with self.driver.context():
+            va = self.driver.reserve(size)
+            h = self.driver.create(size)
+            self.driver.map(va, size, h)
+        self.pointer_to_data[va] = AllocationData((0, size, va, h), tag)
+        return va
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        if offload_tags is None:
+            offload_tags = (self.default_tag,)
+        elif isinstance(offload_tags, str):
+            offload_tags = (offload_tags,)
+        with self.driver.context():
+            for va, data in self.pointer_to_data.items():
+                _, size, _, h = data.handle
+                if data.tag in offload_tags:
+                    backup = ctypes.create_string_buffer(size)
+                    ctypes.memmove(backup, va, size)
+                    data.cpu_backup_tensor = backup
+                self.driver.unmap(va, size)  # raises if it is not mapped (as CUDA does)
+                self.driver.release(h)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        with self.driver.context():
+            for va, data in self.pointer_to_data.items():
+                if tags is None or data.tag in tags:
+                    dev, size, _, _ = data.handle
+                    h = self.driver.create(size)
+                    self.driver.map(va, size, h)
+                    data.handle = (dev, size, va, h)
+                    if data.cpu_backup_tensor is not None:
+                        ctypes.memmove(va, data.cpu_backup_tensor, size)
+                        data.cpu_backup_tensor = None
+
+    def get_current_usage(self) -> int:
+        return sum(d.handle[1] for d in self.pointer_to_data.values())
+
+
+def modules(driver: CudaDriver) -> tuple[dict[str, Any], CuMemAllocator]:
+    """A ``sys.modules`` in which vLLM made its allocator (as its worker does at
+    ``load_model`` with sleep mode on)."""
+    mod = types.ModuleType("vllm.device_allocator.cumem")
+    cls = type("CuMemAllocator", (CuMemAllocator,), {})  # the singleton is this test's
+    inst = cls(driver)
+    cls.instance = inst
+    mod.CuMemAllocator = cls  # type: ignore[attr-defined]
+    return {"vllm.device_allocator.cumem": mod}, inst
