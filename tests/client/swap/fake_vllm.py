@@ -4,16 +4,24 @@ extension reserves an address range and creates and maps memory there; ``sleep``
 the offloaded tags' bytes to host memory (a synchronous ``cudaMemcpy``) and unmaps and
 releases every allocation, whatever its state; ``wake_up`` creates and maps memory again
 at the same addresses and copies back what was kept. vLLM needs CUDA, so its own
-allocator cannot run here; this follows its names and behaviour, bytes and all."""
+allocator cannot run here; this follows its names and behaviour, bytes and all, through
+the driver (the fake libcuda here, a GPU's under ``pytest -m gpu``)."""
 
 from __future__ import annotations
 
-import ctypes
 import types
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.client.swap.cuda import CudaDriver
+from gpushare.client.swap.cuda import Driver
+
+
+@dataclass
+class HostCopy:
+    """What vLLM's ``cpu_backup_tensor`` holds: a pinned host copy of an allocation."""
+
+    ptr: int
+    size: int
 
 
 @dataclass
@@ -27,9 +35,11 @@ class CuMemAllocator:
     instance: CuMemAllocator | None = None
     default_tag = "default"
 
-    def __init__(self, driver: CudaDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
         self.pointer_to_data: dict[int, AllocationData] = {}
+        with driver.context():
+            self.stream = driver.new_stream()  # its copies, waited for at once
 
     def allocate(self, size: int, tag: str) -> int:
         """What a tensor made inside ``use_memory_pool(tag)`` gets (the C extension's
@@ -50,8 +60,9 @@ class CuMemAllocator:
             for va, data in self.pointer_to_data.items():
                 _, size, _, h = data.handle
                 if data.tag in offload_tags:
-                    backup = ctypes.create_string_buffer(size)
-                    ctypes.memmove(backup, va, size)
+                    backup = HostCopy(self.driver.host_alloc(size), size)  # pinned, as vLLM's
+                    self.driver.copy_dtoh(backup.ptr, va, size, self.stream)
+                    self.driver.synchronize()  # vLLM's cudaMemcpy is synchronous
                     data.cpu_backup_tensor = backup
                 self.driver.unmap(va, size)  # raises if it is not mapped (as CUDA does)
                 self.driver.release(h)
@@ -64,15 +75,28 @@ class CuMemAllocator:
                     h = self.driver.create(size)
                     self.driver.map(va, size, h)
                     data.handle = (dev, size, va, h)
-                    if data.cpu_backup_tensor is not None:
-                        ctypes.memmove(va, data.cpu_backup_tensor, size)
+                    backup = data.cpu_backup_tensor
+                    if backup is not None:
+                        self.driver.copy_htod(va, backup.ptr, size, self.stream)
+                        self.driver.synchronize()
+                        self.driver.host_free(backup.ptr)
                         data.cpu_backup_tensor = None
+
+    def free_all(self) -> None:
+        """What vLLM's free callback and C extension do as the tensors go (mapped ones)."""
+        with self.driver.context():
+            for va, data in self.pointer_to_data.items():
+                _, size, _, h = data.handle
+                self.driver.unmap(va, size)
+                self.driver.release(h)
+                self.driver.unreserve(va, size)
+        self.pointer_to_data.clear()
 
     def get_current_usage(self) -> int:
         return sum(d.handle[1] for d in self.pointer_to_data.values())
 
 
-def modules(driver: CudaDriver) -> tuple[dict[str, Any], CuMemAllocator]:
+def modules(driver: Driver) -> tuple[dict[str, Any], CuMemAllocator]:
     """A ``sys.modules`` in which vLLM made its allocator (as its worker does at
     ``load_model`` with sleep mode on)."""
     mod = types.ModuleType("vllm.device_allocator.cumem")
