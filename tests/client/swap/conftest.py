@@ -105,10 +105,17 @@ class FakeGpu:
         host_bytes: int | None = None,
         hooks: SwapHooks = NO_HOOKS,
         foreign: Callable[[], ForeignPool | None] = no_pool,
+        past_limit: Callable[[str], None] | None = None,
     ) -> VmmBackend:
         self.shim.configure(str(self.libcuda), 0, limit, piece)
         b = VmmBackend(
-            self.driver, self.shim, limit, host_bytes=host_bytes, hooks=hooks, foreign=foreign
+            self.driver,
+            self.shim,
+            limit,
+            host_bytes=host_bytes,
+            hooks=hooks,
+            foreign=foreign,
+            past_limit=past_limit,
         )
         b.progress_every_s = 0.0  # every piece reported: the fake moves them at once
         assert b.wait_for_host_buffers(10)

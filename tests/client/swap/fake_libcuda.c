@@ -218,8 +218,22 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdevi
     *ptr = (CUdeviceptr)p;
     return OK;
 }
+/* The ranges mapped now: as CUDA, mapping over a mapped range fails, and an unmap must
+   cover whole mappings and nothing unmapped. */
+static struct span { CUdeviceptr p; size_t n; } *spans;
+static size_t nspans, capspans;
+
+static int overlaps(CUdeviceptr p, size_t n, const struct span *s) {
+    return p < s->p + s->n && s->p < p + n;
+}
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     CALLED("cuMemAddressFree");
+    pthread_mutex_lock(&mu); /* what is still mapped there goes with the range */
+    size_t j = 0;
+    for (size_t i = 0; i < nspans; i++)
+        if (!overlaps(ptr, size, &spans[i])) spans[j++] = spans[i];
+    nspans = j;
+    pthread_mutex_unlock(&mu);
     return munmap((void *)ptr, size) ? INVALID_VALUE : OK;
 }
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *p,
@@ -257,8 +271,39 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
                   unsigned long long flags) {
     CALLED("cuMemMap");
     if (offset || flags || size != (size_t)(h >> 20)) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nspans; i++)
+        if (overlaps(ptr, size, &spans[i])) {
+            pthread_mutex_unlock(&mu);
+            return INVALID_VALUE;
+        }
+    if (nspans == capspans) {
+        size_t cap = capspans ? 2 * capspans : 256;
+        struct span *more = realloc(spans, cap * sizeof *spans);
+        if (!more) {
+            pthread_mutex_unlock(&mu);
+            return OUT_OF_MEMORY;
+        }
+        spans = more, capspans = cap;
+    }
     void *p = mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)(h & 0xFFFFF), 0);
+    if (p != MAP_FAILED) spans[nspans++] = (struct span){ptr, size};
+    pthread_mutex_unlock(&mu);
     return p == MAP_FAILED ? INVALID_VALUE : OK;
+}
+static int unmap_spans(CUdeviceptr ptr, size_t size) {
+    size_t covered = 0;
+    for (size_t i = 0; i < nspans; i++) {
+        if (!overlaps(ptr, size, &spans[i])) continue;
+        if (spans[i].p < ptr || spans[i].p + spans[i].n > ptr + size) return 0; /* a part */
+        covered += spans[i].n;
+    }
+    if (covered != size) return 0; /* some of it is not mapped */
+    size_t j = 0;
+    for (size_t i = 0; i < nspans; i++)
+        if (!overlaps(ptr, size, &spans[i])) spans[j++] = spans[i];
+    nspans = j;
+    return 1;
 }
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *d, size_t count) {
     CALLED("cuMemSetAccess");
@@ -281,6 +326,10 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *d, 
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     CALLED("cuMemUnmap");
+    pthread_mutex_lock(&mu);
+    int whole = unmap_spans(ptr, size);
+    pthread_mutex_unlock(&mu);
+    if (!whole) return INVALID_VALUE;
     /* Back to a reservation: the range stays ours and faults again. */
     void *p = mmap((void *)ptr, size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);

@@ -4,15 +4,16 @@ vLLM has it, over the fake libcuda: :mod:`.fake_vllm`)."""
 from __future__ import annotations
 
 import ctypes
-import logging
 import random
 import threading
+import time
 
 import pytest
 
 from gpushare.client.swap.base import SwapHooks
-from gpushare.client.swap.vllm_sleep import SleepModeFinder, find_allocator
+from gpushare.client.swap.vllm_sleep import SleepModeFinder, SleepModePool, find_allocator
 from gpushare.client.swap.vmm import VmmBackend
+from gpushare.errors import SwapError
 
 from . import fake_vllm
 from .conftest import GRANULE, FakeGpu
@@ -166,17 +167,21 @@ def test_vllms_sleep_while_gpushare_has_it_asleep_keeps_every_copy(gpu: FakeGpu)
     b.close()
 
 
-def test_vllms_memory_past_the_limit_is_said_once_with_the_fix(
-    gpu: FakeGpu, caplog: pytest.LogCaptureFixture
-):
-    b, alloc, _ = engine(gpu, limit=8 * PIECE)
+def test_vllms_memory_past_the_limit_stops_the_process_with_the_fix(gpu: FakeGpu):
+    # The node refuses figures past the limit (a release, a swap's end), and nothing can
+    # refuse vLLM's allocations: the process stops, saying why (once).
+    stopped: list[str] = []
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
+    b = gpu.backend(limit=8 * PIECE, foreign=finder, past_limit=stopped.append)
     b.allocate(2 * PIECE)
-    alloc.allocate(8 * PIECE, "kv_cache")
-    with caplog.at_level(logging.ERROR, logger="gpushare.client.swap"):
-        assert b.resident_bytes == 10 * PIECE  # the truth, which the node escalates
-        assert b.resident_bytes == 10 * PIECE
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "--gpu-memory-utilization" in said[0]
+    alloc.allocate(6 * PIECE, "weights")
+    assert b.resident_bytes == 8 * PIECE and not stopped  # at the limit: fine
+    alloc.allocate(2 * PIECE, "kv_cache")
+    assert b.resident_bytes == 10 * PIECE
+    assert b.resident_bytes == 10 * PIECE
+    assert len(stopped) == 1 and "--gpu-memory-utilization" in stopped[0]
+    assert "stopped" in stopped[0] and str(8 * PIECE) in stopped[0]
     b.close()
 
 
@@ -215,3 +220,148 @@ def test_host_memory_for_vllms_sleep_is_pinned_ahead_once_per_allocation(gpu: Fa
     finder.pool._pinning.join(10)
     assert asked == [[4 * PIECE], [6 * PIECE]]  # each allocation's size once, ahead
     b.close()
+
+
+# --- orders of calls (each found by a review: the fake libcuda, as CUDA, refuses to map
+# a mapped range or unmap an unmapped one) ------------------------------------------------
+
+
+def test_a_wake_by_tag_while_gpushare_has_it_asleep_is_not_mapped_again(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")
+    weights, kv = put(w_va, 4 * PIECE, 6), put(kv_va, 6 * PIECE, 7)
+    b.swap_out(b.resident_bytes)  # gpushare's sleep, every tag kept
+    alloc.wake_up(tags=["weights"])  # vLLM's wake by tag
+    assert (b.resident_bytes, b.swapped_bytes) == (4 * PIECE, 6 * PIECE)
+    b.swap_in()  # the KV cache only
+    assert (b.resident_bytes, b.swapped_bytes) == (10 * PIECE, 0)
+    assert gpu.physical_bytes == b.resident_bytes
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    assert ctypes.string_at(kv_va, 6 * PIECE) == kv
+    b.close()
+
+
+def test_an_allocation_made_while_asleep_is_not_mapped_again_or_put_to_sleep_twice(
+    gpu: FakeGpu,
+):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    weights = put(w_va, 4 * PIECE, 8)
+    b.swap_out(b.resident_bytes)
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")  # the KV cache comes after the weights
+    kv = put(kv_va, 6 * PIECE, 9)
+    assert (b.resident_bytes, b.swapped_bytes) == (6 * PIECE, 4 * PIECE)
+    r = b.swap_out(b.resident_bytes)  # the new one alone goes to sleep
+    assert r.bytes == 6 * PIECE and gpu.physical_bytes == 0
+    b.swap_in()
+    assert (b.resident_bytes, b.swapped_bytes) == (10 * PIECE, 0)
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    assert ctypes.string_at(kv_va, 6 * PIECE) == kv
+    b.close()
+
+
+def test_a_sleep_that_fails_part_way_is_a_swap_error_and_the_figures_hold(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    alloc.allocate(6 * PIECE, "kv_cache")
+    weights = put(w_va, 4 * PIECE, 10)
+    gpu.fail("cuMemHostAlloc", code=2, skip=1)  # pinned memory short at the second copy
+    with pytest.raises(SwapError, match="could not sleep"):
+        b.swap_out(b.resident_bytes)
+    assert b.resident_bytes == gpu.physical_bytes == 6 * PIECE  # what went is counted out
+    assert b.swapped_bytes == 4 * PIECE
+    r = b.swap_out(b.resident_bytes)  # the next revoke: the rest, nothing unmapped twice
+    assert r.bytes == 6 * PIECE and gpu.physical_bytes == 0
+    b.swap_in()
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    b.close()
+
+
+def test_any_error_of_vllms_allocator_is_a_swap_error(gpu: FakeGpu, monkeypatch):
+    b, alloc, _ = engine(gpu)
+    alloc.allocate(4 * PIECE, "weights")
+
+    def no_pinned(size: int) -> int:
+        raise RuntimeError("CUDA error: out of memory")  # what torch.empty(pin_memory) says
+
+    monkeypatch.setattr(alloc.driver, "host_alloc", no_pinned)
+    with pytest.raises(SwapError):  # what the session's swap paths catch
+        b.swap_out(b.resident_bytes)
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    b.close()
+
+
+def test_a_swap_in_that_waited_for_room_reports_its_copy_time_only(gpu: FakeGpu):
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
+    b = gpu.backend(hooks=SwapHooks(wait_room=lambda n: time.sleep(0.2)), foreign=finder)
+    alloc.allocate(4 * PIECE, "weights")
+    b.swap_out(b.resident_bytes)
+    r = b.swap_in()
+    assert 0 <= r.seconds < 0.2  # the node refuses a negative time
+
+
+def test_an_allocation_freed_while_asleep_is_forgotten(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    alloc.allocate(4 * PIECE, "weights")
+    tmp = alloc.allocate(2 * PIECE, "weights")
+    assert b.resident_bytes == 6 * PIECE
+    alloc.sleep(offload_tags=("weights",))
+    alloc.pointer_to_data.pop(tmp)  # freed while asleep (vLLM's free callback)
+    alloc.wake_up()
+    assert (b.resident_bytes, b.swapped_bytes) == (4 * PIECE, 0)
+    r = b.swap_out(b.resident_bytes)  # swappable again
+    assert r.bytes == 4 * PIECE and gpu.physical_bytes == 0  # tmp went with the sleep
+    b.close()
+
+
+def test_a_sleep_of_vllms_before_the_pool_was_made_shows_in_its_copies(gpu: FakeGpu):
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
+    b = gpu.backend(foreign=finder)
+    alloc.allocate(4 * PIECE, "weights")
+    alloc.sleep(offload_tags=("weights",))  # before any figure was asked
+    assert (b.resident_bytes, b.swapped_bytes) == (0, 4 * PIECE)
+    assert gpu.physical_bytes == 0
+    b.close()
+
+
+def test_pinning_ahead_follows_the_addresses_not_their_count(gpu: FakeGpu):
+    asked: list[list[int]] = []
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=asked.append)
+    b = gpu.backend(foreign=finder)
+    va = alloc.allocate(4 * PIECE, "weights")
+    assert b.resident_bytes == 4 * PIECE
+    assert finder.pool is not None and finder.pool._pinning is not None
+    finder.pool._pinning.join(10)
+    alloc.pointer_to_data.pop(va)  # one freed, another made: the same count
+    alloc.allocate(8 * PIECE, "kv_cache")
+    assert b.resident_bytes == 8 * PIECE
+    finder.pool._pinning.join(10)
+    assert asked == [[4 * PIECE], [8 * PIECE]]
+    b.close()
+
+
+def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monkeypatch):
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    alloc.allocate(2 * PIECE, "weights")
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
+    made: list[object] = []
+    init = SleepModePool.__init__
+
+    def slow(self: SleepModePool, *a: object, **k: object) -> None:
+        time.sleep(0.05)
+        init(self, *a, **k)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(SleepModePool, "__init__", slow)
+    ts = [threading.Thread(target=finder) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(made) == 1 and finder.pool is made[0]
+    finder.close()

@@ -331,6 +331,13 @@ class TorchBackend(VmmBackend):
     def synchronize(self) -> None:
         self._torch.cuda.synchronize(self.device)
 
+    def limit_fix(self) -> str:
+        total = self._torch.cuda.get_device_properties(self.device).total_memory
+        return (
+            f"Start vLLM with --gpu-memory-utilization {self.limit / total:.2f} or less"
+            f" (this process's limit of the GPU's {total} bytes)"
+        )
+
     def _pin_for_vllm(self, sizes: list[int]) -> None:
         """Pinned host memory of these sizes, made and let go at once: PyTorch's cache of
         pinned memory keeps it for vLLM's sleep, which asks for the same sizes (within

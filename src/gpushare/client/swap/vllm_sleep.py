@@ -28,14 +28,16 @@ made it, and used through the names vLLM gives it (:class:`CuMemAllocatorLike`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from gpushare.client.swap.base import SwapResult
+from gpushare.errors import SwapError
 
 log = logging.getLogger("gpushare.client.swap")
 
@@ -75,7 +77,14 @@ class SleepModePool:
     """One process's vLLM sleep-mode memory (see the module doc). ``on_change`` is told
     when vLLM's own sleep or wake changed the figures; before vLLM's own wake, ``hold()``
     blocks until the session holds the GPU, and ``grow(total)`` until it may have
-    ``total`` bytes of this pool resident."""
+    ``total`` bytes of this pool resident.
+
+    vLLM's ``sleep`` unmaps *every* allocation it lists and ``wake_up`` maps every one
+    of its tags, whatever each one's state: each call, gpushare's and vLLM's own, is
+    given only the allocations it may touch (the others held out of vLLM's list for its
+    length, the figures read meanwhile from the whole list), so that nothing is mapped
+    twice or unmapped twice, whatever the order of sleeps, wakes by tag and new
+    allocations."""
 
     def __init__(
         self,
@@ -93,8 +102,13 @@ class SleepModePool:
         self._pinned: set[int] = set()  # addresses whose host memory was pinned ahead
         self._pinning: threading.Thread | None = None
         self._lock = threading.RLock()
-        self._out: dict[int, bool] = {}  # address -> kept on the host (else dropped)
-        self.ours = False  # asleep because gpushare put it to sleep (it wakes it too)
+        self._whole: dict[int, AllocationDataLike] | None = None  # while some are held out
+        # Address -> kept on the host (True) or dropped (False). A vLLM sleep before the
+        # pool was made shows in its host copies (what it dropped then cannot be seen).
+        self._out: dict[int, bool] = {
+            a: True for a, d in self._items() if d.cpu_backup_tensor is not None
+        }
+        self._ours: set[int] = set()  # put to sleep by gpushare, which wakes them
         self._sleep, self._wake = allocator.sleep, allocator.wake_up
         # vLLM's worker calls these on the instance: theirs go through us from now on.
         allocator.sleep = self._vllm_sleep  # type: ignore[method-assign]
@@ -103,29 +117,14 @@ class SleepModePool:
     # --- the figures ------------------------------------------------------------------
 
     def _items(self) -> list[tuple[int, AllocationDataLike]]:
-        return list(self.allocator.pointer_to_data.items())  # vLLM's frees may run beside
+        d = self._whole if self._whole is not None else self.allocator.pointer_to_data
+        return list(d.items())  # one C call under the GIL: vLLM's frees may run beside
 
     @property
     def resident_bytes(self) -> int:
         items = self._items()
         self._pin_ahead(items)
         return sum(_size(d) for a, d in items if a not in self._out)
-
-    def _pin_ahead(self, items: list[tuple[int, AllocationDataLike]]) -> None:
-        """Pin host memory for allocations new since the last look, off this thread."""
-        if self.prepin is None or len(self._pinned) == len(items):
-            return
-        if self._pinning is not None and self._pinning.is_alive():
-            return  # the next look takes what it did not
-        new = [(a, _size(d)) for a, d in items if a not in self._pinned]
-        if not new:
-            return
-        self._pinned.update(a for a, _ in new)
-        prepin = self.prepin
-        self._pinning = threading.Thread(
-            target=prepin, args=([n for _, n in new],), name="gpushare-prepin", daemon=True
-        )
-        self._pinning.start()
 
     @property
     def swapped_bytes(self) -> int:
@@ -135,64 +134,124 @@ class SleepModePool:
     def discarded_bytes(self) -> int:
         return sum(_size(d) for a, d in self._items() if self._out.get(a) is False)
 
-    @property
-    def asleep(self) -> bool:
-        return bool(self._out)
+    def _pin_ahead(self, items: list[tuple[int, AllocationDataLike]]) -> None:
+        """Pin host memory for allocations new since the last look, off this thread."""
+        if self.prepin is None:
+            return
+        if self._pinning is not None and self._pinning.is_alive():
+            return  # the next look takes what it did not
+        now = {a for a, _ in items}
+        self._pinned &= now  # a freed allocation's address may come back, another size
+        new = [(a, _size(d)) for a, d in items if a not in self._pinned]
+        if not new:
+            return
+        self._pinned.update(a for a, _ in new)
+        self._pinning = threading.Thread(
+            target=self.prepin, args=([n for _, n in new],), name="gpushare-prepin", daemon=True
+        )
+        self._pinning.start()
+
+    def _prune(self) -> None:
+        """Forget allocations vLLM freed (its free callback takes them off its list)."""
+        d = self.allocator.pointer_to_data
+        for a in [a for a in self._out if a not in d]:
+            del self._out[a]
+        self._ours &= set(self._out)
+
+    @contextlib.contextmanager
+    def _only(self, addresses: set[int]) -> Iterator[None]:
+        """vLLM's list holds only ``addresses`` for the call inside (the lock held)."""
+        d = self.allocator.pointer_to_data
+        self._whole = dict(d)
+        held = {a: d.pop(a) for a in list(d) if a not in addresses}
+        try:
+            yield
+        finally:
+            d.update(held)
+            self._whole = None
+
+    def _settle_out(self, tried: set[int], ours: bool) -> None:
+        """After a sleep over ``tried`` (whole or cut short): a host copy says it went
+        (vLLM copies before it unmaps); one without went only if the sleep finished."""
+        for a, d in self._items():
+            if a in tried and d.cpu_backup_tensor is not None:
+                self._out[a] = True
+                if ours:
+                    self._ours.add(a)
 
     # --- gpushare's swaps -------------------------------------------------------------
 
     def swap_out(self) -> SwapResult:
-        """Put the allocator to sleep with every tag kept (nothing lost); nothing if any
-        of it is asleep already (vLLM's sleep unmaps all it holds: only vLLM may put
-        back what it took)."""
+        """Put what is mapped to sleep with every tag kept (nothing lost)."""
         with self._lock:
-            items = self._items()
-            if self._out or not items:
+            self._prune()
+            mapped = {a: d for a, d in self._items() if a not in self._out}
+            if not mapped:
                 return SwapResult(0, 0.0)
-            tags = tuple(sorted({d.tag for _, d in items}))
+            tags = tuple(sorted({d.tag for d in mapped.values()}))
             t0 = time.perf_counter()
-            self._sleep(offload_tags=tags)
-            self._settled_out()
-            self.ours = True
-            return SwapResult(self.swapped_bytes, time.perf_counter() - t0)
+            try:
+                with self._only(set(mapped)):
+                    self._sleep(offload_tags=tags)
+            except Exception as e:
+                self._settle_out(set(mapped), ours=True)
+                raise SwapError(f"vLLM's allocator could not sleep: {e}") from e
+            self._settle_out(set(mapped), ours=True)
+            moved = sum(_size(d) for a, d in mapped.items() if a in self._out)
+            return SwapResult(moved, time.perf_counter() - t0)
 
     def swap_in(self, room: Callable[[int], float]) -> SwapResult:
         """Wake what gpushare put to sleep, once ``room`` allowed it (``room(bytes)``
         waits and returns the seconds waited). What vLLM put to sleep stays asleep:
         vLLM wakes it, and its scheduler with it."""
         with self._lock:
-            if not self.ours:
+            self._prune()
+            mine = {a: d for a, d in self._items() if a in self._ours}
+            if not mine:
                 return SwapResult(0, 0.0)
-            back = self.swapped_bytes + self.discarded_bytes
-            waited = room(back)
+            back = sum(_size(d) for d in mine.values())
             t0 = time.perf_counter()
-            self._wake(tags=None)
-            self._out.clear()
-            self.ours = False
-            return SwapResult(back, time.perf_counter() - t0 - waited)
-
-    def _settled_out(self) -> None:
-        self._out = {a: d.cpu_backup_tensor is not None for a, d in self._items()}
+            waited = room(back)
+            try:
+                with self._only(set(mine)):
+                    self._wake(tags=None)
+            except Exception as e:
+                raise SwapError(f"vLLM's allocator could not wake: {e}") from e
+            finally:
+                # vLLM lets go of a host copy once its bytes are back.
+                for a, d in mine.items():
+                    if d.cpu_backup_tensor is None:
+                        self._out.pop(a, None)
+                        self._ours.discard(a)
+            return SwapResult(back, max(0.0, time.perf_counter() - t0 - waited))
 
     # --- vLLM's own sleep and wake ----------------------------------------------------
 
     def _vllm_sleep(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
-            if self._out:  # gpushare's sleep: the memory is on the host already
-                if self.ours:
-                    # vLLM asks for the sleep it would have had: the copies stay (more
-                    # than it asked to keep, never less).
-                    self.ours = False
-                    log.info("gpushare: vLLM's sleep came while gpushare had it asleep")
-                return
-            self._sleep(*args, **kwargs)
-            self._settled_out()
+            self._prune()
+            mapped = {a for a, _ in self._items() if a not in self._out}
+            # What gpushare put to sleep is vLLM's to wake from now on (its copies kept:
+            # more than vLLM asked to keep, never less).
+            self._ours.clear()
+            try:
+                with self._only(mapped):
+                    self._sleep(*args, **kwargs)
+            finally:
+                self._settle_out(mapped, ours=False)
+            for a in mapped - set(self._out):  # a whole sleep drops what it did not copy
+                self._out[a] = False
         self.on_change()
 
     def _vllm_wake(self, *args: Any, **kwargs: Any) -> None:
         tags = kwargs.get("tags", args[0] if args else None)
-        back = {a: _size(d) for a, d in self._items() if a in self._out}
-        back = {a: n for a, n in back.items() if tags is None or self._tag(a) in tags}
+        with self._lock:
+            self._prune()
+            back = {
+                a: _size(d)
+                for a, d in self._items()
+                if a in self._out and (tags is None or d.tag in tags)
+            }
         if back:
             # Memory back on the GPU, and copies to it, are GPU work: within a lease, and
             # within its bound. Outside the lock: the wait may see a revoke, whose
@@ -200,16 +259,17 @@ class SleepModePool:
             self.hold()
             self.grow(self.resident_bytes + sum(back.values()))
         with self._lock:
-            self._wake(*args, **kwargs)
-            for a in back:
-                self._out.pop(a, None)
-            if not self._out:
-                self.ours = False
+            self._prune()
+            asleep = set(self._out)
+            try:
+                with self._only(asleep):  # never a mapped one: vLLM would map it again
+                    self._wake(*args, **kwargs)
+            finally:
+                for a, d in self._items():
+                    if a in back and (d.cpu_backup_tensor is None):
+                        self._out.pop(a, None)
+                        self._ours.discard(a)
         self.on_change()
-
-    def _tag(self, address: int) -> str:
-        d = self.allocator.pointer_to_data.get(address)
-        return "" if d is None else d.tag
 
     def close(self) -> None:
         """The session ends: vLLM's calls go to its allocator alone again."""
@@ -234,11 +294,14 @@ class SleepModeFinder:
     ) -> None:
         self._args = on_change, grow, prepin, hold
         self._modules = modules
+        self._lock = threading.Lock()
         self.pool: SleepModePool | None = None
 
     def __call__(self) -> SleepModePool | None:
-        if self.pool is None:
-            a = find_allocator(self._modules)
+        if self.pool is not None:
+            return self.pool
+        with self._lock:  # one pool: a second would wrap vLLM's calls twice
+            a = None if self.pool is not None else find_allocator(self._modules)
             if a is not None:
                 self.pool = SleepModePool(a, *self._args)
                 log.info(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -329,6 +330,13 @@ class HostBuffers:
 # --- the backend ---------------------------------------------------------------------------
 
 
+def stop_process(why: str) -> None:
+    """Memory past the limit that nothing can refuse: said, and the process ends (status
+    3, as a process of a session that cannot be gated does)."""
+    print(why, file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def _still(d: Discardable) -> bool:
     """Whether ``d``'s memory is still what was marked (a check that fails: no)."""
     if d.still is None:
@@ -370,8 +378,10 @@ class VmmBackend(SwapBackend):
         host_bytes: int | None = None,
         hooks: SwapHooks = NO_HOOKS,
         foreign: Callable[[], ForeignPool | None] = no_pool,
+        past_limit: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(hooks)
+        self.past_limit = stop_process if past_limit is None else past_limit
         # Memory of another allocator in the process (vLLM's sleep mode), found once it
         # exists: counted and swapped with ours.
         self.foreign = foreign
@@ -404,18 +414,24 @@ class VmmBackend(SwapBackend):
         if f is None:
             return self.store.resident
         own, other = self.store.resident, f.resident_bytes
-        held = own + other + f.swapped_bytes + f.discarded_bytes
-        if held > self.limit and not self._over_said:
-            self._over_said = True  # the node escalates it: the fix said here, once
-            log.error(
-                "gpushare: vLLM's sleep-mode memory (%d bytes) and gpushare's (%d) exceed"
-                " the session's limit (%d bytes): start vLLM with --gpu-memory-utilization"
-                " low enough that the model and its KV cache fit within the limit",
-                other + f.swapped_bytes + f.discarded_bytes,
-                own,
-                self.limit,
+        theirs = other + f.swapped_bytes + f.discarded_bytes
+        if own + theirs > self.limit and not self._over_said:
+            # Past the limit the node would refuse the session's figures (a release, a
+            # swap's end) and the invariant could not hold: the process stops, saying why.
+            self._over_said = True
+            self.past_limit(
+                f"gpushare: error: vLLM's sleep-mode memory ({theirs} bytes) and gpushare's"
+                f" ({own}) pass this process's memory limit ({self.limit} bytes), and"
+                f" gpushare cannot refuse vLLM's allocations: stopped. {self.limit_fix()}"
             )
         return own + other
+
+    def limit_fix(self) -> str:
+        """The fix for a foreign pool past the limit, as a user would apply it."""
+        return (
+            "Start vLLM with --gpu-memory-utilization low enough that the model and its KV"
+            " cache fit within the limit"
+        )
 
     @property
     def swapped_bytes(self) -> int:
