@@ -3,7 +3,8 @@
 extension reserves an address range and creates and maps memory there; ``sleep`` copies
 the offloaded tags' bytes to host memory (a synchronous ``cudaMemcpy``) and unmaps and
 releases every allocation, whatever its state; ``wake_up`` creates and maps memory again
-at the same addresses and copies back what was kept. vLLM needs CUDA, so its own
+at the same addresses and copies back what was kept, and if that fails part way unmaps
+what it mapped (host copies it had let go of are lost). vLLM needs CUDA, so its own
 allocator cannot run here; this follows its names and behaviour, bytes and all, through
 the driver (the fake libcuda here, a GPU's under ``pytest -m gpu``)."""
 
@@ -68,19 +69,29 @@ class CuMemAllocator:
                 self.driver.release(h)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        with self.driver.context():
-            for va, data in self.pointer_to_data.items():
-                if tags is None or data.tag in tags:
-                    dev, size, _, _ = data.handle
-                    h = self.driver.create(size)
-                    self.driver.map(va, size, h)
-                    data.handle = (dev, size, va, h)
-                    backup = data.cpu_backup_tensor
-                    if backup is not None:
-                        self.driver.copy_htod(va, backup.ptr, size, self.stream)
-                        self.driver.synchronize()
-                        self.driver.host_free(backup.ptr)
-                        data.cpu_backup_tensor = None
+        mapped = []  # on a failure vLLM unmaps what this call mapped, copied back or not
+        try:
+            with self.driver.context():
+                for va, data in self.pointer_to_data.items():
+                    if tags is None or data.tag in tags:
+                        dev, size, _, _ = data.handle
+                        h = self.driver.create(size)
+                        self.driver.map(va, size, h)
+                        data.handle = (dev, size, va, h)
+                        mapped.append(va)
+                        backup = data.cpu_backup_tensor
+                        if backup is not None:
+                            self.driver.copy_htod(va, backup.ptr, size, self.stream)
+                            self.driver.synchronize()
+                            self.driver.host_free(backup.ptr)
+                            data.cpu_backup_tensor = None
+        except Exception:
+            with self.driver.context():
+                for va in mapped:
+                    _, size, _, h = self.pointer_to_data[va].handle
+                    self.driver.unmap(va, size)
+                    self.driver.release(h)
+            raise
 
     def free_all(self) -> None:
         """What vLLM's free callback and C extension do as the tensors go (mapped ones)."""

@@ -365,3 +365,108 @@ def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monke
         t.join()
     assert len(made) == 1 and finder.pool is made[0]
     finder.close()
+
+
+# --- failures and races (a second review) ---------------------------------------------------
+
+
+def test_a_failed_wake_of_vllms_leaves_nothing_counted_resident_that_is_not(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")
+    weights = put(w_va, 4 * PIECE, 11)
+    assert b.resident_bytes == 10 * PIECE
+    alloc.sleep(offload_tags=("weights",))  # level 1: weights kept, KV cache dropped
+    gpu.fail("cuMemCreate", skip=1)  # the KV cache's memory cannot be made
+    with pytest.raises(SwapError):  # the fake's CudaError
+        alloc.wake_up()
+    assert b.resident_bytes == gpu.physical_bytes == 0  # vLLM unmapped what it had mapped
+    assert (b.swapped_bytes, b.discarded_bytes) == (0, 10 * PIECE)  # the copy: let go, lost
+    alloc.wake_up()  # vLLM tries again: both mapped
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(w_va, 4 * PIECE) != weights  # lost, as the log said
+    assert kv_va in alloc.pointer_to_data
+    b.close()
+
+
+def test_a_failed_swap_in_is_counted_as_vllms_rollback_left_it(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    alloc.allocate(4 * PIECE, "weights")
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")
+    kv = put(kv_va, 6 * PIECE, 12)
+    b.swap_out(b.resident_bytes)
+    gpu.fail("cuMemCreate", skip=1)  # the second allocation's memory cannot be made
+    with pytest.raises(SwapError, match="could not wake"):
+        b.swap_in()
+    assert b.resident_bytes == gpu.physical_bytes == 0
+    assert (b.swapped_bytes, b.discarded_bytes) == (6 * PIECE, 4 * PIECE)
+    b.swap_out(b.resident_bytes)  # the next revoke: nothing unmapped twice
+    b.swap_in()  # the next grant: the copy kept comes back, the lost one empty
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(kv_va, 6 * PIECE) == kv
+    b.close()
+
+
+def test_a_revoke_while_vllms_wake_waits_is_woken_too_within_a_new_ask(gpu: FakeGpu):
+    b, alloc, told = engine(gpu)
+    alloc.allocate(4 * PIECE, "weights")
+    alloc.allocate(6 * PIECE, "kv_cache")
+    assert b.resident_bytes == 10 * PIECE
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up(tags=["weights"])  # weights back, the KV cache still dropped
+    revokes = [lambda: b.swap_out(b.resident_bytes)]  # while the wake waits for the lease
+    told.hold = lambda: revokes.pop()() if revokes else None  # type: ignore[method-assign]
+    alloc.wake_up()
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert told.grows[-1][0] == 10 * PIECE  # asked again for what the revoke took
+    b.swap_in()  # nothing of gpushare's left to wake: nothing mapped twice
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    b.close()
+
+
+def test_vllms_allocations_and_frees_during_a_swap_neither_break_it_nor_linger(
+    gpu: FakeGpu,
+):
+    b, alloc, _ = engine(gpu)
+    alloc.allocate(4 * PIECE, "weights")
+    assert b.resident_bytes == 4 * PIECE
+    pool = b.foreign()
+    assert isinstance(pool, SleepModePool)
+    sleep, wake = pool._sleep, pool._wake
+    made: list[int] = []
+
+    def sleep_with_an_allocation(*a: object, **k: object) -> None:
+        made.append(alloc.allocate(2 * PIECE, "weights"))  # the engine thread, meanwhile
+        sleep(*a, **k)  # type: ignore[arg-type]
+
+    pool._sleep = sleep_with_an_allocation  # type: ignore[method-assign]
+    b.swap_out(b.resident_bytes)
+    assert b.resident_bytes == gpu.physical_bytes == 2 * PIECE  # the new one untouched
+
+    def wake_with_a_free(*a: object, **k: object) -> None:
+        d = alloc.pointer_to_data.pop(made[0])  # vLLM's free callback
+        with gpu.driver.context():
+            gpu.driver.unmap(made[0], 2 * PIECE)  # and its C extension
+            gpu.driver.release(d.handle[3])
+        wake(*a, **k)  # type: ignore[arg-type]
+
+    pool._wake = wake_with_a_free  # type: ignore[method-assign]
+    b.swap_in()
+    assert made[0] not in alloc.pointer_to_data
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    b.close()
+
+
+def test_the_limit_counts_gpushares_swapped_memory_as_the_node_does(gpu: FakeGpu):
+    stopped: list[str] = []
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
+    b = gpu.backend(limit=8 * PIECE, foreign=finder, past_limit=stopped.append)
+    b.allocate(6 * PIECE)
+    alloc.allocate(2 * PIECE, "weights")
+    assert b.resident_bytes == 8 * PIECE
+    b.swap_out(6 * PIECE)  # ours covers the revoke
+    alloc.allocate(2 * PIECE, "kv_cache")
+    assert b.resident_bytes == 4 * PIECE and b.swapped_bytes == 6 * PIECE
+    assert len(stopped) == 1
+    b.close()

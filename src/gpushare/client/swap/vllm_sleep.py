@@ -73,6 +73,21 @@ def _size(data: AllocationDataLike) -> int:
     return int(data.handle[1])
 
 
+class _Listing(dict[int, Any]):
+    """vLLM's list of allocations, in vLLM's place: every allocation, vLLM's malloc and
+    free callbacks adding and taking them as ever, while its ``sleep`` and ``wake_up``
+    (which loop over ``items()``) see only those the call in progress may touch, as a
+    list taken once (an allocation made meanwhile neither breaks the loop nor is
+    touched by it)."""
+
+    only: frozenset[int] | None = None
+
+    def items(self) -> Any:
+        if self.only is None:
+            return super().items()
+        return [(a, d) for a, d in list(super().items()) if a in self.only]
+
+
 class SleepModePool:
     """One process's vLLM sleep-mode memory (see the module doc). ``on_change`` is told
     when vLLM's own sleep or wake changed the figures; before vLLM's own wake, ``hold()``
@@ -81,10 +96,11 @@ class SleepModePool:
 
     vLLM's ``sleep`` unmaps *every* allocation it lists and ``wake_up`` maps every one
     of its tags, whatever each one's state: each call, gpushare's and vLLM's own, is
-    given only the allocations it may touch (the others held out of vLLM's list for its
-    length, the figures read meanwhile from the whole list), so that nothing is mapped
-    twice or unmapped twice, whatever the order of sleeps, wakes by tag and new
-    allocations."""
+    shown only the allocations it may touch (:class:`_Listing`), so that nothing is
+    mapped twice or unmapped twice, whatever the order of sleeps, wakes by tag and new
+    allocations. After a call that failed, what is out is judged from vLLM's host copies
+    (vLLM copies before it unmaps, and a failed wake unmaps what it mapped): an
+    allocation without one is counted dropped, never resident."""
 
     def __init__(
         self,
@@ -102,7 +118,8 @@ class SleepModePool:
         self._pinned: set[int] = set()  # addresses whose host memory was pinned ahead
         self._pinning: threading.Thread | None = None
         self._lock = threading.RLock()
-        self._whole: dict[int, AllocationDataLike] | None = None  # while some are held out
+        self._list = _Listing(allocator.pointer_to_data)
+        allocator.pointer_to_data = self._list
         # Address -> kept on the host (True) or dropped (False). A vLLM sleep before the
         # pool was made shows in its host copies (what it dropped then cannot be seen).
         self._out: dict[int, bool] = {
@@ -117,8 +134,7 @@ class SleepModePool:
     # --- the figures ------------------------------------------------------------------
 
     def _items(self) -> list[tuple[int, AllocationDataLike]]:
-        d = self._whole if self._whole is not None else self.allocator.pointer_to_data
-        return list(d.items())  # one C call under the GIL: vLLM's frees may run beside
+        return list(dict.items(self._list))  # all of them, whatever a call in progress sees
 
     @property
     def resident_bytes(self) -> int:
@@ -153,31 +169,46 @@ class SleepModePool:
 
     def _prune(self) -> None:
         """Forget allocations vLLM freed (its free callback takes them off its list)."""
-        d = self.allocator.pointer_to_data
-        for a in [a for a in self._out if a not in d]:
+        for a in [a for a in self._out if a not in self._list]:
             del self._out[a]
         self._ours &= set(self._out)
 
     @contextlib.contextmanager
     def _only(self, addresses: set[int]) -> Iterator[None]:
-        """vLLM's list holds only ``addresses`` for the call inside (the lock held)."""
-        d = self.allocator.pointer_to_data
-        self._whole = dict(d)
-        held = {a: d.pop(a) for a in list(d) if a not in addresses}
+        """vLLM's sleep or wake inside sees only ``addresses`` (the lock held)."""
+        self._list.only = frozenset(addresses)
         try:
             yield
         finally:
-            d.update(held)
-            self._whole = None
+            self._list.only = None
 
-    def _settle_out(self, tried: set[int], ours: bool) -> None:
-        """After a sleep over ``tried`` (whole or cut short): a host copy says it went
-        (vLLM copies before it unmaps); one without went only if the sleep finished."""
+    def _judge(self, tried: set[int], done: bool) -> None:
+        """After a sleep (``done``: it finished) over ``tried``: out if vLLM has a copy;
+        one without is out only if the sleep finished (its tag dropped)."""
         for a, d in self._items():
-            if a in tried and d.cpu_backup_tensor is not None:
-                self._out[a] = True
-                if ours:
-                    self._ours.add(a)
+            if a in tried and (d.cpu_backup_tensor is not None or done):
+                self._out[a] = d.cpu_backup_tensor is not None
+
+    def _woken(self, tried: set[int], done: bool) -> None:
+        """After a wake over ``tried``: all mapped if it finished; if it failed, vLLM
+        unmapped what it had mapped, so each is out: kept if its copy is still there,
+        dropped if not (a copy it had let go of is lost)."""
+        for a, d in self._items():
+            if a not in tried:
+                continue
+            if done:
+                self._out.pop(a, None)
+                self._ours.discard(a)
+            else:
+                kept = d.cpu_backup_tensor is not None
+                if not kept and self._out.get(a) is True:
+                    log.error(
+                        "gpushare: vLLM's wake failed after it let go of the host copy of"
+                        " %d bytes at %#x: that memory comes back empty",
+                        _size(d),
+                        a,
+                    )
+                self._out[a] = kept
 
     # --- gpushare's swaps -------------------------------------------------------------
 
@@ -194,11 +225,12 @@ class SleepModePool:
                 with self._only(set(mapped)):
                     self._sleep(offload_tags=tags)
             except Exception as e:
-                self._settle_out(set(mapped), ours=True)
+                self._judge(set(mapped), done=False)
+                self._ours |= set(mapped) & set(self._out)
                 raise SwapError(f"vLLM's allocator could not sleep: {e}") from e
-            self._settle_out(set(mapped), ours=True)
-            moved = sum(_size(d) for a, d in mapped.items() if a in self._out)
-            return SwapResult(moved, time.perf_counter() - t0)
+            self._judge(set(mapped), done=True)
+            self._ours |= set(mapped)
+            return SwapResult(sum(_size(d) for d in mapped.values()), time.perf_counter() - t0)
 
     def swap_in(self, room: Callable[[int], float]) -> SwapResult:
         """Wake what gpushare put to sleep, once ``room`` allowed it (``room(bytes)``
@@ -216,13 +248,9 @@ class SleepModePool:
                 with self._only(set(mine)):
                     self._wake(tags=None)
             except Exception as e:
+                self._woken(set(mine), done=False)
                 raise SwapError(f"vLLM's allocator could not wake: {e}") from e
-            finally:
-                # vLLM lets go of a host copy once its bytes are back.
-                for a, d in mine.items():
-                    if d.cpu_backup_tensor is None:
-                        self._out.pop(a, None)
-                        self._ours.discard(a)
+            self._woken(set(mine), done=True)
             return SwapResult(back, max(0.0, time.perf_counter() - t0 - waited))
 
     # --- vLLM's own sleep and wake ----------------------------------------------------
@@ -231,53 +259,59 @@ class SleepModePool:
         with self._lock:
             self._prune()
             mapped = {a for a, _ in self._items() if a not in self._out}
-            # What gpushare put to sleep is vLLM's to wake from now on (its copies kept:
-            # more than vLLM asked to keep, never less).
-            self._ours.clear()
             try:
                 with self._only(mapped):
                     self._sleep(*args, **kwargs)
-            finally:
-                self._settle_out(mapped, ours=False)
-            for a in mapped - set(self._out):  # a whole sleep drops what it did not copy
-                self._out[a] = False
+            except BaseException:
+                self._judge(mapped, done=False)
+                raise
+            self._judge(mapped, done=True)
+            # What gpushare put to sleep is vLLM's to wake from now on (its copies kept:
+            # more than vLLM asked to keep, never less).
+            self._ours.clear()
         self.on_change()
+
+    def _asleep(self, tags: Any) -> dict[int, int]:
+        return {
+            a: _size(d)
+            for a, d in self._items()
+            if a in self._out and (tags is None or d.tag in tags)
+        }
 
     def _vllm_wake(self, *args: Any, **kwargs: Any) -> None:
         tags = kwargs.get("tags", args[0] if args else None)
-        with self._lock:
-            self._prune()
-            back = {
-                a: _size(d)
-                for a, d in self._items()
-                if a in self._out and (tags is None or d.tag in tags)
-            }
-        if back:
+        allowed = -1
+        while True:
+            with self._lock:
+                self._prune()
+                back = self._asleep(tags)
+                need = self.resident_bytes + sum(back.values())
+                if not back or need <= allowed:
+                    try:
+                        with self._only(set(back)):  # never a mapped one: mapped again
+                            self._wake(*args, **kwargs)
+                    except BaseException:
+                        self._woken(set(back), done=False)
+                        raise
+                    self._woken(set(back), done=True)
+                    break
             # Memory back on the GPU, and copies to it, are GPU work: within a lease, and
             # within its bound. Outside the lock: the wait may see a revoke, whose
-            # swap-out takes it.
+            # swap-out takes it (then there is more to wake: asked again).
             self.hold()
-            self.grow(self.resident_bytes + sum(back.values()))
-        with self._lock:
-            self._prune()
-            asleep = set(self._out)
-            try:
-                with self._only(asleep):  # never a mapped one: vLLM would map it again
-                    self._wake(*args, **kwargs)
-            finally:
-                for a, d in self._items():
-                    if a in back and (d.cpu_backup_tensor is None):
-                        self._out.pop(a, None)
-                        self._ours.discard(a)
+            self.grow(need)
+            allowed = need
         self.on_change()
 
     def close(self) -> None:
-        """The session ends: vLLM's calls go to its allocator alone again."""
+        """The session ends: vLLM's calls and its list go to its allocator alone again."""
         a = self.allocator
         if a.sleep == self._vllm_sleep:
             del a.sleep
         if a.wake_up == self._vllm_wake:
             del a.wake_up
+        if a.pointer_to_data is self._list:
+            a.pointer_to_data = dict(dict.items(self._list))
 
 
 class SleepModeFinder:

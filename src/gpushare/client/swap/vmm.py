@@ -415,13 +415,14 @@ class VmmBackend(SwapBackend):
             return self.store.resident
         own, other = self.store.resident, f.resident_bytes
         theirs = other + f.swapped_bytes + f.discarded_bytes
-        if own + theirs > self.limit and not self._over_said:
+        held = own + self.store.swapped + self.store.discarded  # all the node counts
+        if held + theirs > self.limit and not self._over_said:
             # Past the limit the node would refuse the session's figures (a release, a
             # swap's end) and the invariant could not hold: the process stops, saying why.
             self._over_said = True
             self.past_limit(
                 f"gpushare: error: vLLM's sleep-mode memory ({theirs} bytes) and gpushare's"
-                f" ({own}) pass this process's memory limit ({self.limit} bytes), and"
+                f" ({held}) pass this process's memory limit ({self.limit} bytes), and"
                 f" gpushare cannot refuse vLLM's allocations: stopped. {self.limit_fix()}"
             )
         return own + other
