@@ -7,6 +7,8 @@ import ctypes
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -62,6 +64,15 @@ def engine(
     hooks = SwapHooks(on_change=told.on_change, wait_room=told.wait_room)
     b = gpu.backend(limit=limit, hooks=hooks, foreign=finder)
     return b, alloc, told
+
+
+def bare(
+    gpu: FakeGpu, prepin: Callable[[list[int]], None] | None = None, **backend: Any
+) -> tuple[VmmBackend, fake_vllm.CuMemAllocator, SleepModeFinder]:
+    """A backend whose process made vLLM's allocator, with nothing listening to it."""
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=prepin)
+    return gpu.backend(foreign=finder, **backend), alloc, finder
 
 
 def test_vllms_allocator_is_found_once_it_holds_memory(gpu: FakeGpu):
@@ -171,9 +182,7 @@ def test_vllms_memory_past_the_limit_stops_the_process_with_the_fix(gpu: FakeGpu
     # The node refuses figures past the limit (a release, a swap's end), and nothing can
     # refuse vLLM's allocations: the process stops, saying why (once).
     stopped: list[str] = []
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
-    b = gpu.backend(limit=8 * PIECE, foreign=finder, past_limit=stopped.append)
+    b, alloc, _ = bare(gpu, limit=8 * PIECE, past_limit=stopped.append)
     b.allocate(2 * PIECE)
     alloc.allocate(6 * PIECE, "weights")
     assert b.resident_bytes == 8 * PIECE and not stopped  # at the limit: fine
@@ -294,9 +303,7 @@ def test_any_error_of_vllms_allocator_is_a_swap_error(gpu: FakeGpu, monkeypatch)
 
 
 def test_a_swap_in_that_waited_for_room_reports_its_copy_time_only(gpu: FakeGpu):
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
-    b = gpu.backend(hooks=SwapHooks(wait_room=lambda n: time.sleep(0.2)), foreign=finder)
+    b, alloc, _ = bare(gpu, hooks=SwapHooks(wait_room=lambda n: time.sleep(0.2)))
     alloc.allocate(4 * PIECE, "weights")
     b.swap_out(b.resident_bytes)
     r = b.swap_in()
@@ -318,9 +325,7 @@ def test_an_allocation_freed_while_asleep_is_forgotten(gpu: FakeGpu):
 
 
 def test_a_sleep_of_vllms_before_the_pool_was_made_shows_in_its_copies(gpu: FakeGpu):
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
-    b = gpu.backend(foreign=finder)
+    b, alloc, _ = bare(gpu)
     alloc.allocate(4 * PIECE, "weights")
     alloc.sleep(offload_tags=("weights",))  # before any figure was asked
     assert (b.resident_bytes, b.swapped_bytes) == (0, 4 * PIECE)
@@ -330,9 +335,7 @@ def test_a_sleep_of_vllms_before_the_pool_was_made_shows_in_its_copies(gpu: Fake
 
 def test_pinning_ahead_follows_the_addresses_not_their_count(gpu: FakeGpu):
     asked: list[list[int]] = []
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=asked.append)
-    b = gpu.backend(foreign=finder)
+    b, alloc, finder = bare(gpu, prepin=asked.append)
     va = alloc.allocate(4 * PIECE, "weights")
     assert b.resident_bytes == 4 * PIECE
     assert finder.pool is not None and finder.pool._pinning is not None
@@ -459,9 +462,7 @@ def test_vllms_allocations_and_frees_during_a_swap_neither_break_it_nor_linger(
 
 def test_the_limit_counts_gpushares_swapped_memory_as_the_node_does(gpu: FakeGpu):
     stopped: list[str] = []
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
-    b = gpu.backend(limit=8 * PIECE, foreign=finder, past_limit=stopped.append)
+    b, alloc, _ = bare(gpu, limit=8 * PIECE, past_limit=stopped.append)
     b.allocate(6 * PIECE)
     alloc.allocate(2 * PIECE, "weights")
     assert b.resident_bytes == 8 * PIECE
