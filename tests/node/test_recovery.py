@@ -117,14 +117,21 @@ def granting_since_recovery(node, restarts: int) -> bool:
 
 
 REGISTER = """
-import socket, sys
+import socket, sys, time
 from gpushare import protocol as p
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-s.sendall(p.encode(p.Hello(version=1, name="x", memory_limit=2**30, session=int(sys.argv[2]))))
-buf = p.FrameBuffer()
-while not (m := buf.feed(s.recv(65536))):
-    pass
+t = time.monotonic()
+while True:  # 'busy' (the recovery window open), as the client does: again
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    hello = p.Hello(version=1, name="x", memory_limit=2**30, session=int(sys.argv[2]))
+    s.sendall(p.encode(hello))
+    buf = p.FrameBuffer()
+    while not (m := buf.feed(s.recv(65536))):
+        pass
+    if not (isinstance(m[0], p.Error) and m[0].code == "busy") or time.monotonic() - t > 30:
+        break
+    s.close()
+    time.sleep(0.2)
 print(m[0].session if isinstance(m[0], p.Welcome) else m[0], flush=True)
 sys.stdin.read()
 """
@@ -139,14 +146,20 @@ def test_a_process_gets_back_only_its_own_sessions_id(node_factory):
     try:
         assert keeper.stdout is not None
         sid = int(keeper.stdout.readline())
+        state = Path(node.admin).parent / "sessions.state"
+        wait_until(  # written within 0.1 s: killed before, nothing would be on record
+            lambda: state.exists() and str(keeper.pid) in state.read_text(errors="replace"),
+            timeout=30,
+            what="the keeper's session on record",
+        )
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait()
         node.start()  # the keeper's session is on record, its process alive
         thief = subprocess.run(
             [sys.executable, "-c", REGISTER, node.socket, str(sid)],
-            input="", capture_output=True, text=True, timeout=30,
+            input="", capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        got = int(thief.stdout)
+        got = int(thief.stdout)  # after the window: the keeper never said hello again
         assert got != sid and got > sid  # a new id: it is not the process on record
     finally:
         keeper.kill()
