@@ -130,7 +130,14 @@ class Lease:
         # Last, the state above in place: a backend may report from its own thread at once.
         self.link = link(self)
         self.backend = backend(
-            SwapHooks(self.report, self.check_access, self.wait_room, self.grow, self.checkpoint)
+            SwapHooks(
+                self.report,
+                self.check_access,
+                self.wait_room,
+                self.grow,
+                self.checkpoint,
+                lambda: self.holding,
+            )
         )
 
     # --- what the session's public methods do ---------------------------------------

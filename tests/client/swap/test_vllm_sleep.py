@@ -471,3 +471,62 @@ def test_the_limit_counts_gpushares_swapped_memory_as_the_node_does(gpu: FakeGpu
     assert b.resident_bytes == 4 * PIECE and b.swapped_bytes == 6 * PIECE
     assert len(stopped) == 1
     b.close()
+
+
+# --- a third review ------------------------------------------------------------------------
+
+
+def test_vllms_wake_asks_again_when_the_lease_went_during_its_wait(gpu: FakeGpu):
+    lease = {"held": False}
+    mods, alloc = fake_vllm.modules(gpu.driver)
+
+    def hold() -> None:
+        lease["held"] = True
+
+    revoked: list[int] = []
+
+    def grow(n: int) -> None:
+        if not revoked:  # a revoke right after the wait: swapped out, the lease gone
+            revoked.append(b.swap_out(b.resident_bytes).bytes)
+            lease["held"] = False
+
+    finder = SleepModeFinder(
+        lambda: None, grow, modules=mods, hold=hold, holding=lambda: lease["held"]
+    )
+    b = gpu.backend(foreign=finder)
+    alloc.allocate(4 * PIECE, "weights")
+    alloc.allocate(6 * PIECE, "kv_cache")
+    assert b.resident_bytes == 10 * PIECE
+    pool = finder.pool
+    assert pool is not None
+    alloc.sleep(offload_tags=("weights",))
+    wake = pool._wake
+    held_at_wake: list[bool] = []
+
+    def noting(*a: object, **k: object) -> None:
+        held_at_wake.append(lease["held"])
+        wake(*a, **k)  # type: ignore[arg-type]
+
+    pool._wake = noting  # type: ignore[method-assign]
+    alloc.wake_up()
+    assert held_at_wake == [True]  # mapped only once the lease was held again
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    b.close()
+
+
+def test_a_level_one_sleep_that_fails_after_dropping_counts_the_dropped_as_dropped(
+    gpu: FakeGpu,
+):
+    b, alloc, _ = engine(gpu)
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")  # before the weights in vLLM's list
+    alloc.allocate(4 * PIECE, "weights")
+    assert b.resident_bytes == 10 * PIECE
+    gpu.fail("cuMemHostAlloc")  # the weights' host copy cannot be made
+    with pytest.raises(SwapError):
+        alloc.sleep(offload_tags=("weights",))
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE  # the KV cache went
+    assert b.discarded_bytes == 6 * PIECE
+    alloc.wake_up(tags=["kv_cache"])  # vLLM wakes its KV cache: mapped again
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert kv_va in alloc.pointer_to_data
+    b.close()

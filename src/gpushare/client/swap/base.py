@@ -36,6 +36,7 @@ class SwapHooks:
     # Blocks until the session holds the GPU (a burst opened, as GPU work at a safe point
     # opens one): before memory another allocator brings back by itself (vLLM's wake).
     hold: Callable[[], None] = _nothing
+    holding: Callable[[], bool] = lambda: True  # whether it holds the GPU now
 
 
 NO_HOOKS = SwapHooks()
@@ -95,6 +96,7 @@ class SwapBackend(ABC):
         self.wait_room: Callable[[int], None] = hooks.wait_room
         self.grow: Callable[[int], None] = hooks.grow
         self.hold: Callable[[], None] = hooks.hold
+        self.holding: Callable[[], bool] = hooks.holding
         self._last_progress = 0.0
         self.progress_every_s = PROGRESS_EVERY_S
 

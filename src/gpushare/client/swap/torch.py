@@ -251,6 +251,7 @@ class TorchBackend(VmmBackend):
             lambda n: self.grow(self.store.resident + n),
             prepin=self._pin_for_vllm,
             hold=lambda: self.hold(),
+            holding=lambda: self.holding(),
         )
         super().__init__(
             driver,

@@ -28,7 +28,6 @@ made it, and used through the names vLLM gives it (:class:`CuMemAllocatorLike`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
@@ -73,19 +72,42 @@ def _size(data: AllocationDataLike) -> int:
     return int(data.handle[1])
 
 
-class _Listing(dict[int, Any]):
-    """vLLM's list of allocations, in vLLM's place: every allocation, vLLM's malloc and
-    free callbacks adding and taking them as ever, while its ``sleep`` and ``wake_up``
-    (which loop over ``items()``) see only those the call in progress may touch, as a
-    list taken once (an allocation made meanwhile neither breaks the loop nor is
-    touched by it)."""
+class _Shown:
+    """vLLM's list of allocations as one sleep or wake of vLLM's sees it when gpushare
+    calls it: only the allocations that call may touch, from a list taken once (vLLM's
+    malloc and free callbacks, bound to the allocator itself, go on changing the real
+    one meanwhile), those handed out noted (a failed sleep stopped at the last)."""
 
-    only: frozenset[int] | None = None
+    def __init__(self, whole: dict[int, Any], only: set[int]) -> None:
+        self.whole, self.only = whole, frozenset(only)
+        self.handed: list[int] = []  # in order: all but the last were done with
 
-    def items(self) -> Any:
-        if self.only is None:
-            return super().items()
-        return [(a, d) for a, d in list(super().items()) if a in self.only]
+    def items(self) -> Iterator[tuple[int, Any]]:
+        for a, d in list(self.whole.items()):
+            if a in self.only:
+                self.handed.append(a)
+                yield a, d
+
+    def __getitem__(self, a: int) -> Any:
+        return self.whole[a]
+
+    def __contains__(self, a: object) -> bool:
+        return a in self.whole
+
+    def pop(self, a: int, *default: Any) -> Any:
+        return self.whole.pop(a, *default)
+
+
+class _Caller:
+    """The allocator as its own ``sleep`` or ``wake_up`` sees it in a call of ours:
+    itself in every name but ``pointer_to_data``, which is :class:`_Shown`."""
+
+    def __init__(self, allocator: Any, shown: _Shown) -> None:
+        self._allocator = allocator
+        self.pointer_to_data = shown
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._allocator, name)
 
 
 class SleepModePool:
@@ -96,7 +118,7 @@ class SleepModePool:
 
     vLLM's ``sleep`` unmaps *every* allocation it lists and ``wake_up`` maps every one
     of its tags, whatever each one's state: each call, gpushare's and vLLM's own, is
-    shown only the allocations it may touch (:class:`_Listing`), so that nothing is
+    shown only the allocations it may touch (:class:`_Shown`), so that nothing is
     mapped twice or unmapped twice, whatever the order of sleeps, wakes by tag and new
     allocations. After a call that failed, what is out is judged from vLLM's host copies
     (vLLM copies before it unmaps, and a failed wake unmaps what it mapped): an
@@ -109,8 +131,10 @@ class SleepModePool:
         grow: Callable[[int], None],
         prepin: Callable[[list[int]], None] | None = None,
         hold: Callable[[], None] = lambda: None,
+        holding: Callable[[], bool] = lambda: True,
     ) -> None:
         self.allocator = allocator
+        self.holding = holding
         self.on_change = on_change
         self.grow = grow
         self.hold = hold
@@ -118,15 +142,14 @@ class SleepModePool:
         self._pinned: set[int] = set()  # addresses whose host memory was pinned ahead
         self._pinning: threading.Thread | None = None
         self._lock = threading.RLock()
-        self._list = _Listing(allocator.pointer_to_data)
-        allocator.pointer_to_data = self._list
         # Address -> kept on the host (True) or dropped (False). A vLLM sleep before the
         # pool was made shows in its host copies (what it dropped then cannot be seen).
         self._out: dict[int, bool] = {
             a: True for a, d in self._items() if d.cpu_backup_tensor is not None
         }
         self._ours: set[int] = set()  # put to sleep by gpushare, which wakes them
-        self._sleep, self._wake = allocator.sleep, allocator.wake_up
+        # vLLM's own functions, called with a :class:`_Caller` for the allocator.
+        self._sleep, self._wake = type(allocator).sleep, type(allocator).wake_up
         # vLLM's worker calls these on the instance: theirs go through us from now on.
         allocator.sleep = self._vllm_sleep  # type: ignore[method-assign]
         allocator.wake_up = self._vllm_wake  # type: ignore[method-assign]
@@ -134,7 +157,7 @@ class SleepModePool:
     # --- the figures ------------------------------------------------------------------
 
     def _items(self) -> list[tuple[int, AllocationDataLike]]:
-        return list(dict.items(self._list))  # all of them, whatever a call in progress sees
+        return list(self.allocator.pointer_to_data.items())  # one C call under the GIL
 
     @property
     def resident_bytes(self) -> int:
@@ -169,24 +192,26 @@ class SleepModePool:
 
     def _prune(self) -> None:
         """Forget allocations vLLM freed (its free callback takes them off its list)."""
-        for a in [a for a in self._out if a not in self._list]:
+        d = self.allocator.pointer_to_data
+        for a in [a for a in self._out if a not in d]:
             del self._out[a]
         self._ours &= set(self._out)
 
-    @contextlib.contextmanager
-    def _only(self, addresses: set[int]) -> Iterator[None]:
-        """vLLM's sleep or wake inside sees only ``addresses`` (the lock held)."""
-        self._list.only = frozenset(addresses)
-        try:
-            yield
-        finally:
-            self._list.only = None
+    def _shown(self, addresses: set[int]) -> _Shown:
+        return _Shown(self.allocator.pointer_to_data, addresses)
 
-    def _judge(self, tried: set[int], done: bool) -> None:
-        """After a sleep (``done``: it finished) over ``tried``: out if vLLM has a copy;
-        one without is out only if the sleep finished (its tag dropped)."""
-        for a, d in self._items():
-            if a in tried and (d.cpu_backup_tensor is not None or done):
+    def _call(self, fn: Callable[..., None], shown: _Shown, *args: Any, **kw: Any) -> None:
+        """vLLM's ``fn`` (its sleep or wake_up) shown only ``shown`` (the lock held)."""
+        fn(_Caller(self.allocator, shown), *args, **kw)
+
+    def _judge(self, shown: _Shown, done: bool) -> None:
+        """After a sleep: each allocation it was done with is out, kept if vLLM has a
+        host copy of it, dropped if not; if it failed, the one it was at is still mapped
+        (vLLM copies, then unmaps), as are those it did not reach."""
+        finished = shown.handed if done else shown.handed[:-1]
+        for a in finished:
+            d = self.allocator.pointer_to_data.get(a)
+            if d is not None:
                 self._out[a] = d.cpu_backup_tensor is not None
 
     def _woken(self, tried: set[int], done: bool) -> None:
@@ -221,15 +246,15 @@ class SleepModePool:
                 return SwapResult(0, 0.0)
             tags = tuple(sorted({d.tag for d in mapped.values()}))
             t0 = time.perf_counter()
+            shown = self._shown(set(mapped))
             try:
-                with self._only(set(mapped)):
-                    self._sleep(offload_tags=tags)
+                self._call(self._sleep, shown, offload_tags=tags)
             except Exception as e:
-                self._judge(set(mapped), done=False)
+                self._judge(shown, done=False)
                 self._ours |= set(mapped) & set(self._out)
                 raise SwapError(f"vLLM's allocator could not sleep: {e}") from e
-            self._judge(set(mapped), done=True)
-            self._ours |= set(mapped)
+            self._judge(shown, done=True)
+            self._ours |= set(mapped) & set(self._out)
             return SwapResult(sum(_size(d) for d in mapped.values()), time.perf_counter() - t0)
 
     def swap_in(self, room: Callable[[int], float]) -> SwapResult:
@@ -245,8 +270,7 @@ class SleepModePool:
             t0 = time.perf_counter()
             waited = room(back)
             try:
-                with self._only(set(mine)):
-                    self._wake(tags=None)
+                self._call(self._wake, self._shown(set(mine)), tags=None)
             except Exception as e:
                 self._woken(set(mine), done=False)
                 raise SwapError(f"vLLM's allocator could not wake: {e}") from e
@@ -259,13 +283,13 @@ class SleepModePool:
         with self._lock:
             self._prune()
             mapped = {a for a, _ in self._items() if a not in self._out}
+            shown = self._shown(mapped)
             try:
-                with self._only(mapped):
-                    self._sleep(*args, **kwargs)
+                self._call(self._sleep, shown, *args, **kwargs)
             except BaseException:
-                self._judge(mapped, done=False)
+                self._judge(shown, done=False)
                 raise
-            self._judge(mapped, done=True)
+            self._judge(shown, done=True)
             # What gpushare put to sleep is vLLM's to wake from now on (its copies kept:
             # more than vLLM asked to keep, never less).
             self._ours.clear()
@@ -286,10 +310,11 @@ class SleepModePool:
                 self._prune()
                 back = self._asleep(tags)
                 need = self.resident_bytes + sum(back.values())
-                if not back or need <= allowed:
+                # The lease may have gone since the wait (a revoke, the idle release).
+                if not back or (need <= allowed and self.holding()):
                     try:
-                        with self._only(set(back)):  # never a mapped one: mapped again
-                            self._wake(*args, **kwargs)
+                        # Never a mapped one: vLLM would map it again.
+                        self._call(self._wake, self._shown(set(back)), *args, **kwargs)
                     except BaseException:
                         self._woken(set(back), done=False)
                         raise
@@ -304,14 +329,12 @@ class SleepModePool:
         self.on_change()
 
     def close(self) -> None:
-        """The session ends: vLLM's calls and its list go to its allocator alone again."""
+        """The session ends: vLLM's calls go to its allocator alone again."""
         a = self.allocator
         if a.sleep == self._vllm_sleep:
             del a.sleep
         if a.wake_up == self._vllm_wake:
             del a.wake_up
-        if a.pointer_to_data is self._list:
-            a.pointer_to_data = dict(dict.items(self._list))
 
 
 class SleepModeFinder:
@@ -325,8 +348,9 @@ class SleepModeFinder:
         modules: Mapping[str, Any] | None = None,
         prepin: Callable[[list[int]], None] | None = None,
         hold: Callable[[], None] = lambda: None,
+        holding: Callable[[], bool] = lambda: True,
     ) -> None:
-        self._args = on_change, grow, prepin, hold
+        self._args = on_change, grow, prepin, hold, holding
         self._modules = modules
         self._lock = threading.Lock()
         self.pool: SleepModePool | None = None
