@@ -120,9 +120,11 @@ class SleepModePool:
     of its tags, whatever each one's state: each call, gpushare's and vLLM's own, is
     shown only the allocations it may touch (:class:`_Shown`), so that nothing is
     mapped twice or unmapped twice, whatever the order of sleeps, wakes by tag and new
-    allocations. After a call that failed, what is out is judged from vLLM's host copies
-    (vLLM copies before it unmaps, and a failed wake unmaps what it mapped): an
-    allocation without one is counted dropped, never resident."""
+    allocations. After a call that failed, what is out is judged from where it stopped
+    and vLLM's host copies: a failed sleep was done with the allocations before the one
+    it was at (each out, kept if copied, dropped if not), the rest still mapped; a failed
+    wake unmapped what it mapped, so each of its allocations is out, kept where its copy
+    is still there, dropped where vLLM had let it go."""
 
     def __init__(
         self,
