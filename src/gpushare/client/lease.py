@@ -552,8 +552,7 @@ class Lease:
     # --- messages -------------------------------------------------------------------
 
     def _figures(self) -> tuple[int, int, int]:
-        b = self.backend
-        return b.resident_bytes, b.swapped_bytes, b.discarded_bytes
+        return self.backend.figures()
 
     def _report_msg(self) -> p.Report:
         self.told = resident, swapped, discarded = self._figures()
@@ -693,15 +692,16 @@ class Lease:
         self._update()
 
     def resume_hello(self, hello: p.Hello) -> p.Hello:
+        figures = self.backend.figures()
         return msgspec.structs.replace(
             hello,
             memory_limit=self.memory_limit,
             memory_request=self.memory_request if self.memory_request < self.memory_limit else None,
             weight=self.weight,
             gpu=self.gpu,
-            resident=self.backend.resident_bytes,
-            swapped=self.backend.swapped_bytes,
-            discarded=self.backend.discarded_bytes,
+            resident=figures[0],
+            swapped=figures[1],
+            discarded=figures[2],
             holding=self.phase is Phase.HOLDING,
             # who it was, and the lease it holds with its token: the node checks them
             session=self.link.session,

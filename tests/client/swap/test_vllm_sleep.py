@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gpushare.client.swap import vllm_sleep
 from gpushare.client.swap.base import SwapHooks
 from gpushare.client.swap.vllm_sleep import SleepModeFinder, SleepModePool, find_allocator
 from gpushare.client.swap.vmm import VmmBackend
@@ -150,6 +151,31 @@ def test_vllms_own_sleep_is_counted_and_its_wake_waits_for_room_first(gpu: FakeG
     b.close()
 
 
+class Walked(dict[int, Any]):
+    """vLLM's allocation list, counting the walks over it."""
+
+    walks = 0
+
+    def items(self) -> Any:
+        self.walks += 1
+        return super().items()
+
+
+def test_a_report_walks_vllms_list_once_for_all_three_figures(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    b.allocate(2 * PIECE)
+    alloc.allocate(4 * PIECE, "weights")
+    alloc.allocate(6 * PIECE, "kv_cache")
+    assert b.resident_bytes == 12 * PIECE  # the pool found
+    alloc.sleep(offload_tags=("weights",))  # weights kept, the KV cache dropped
+    b.allocate(PIECE)
+    alloc.pointer_to_data = walked = Walked(alloc.pointer_to_data)
+    assert b.figures() == (3 * PIECE, 4 * PIECE, 6 * PIECE)
+    assert walked.walks == 1
+    assert (b.resident_bytes, b.swapped_bytes, b.discarded_bytes) == b.figures()
+    b.close()
+
+
 def test_a_wake_by_tag_is_counted_by_tag(gpu: FakeGpu):
     b, alloc, told = engine(gpu)
     alloc.allocate(4 * PIECE, "weights")
@@ -231,6 +257,43 @@ def test_host_memory_for_vllms_sleep_is_pinned_ahead_once_per_allocation(gpu: Fa
     b.close()
 
 
+def test_readers_on_many_threads_pin_each_allocation_once(gpu: FakeGpu, monkeypatch):
+    size = vllm_sleep._size
+
+    def slow_size(d: Any) -> int:
+        time.sleep(0.0005)  # each look slow: readers' looks overlap, as under load
+        return size(d)
+
+    monkeypatch.setattr(vllm_sleep, "_size", slow_size)
+    mods, alloc = fake_vllm.modules(gpu.driver)
+    asked: list[int] = []
+    finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=asked.extend)
+    b = gpu.backend(limit=256 * PIECE, foreign=finder)
+    stop = threading.Event()
+
+    def report() -> None:  # the reader thread, the allocator's watcher, the lease's
+        while not stop.is_set():
+            b.figures()
+
+    readers = [threading.Thread(target=report) for _ in range(6)]
+    for t in readers:
+        t.start()
+    sizes = [k * PIECE for k in range(1, 12)]  # each its own size, to tell them apart
+    for n in sizes:
+        alloc.allocate(n, "kv_cache")
+        time.sleep(0.002)
+    stop.set()
+    for t in readers:
+        t.join(10)
+    assert finder.pool is not None
+    for _ in range(3):  # what a look skipped while pinning ran, the next one takes
+        if finder.pool._pinning is not None:
+            finder.pool._pinning.join(10)
+        b.figures()
+    assert sorted(asked) == sizes  # every allocation pinned for, none twice
+    b.close()
+
+
 # --- orders of calls (each found by a review: the fake libcuda, as CUDA, refuses to map
 # a mapped range or unmap an unmapped one) ------------------------------------------------
 
@@ -308,6 +371,36 @@ def test_a_swap_in_that_waited_for_room_reports_its_copy_time_only(gpu: FakeGpu)
     b.swap_out(b.resident_bytes)
     r = b.swap_in()
     assert 0 <= r.seconds < 0.2  # the node refuses a negative time
+
+
+def test_vllms_sleep_is_not_held_up_by_a_swap_in_waiting_for_room(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    alloc.allocate(6 * PIECE, "kv_cache")
+    weights = put(w_va, 4 * PIECE, 12)
+    b.swap_out(b.resident_bytes)
+    waiting, free = threading.Event(), threading.Event()
+
+    def room_for(resident: int) -> float:
+        waiting.set()
+        assert free.wait(10)  # the node has no room yet
+        return 0.0
+
+    b.room_for = room_for  # type: ignore[method-assign]
+    swap_in = threading.Thread(target=b.swap_in)
+    swap_in.start()
+    assert waiting.wait(10)
+    slept = threading.Thread(target=alloc.sleep, kwargs={"offload_tags": ("weights",)})
+    slept.start()  # vLLM's /sleep meanwhile: it is vLLM's to wake from now on
+    slept.join(5)
+    assert not slept.is_alive()  # not behind the node's wait
+    free.set()
+    swap_in.join(10)
+    assert (b.resident_bytes, b.swapped_bytes) == (0, 10 * PIECE) and gpu.physical_bytes == 0
+    alloc.wake_up()
+    assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    b.close()
 
 
 def test_an_allocation_freed_while_asleep_is_forgotten(gpu: FakeGpu):

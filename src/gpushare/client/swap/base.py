@@ -54,6 +54,10 @@ class ForeignPool(Protocol):
     @property
     def discarded_bytes(self) -> int: ...
 
+    def figures(self) -> tuple[int, int, int]:
+        """The three above, read at once."""
+        ...
+
     def swap_out(self) -> SwapResult:
         """All of it, or nothing where it cannot."""
         ...
@@ -132,6 +136,11 @@ class SwapBackend(ABC):
         """Discardable memory dropped at a swap-out, made again (empty) at the next
         swap-in; a backend without discardable memory has none."""
         return 0
+
+    def figures(self) -> tuple[int, int, int]:
+        """Resident, swapped and discarded bytes, as a report sends them (one read where
+        a backend can do it in one)."""
+        return self.resident_bytes, self.swapped_bytes, self.discarded_bytes
 
     @abstractmethod
     def synchronize(self) -> None:

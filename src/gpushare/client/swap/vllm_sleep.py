@@ -28,6 +28,7 @@ made it, and used through the names vLLM gives it (:class:`CuMemAllocatorLike`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -143,6 +144,7 @@ class SleepModePool:
         self.prepin = prepin
         self._pinned: set[int] = set()  # addresses whose host memory was pinned ahead
         self._pinning: threading.Thread | None = None
+        self._looking = threading.Lock()
         self._lock = threading.RLock()
         # Address -> kept on the host (True) or dropped (False). A vLLM sleep before the
         # pool was made shows in its host copies (what it dropped then cannot be seen).
@@ -161,19 +163,42 @@ class SleepModePool:
     def _items(self) -> list[tuple[int, AllocationDataLike]]:
         return list(self.allocator.pointer_to_data.items())  # one C call under the GIL
 
+    def figures(self) -> tuple[int, int, int]:
+        """Resident, swapped (kept on the host) and discarded bytes, in one walk of
+        vLLM's list (a report reads all three)."""
+        with self._look() as pin:
+            items = self._items()
+            if pin:
+                self._pin_ahead(items)
+        held = [0, 0, 0]
+        for a, d in items:
+            out = self._out.get(a)
+            held[0 if out is None else 1 if out else 2] += _size(d)
+        return held[0], held[1], held[2]
+
     @property
     def resident_bytes(self) -> int:
-        items = self._items()
-        self._pin_ahead(items)
-        return sum(_size(d) for a, d in items if a not in self._out)
+        return self.figures()[0]
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(_size(d) for a, d in self._items() if self._out.get(a) is True)
+        return self.figures()[1]
 
     @property
     def discarded_bytes(self) -> int:
-        return sum(_size(d) for a, d in self._items() if self._out.get(a) is False)
+        return self.figures()[2]
+
+    @contextlib.contextmanager
+    def _look(self) -> Iterator[bool]:
+        """Whether this look pins ahead: one thread's at a time (two would pin the same
+        memory twice), its list taken within it (an older list would forget what a newer
+        one had pinned)."""
+        pin = self.prepin is not None and self._looking.acquire(blocking=False)
+        try:
+            yield pin
+        finally:
+            if pin:
+                self._looking.release()
 
     def _pin_ahead(self, items: list[tuple[int, AllocationDataLike]]) -> None:
         """Pin host memory for allocations new since the last look, off this thread."""
@@ -262,22 +287,28 @@ class SleepModePool:
     def swap_in(self, room: Callable[[int], float]) -> SwapResult:
         """Wake what gpushare put to sleep, once ``room`` allowed it (``room(bytes)``
         waits and returns the seconds waited). What vLLM put to sleep stays asleep:
-        vLLM wakes it, and its scheduler with it."""
-        with self._lock:
-            self._prune()
-            mine = {a: d for a, d in self._items() if a in self._ours}
-            if not mine:
-                return SwapResult(0, 0.0)
-            back = sum(_size(d) for d in mine.values())
-            t0 = time.perf_counter()
-            waited = room(back)
-            try:
-                self._call(self._wake, self._shown(set(mine)), tags=None)
-            except Exception as e:
-                self._woken(set(mine), done=False)
-                raise SwapError(f"vLLM's allocator could not wake: {e}") from e
-            self._woken(set(mine), done=True)
-            return SwapResult(back, max(0.0, time.perf_counter() - t0 - waited))
+        vLLM wakes it, and its scheduler with it. The wait is outside the lock, so a
+        sleep or wake of vLLM's meanwhile is not held up by the node (what is left to
+        wake is looked at again after it)."""
+        allowed = -1
+        while True:
+            with self._lock:
+                self._prune()
+                mine = {a: d for a, d in self._items() if a in self._ours}
+                if not mine:
+                    return SwapResult(0, 0.0)
+                back = sum(_size(d) for d in mine.values())
+                if back <= allowed:
+                    t0 = time.perf_counter()
+                    try:
+                        self._call(self._wake, self._shown(set(mine)), tags=None)
+                    except Exception as e:
+                        self._woken(set(mine), done=False)
+                        raise SwapError(f"vLLM's allocator could not wake: {e}") from e
+                    self._woken(set(mine), done=True)
+                    return SwapResult(back, time.perf_counter() - t0)
+            room(back)
+            allowed = back
 
     # --- vLLM's own sleep and wake ----------------------------------------------------
 

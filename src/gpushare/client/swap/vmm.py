@@ -408,24 +408,29 @@ class VmmBackend(SwapBackend):
         store.notify(notify_w)
         threading.Thread(target=self._watch, name="gpushare-alloc", daemon=True).start()
 
-    @property
-    def resident_bytes(self) -> int:
+    def figures(self) -> tuple[int, int, int]:
+        """Resident, swapped and discarded bytes: gpushare's own and the foreign pool's
+        (its list walked once)."""
         f = self.foreign()
+        own = self.store.resident, self.store.swapped, self.store.discarded
         if f is None:
-            return self.store.resident
-        own, other = self.store.resident, f.resident_bytes
-        theirs = other + f.swapped_bytes + f.discarded_bytes
-        held = own + self.store.swapped + self.store.discarded  # all the node counts
-        if held + theirs > self.limit and not self._over_said:
+            return own
+        theirs = f.figures()
+        if sum(own) + sum(theirs) > self.limit and not self._over_said:
             # Past the limit the node would refuse the session's figures (a release, a
             # swap's end) and the invariant could not hold: the process stops, saying why.
             self._over_said = True
             self.past_limit(
-                f"gpushare: error: vLLM's sleep-mode memory ({theirs} bytes) and gpushare's"
-                f" ({held}) pass this process's memory limit ({self.limit} bytes), and"
-                f" gpushare cannot refuse vLLM's allocations: stopped. {self.limit_fix()}"
+                f"gpushare: error: vLLM's sleep-mode memory ({sum(theirs)} bytes) and"
+                f" gpushare's ({sum(own)}) pass this process's memory limit ({self.limit}"
+                f" bytes), and gpushare cannot refuse vLLM's allocations: stopped."
+                f" {self.limit_fix()}"
             )
-        return own + other
+        return own[0] + theirs[0], own[1] + theirs[1], own[2] + theirs[2]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.figures()[0]
 
     def limit_fix(self) -> str:
         """The fix for a foreign pool past the limit, as a user would apply it."""
@@ -436,13 +441,11 @@ class VmmBackend(SwapBackend):
 
     @property
     def swapped_bytes(self) -> int:
-        f = self.foreign()
-        return self.store.swapped + (0 if f is None else f.swapped_bytes)
+        return self.figures()[1]
 
     @property
     def discarded_bytes(self) -> int:
-        f = self.foreign()
-        return self.store.discarded + (0 if f is None else f.discarded_bytes)
+        return self.figures()[2]
 
     def discardable(
         self, va: int, size: int, still: Callable[[], bool] | None = None
