@@ -10,6 +10,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
+# The PyTorch the tests run (no PyTorch test skips for want of it).
+TORCH ?= torch==2.13.0
 # One line per package as pip resolves it (no progress bars: they are noise in a log), and
 # a line every 15 s while it installs (the long silent part).
 PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip
@@ -35,18 +37,20 @@ $(STAMP): pyproject.toml src/gpushare/_version.py
 	status=$${PIPESTATUS[0]}; kill $$ticker 2>/dev/null; \
 	if [ $$status -ne 0 ]; then tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit $$status; fi; \
 	echo "make: pip finished in $$(( $$(date +%s) - start )) s"
-	@# PyTorch's CPU build for the `gpushare run` tests, from the wheel on disk where
-	@# there is one (a plain `pip install torch` would fetch a multi-GB CUDA build).
+	@# PyTorch for the `gpushare run`, compile and torch-backend tests: a CPU build's wheel
+	@# from $(TORCH_WHEELS) where one lies there, else $(TORCH) from PyPI (a CUDA build that
+	@# runs on the CPU: several GB, once per machine; pip's cache keeps it for later venvs).
 	@v=$$($(BIN)/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")'); \
 	w=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$v-*.whl 2>/dev/null | head -n 1); \
-	if [ -n "$$w" ]; then \
-	  echo "make: installing PyTorch's CPU build from $$w"; start=$$(date +%s); \
-	  ( while sleep 15; do echo "  ... $$(( $$(date +%s) - start )) s, still installing"; done ) & ticker=$$!; \
-	  $(PIP) install --progress-bar off "$$w" >> $(VENV)/pip.log 2>&1 \
-	    || { kill $$ticker; tail -n 30 $(VENV)/pip.log; echo "make: pip failed (full log: $(VENV)/pip.log)"; exit 1; }; \
-	  kill $$ticker 2>/dev/null; \
-	  echo "make: PyTorch installed in $$(( $$(date +%s) - start )) s"; \
-	else echo "make: no PyTorch CPU wheel in $(TORCH_WHEELS): the PyTorch tests will be skipped"; fi
+	what=$${w:-$(TORCH)}; \
+	echo "make: installing PyTorch ($$what$${w:+, a wheel on disk}$${w:-, from PyPI: several GB the first time})"; \
+	start=$$(date +%s); \
+	( while sleep 15; do echo "  ... $$(( $$(date +%s) - start )) s, still installing PyTorch"; done ) & ticker=$$!; \
+	$(PIP) install --progress-bar off "$$what" >> $(VENV)/pip.log 2>&1; status=$$?; \
+	kill $$ticker 2>/dev/null; \
+	if [ $$status -ne 0 ]; then tail -n 30 $(VENV)/pip.log; \
+	  echo "make: pip could not install $$what (full log: $(VENV)/pip.log; TORCH=... names another)"; exit 1; fi; \
+	echo "make: PyTorch $$($(BIN)/python -c 'import torch; print(torch.__version__)') installed in $$(( $$(date +%s) - start )) s"
 	touch $(STAMP)
 
 # Real servers the tests use, from Debian's packages: Prometheus (the exporter's
@@ -77,14 +81,15 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PYTEST)
 
-# The cluster suite's real servers (tests/cluster): kube-apiserver built once from
-# Debian's `kubernetes` source package (minutes) and etcd; and the node's image built from
-# deploy/Dockerfile with buildah on a Debian base. Both cached in ~/.cache/gpushare; where
-# they cannot be built (not root, no apt-get) the script says why and the tests skip.
+# The cluster suite's real servers (tests/cluster): etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kubelet built once from Go modules with the
+# machine's Go (minutes); and the node's image built from deploy/Dockerfile with buildah on
+# a Debian base. Both cached in ~/.cache/gpushare; where they cannot be built (no Go; not
+# root, no apt-get for the image) the script says why and the tests skip.
 # Each prints a line at least every 30 s through its long steps.
 .PHONY: cluster-deps image
 cluster-deps:
-	@bash tests/cluster/build-apiserver.sh >/dev/null || [ $$? = 3 ]
+	@bash tests/cluster/build-k8s.sh >/dev/null || [ $$? = 3 ]
 
 image: $(STAMP)
 	@PYTHON=$(BIN)/python bash deploy/build-image.sh >/dev/null || [ $$? = 3 ]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # `make test` (and so CI's .ci/run): lint, types, then the tests, with the cluster suite's
-# servers built beside them. The kube-apiserver (tests/cluster/build-apiserver.sh) and the
+# servers built beside them. The control plane (tests/cluster/build-k8s.sh) and the
 # node's image (deploy/build-image.sh) take minutes the first time and seconds once cached:
-# they build in the background, one after the other (both use apt), at nice 10, while
+# they build in the background, one after the other, at nice 10, while
 # lint, mypy and every test outside tests/cluster run; the cluster tests run once both
 # are built. A build that fails fails make test, with its last lines; one that cannot
-# run here (not root, no apt-get: exit 3) lets the tests that need it skip, saying why.
+# run here (no Go; not root, no apt-get: exit 3) lets the tests that need it skip, saying why.
 #
 #   BIN=.venv/bin PYTEST='.venv/bin/pytest -q' bash tests/make-test.sh   # as make test runs it
 set -uo pipefail
@@ -19,7 +19,7 @@ say() { echo "make test: $*"; }
 # its progress lines (a line at least every 30 s) on this terminal, prefixed by its name.
 # setsid: the builds are a process group of their own, ended with this script.
 setsid bash -c '
-  nice -n 10 bash tests/cluster/build-apiserver.sh >"$1/apiserver.out"; echo $? >"$1/apiserver.rc"
+  nice -n 10 bash tests/cluster/build-k8s.sh >"$1/k8s.out"; echo $? >"$1/k8s.rc"
   PYTHON="$2/python" nice -n 10 bash deploy/build-image.sh >"$1/image.out"; echo $? >"$1/image.rc"
 ' _ "$OUT" "$BIN" &
 builds=$!
@@ -30,7 +30,7 @@ for _ in $(seq 100); do
 done
 trap 'kill -- -"$builds" 2>/dev/null; rm -rf "$OUT"' EXIT
 trap 'exit 130' INT TERM
-say "building the cluster tests' kube-apiserver and image in the background (pid $builds)"
+say "building the cluster tests' control plane and image in the background (pid $builds)"
 
 # Lint and types fail at once, as make's prerequisites did.
 "${MAKE:-make}" --no-print-directory lint typecheck || exit 1
@@ -40,10 +40,10 @@ say "the tests that need no cluster server (${PYTEST[*]} --ignore=tests/cluster)
 "${PYTEST[@]}" --ignore=tests/cluster || failed+=("the tests outside tests/cluster")
 
 if [ ! -e "$OUT/image.rc" ]; then
-  say "waiting for the kube-apiserver and image builds to finish (their progress above)"
+  say "waiting for the control plane and image builds to finish (their progress above)"
 fi
 wait "$builds"
-for b in apiserver image; do
+for b in k8s image; do
   rc=$(cat "$OUT/$b.rc" 2>/dev/null || echo "none (the build was ended)")
   case "$rc" in
   0) say "$b: $(tail -n 1 "$OUT/$b.out")" ;;

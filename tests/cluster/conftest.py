@@ -1,6 +1,7 @@
-"""Fixtures for the cluster suite: one real kube-apiserver + etcd per test session, the
-manifests applied to it, and helpers that play the parts no process plays here (the
-scheduler binding a pod, the kubelet reporting its containers)."""
+"""Fixtures for the cluster suite: one real control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler) per test session, the manifests applied to it,
+and helpers that play the part no process plays here (the kubelet reporting its
+containers; most tests also bind their pods themselves, as the scheduler would)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.apiserver import NODE_SA, Cluster, run_build
-from tests.cluster.apiserver import build as build_apiserver
-from tests.support import REPO
+from tests.cluster.controlplane import NODE_SA, Cluster, free_port, run_build
+from tests.cluster.controlplane import build as build_k8s
+from tests.support import REPO, NodeProcess, sim
 
 K8S = REPO / "deploy" / "kubernetes"
 # The order a user follows (docs/kubernetes.md): the Prometheus Operator's CRD comes with
@@ -28,10 +32,10 @@ SERVICEMONITOR_CRD = Path(__file__).parent / "servicemonitor-crd.yaml"
 
 
 def built(what: str) -> str:
-    """The kube-apiserver binary or the image's name, as `make test` built them (make
-    cluster-deps, make image); skips, saying why, where there is none."""
-    if what == "apiserver":
-        path, why = build_apiserver()
+    """The control plane's binaries (their folder) or the image's name, as `make test`
+    built them (make cluster-deps, make image); skips, saying why, where there is none."""
+    if what == "k8s":
+        path, why = build_k8s()
     else:
         env = dict(os.environ, PYTHON=sys.executable)
         path, why = run_build(REPO / "deploy" / "build-image.sh", env)
@@ -42,9 +46,9 @@ def built(what: str) -> str:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    binary = Path(built("apiserver"))
+    bin = Path(built("k8s"))
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
-    c = Cluster(binary, d)
+    c = Cluster(bin, d)
     try:
         c.start()
         yield c
@@ -62,6 +66,9 @@ def image() -> str:
 def deployed(cluster: Cluster) -> Cluster:
     """The plain overlay applied, as a user installs gpushare."""
     cluster.kubectl("apply", "-k", str(K8S / "overlays" / "plain"))
+    # as docs/kubernetes.md says: a CRD serves its kind once it is Established
+    cluster.kubectl("wait", "--for=condition=established", "--timeout=60s",
+                    "crd/gpusharenodes.gpushare.io")  # fmt: skip
     return cluster
 
 
@@ -225,3 +232,90 @@ class PodProcess:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
+
+
+@dataclass
+class K8sNode:
+    node: NodeProcess
+    proc_root: Path
+    name: str  # the Kubernetes node it serves ($NODE_NAME)
+    daemon_pod: str  # its own pod there (what its token is bound to)
+    metrics_port: int
+    kube: Kube
+    workloads: list[PodProcess]
+
+    def pod(self, namespace: str, container: str = "trainer") -> tuple[str, str, str]:
+        """A pod on this node, its container running: (name, UID, container ID)."""
+        name, cid = unique("train"), container_id()
+        uid = self.kube.pod(namespace, name, self.name, container)
+        self.kube.running(namespace, name, container, cid)
+        return name, uid, cid
+
+    def session_in(self, namespace: str, pod: str, uid: str, cid: str) -> int:
+        w = PodProcess(self.proc_root, self.node.socket, pod)
+        self.workloads.append(w.start(uid, cid, namespace, pod))
+        return w.session
+
+    def session(self, sid: int) -> dict[str, Any]:
+        for g in self.node.status()["gpus"]:
+            for s in g["sessions"]:
+                if s["id"] == sid:
+                    return dict(s)
+        raise AssertionError(f"no session {sid}")
+
+    def names(self, sid: int) -> tuple[str, str, str, str]:
+        s = self.session(sid)
+        return s["namespace"], s["pod"], s["container"], s["identity_source"]
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        return [
+            (s.name, s.labels, s.value)
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        ]
+
+
+@pytest.fixture
+def k8s_node(
+    node_factory, short_tmp: Path, deployed: Cluster, kube: Kube, monkeypatch
+) -> Iterator[Any]:
+    made: list[K8sNode] = []
+
+    def make(server: str = "") -> K8sNode:
+        """A node whose API client has the DaemonSet's rights: its service account's
+        token, bound to a pod of its own on its node (as kubelet projects it into the
+        DaemonSet's pod), through ``server`` (default: the API server itself)."""
+        name = unique("gpu-node")
+        daemon_pod = unique("gpushare-node")
+        uid = kube.pod(NODE_SA[0], daemon_pod, name, "node", service_account=NODE_SA[1])
+        token = deployed.token_for(*NODE_SA, pod={"name": daemon_pod, "uid": uid})
+        kc = short_tmp / "node.kubeconfig"
+        kc.write_text(json.dumps(deployed.config_for(NODE_SA[1], token, server)))
+        monkeypatch.setenv("KUBECONFIG", str(kc))
+        monkeypatch.setenv("NODE_NAME", name)
+        for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+            monkeypatch.delenv(k, raising=False)  # else the client takes the in-cluster config
+        proc = short_tmp / "proc"
+        proc.mkdir()
+        port = free_port()
+        n = node_factory(
+            *sim("4GiB"),
+            "--kubernetes",
+            "--proc-root",
+            str(proc),
+            "--metrics-port",
+            str(port),
+            "--metrics-address",
+            "127.0.0.1",
+        )
+        k = K8sNode(n, proc, name, daemon_pod, port, kube, [])
+        made.append(k)
+        return k
+
+    yield make
+    for k in made:
+        for w in k.workloads:
+            w.stop()

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from gpushare.tools.admin import AdminClient
-from tests.cluster.apiserver import NODE_SA, Cluster, kubectl_path
 from tests.cluster.conftest import Kube, PodProcess, container_id, unique
+from tests.cluster.controlplane import NODE_SA, Cluster, kubectl_path
 from tests.support import REPO, NodeProcess, sim, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -239,7 +239,20 @@ def test_gpusharenode_bad_spec_value_refused_and_settings_kept(two: Two):
     one = two.nodes[0]
     wait_until(lambda: status_of(two, one.name).get("conditions"), timeout=30, what="conditions")
     kept = one.tqs()
-    two.show("patch", "gsn", one.name, "--type=merge", "-p", '{"spec": {"mode": "fastest"}}')
+    # What the schema can judge, the server refuses at once (the CRD's CEL rules), naming
+    # the field; nothing is stored.
+    gen = two.obj(one.name)["metadata"]["generation"]
+    for patch, said in [
+        ('{"spec": {"mode": "fastest"}}', "mode must be auto or exclusive"),
+        ('{"spec": {"tq": 0}}', "tq must be 0.05 to 86400 seconds"),
+        ('{"spec": {"gpu": {"x": {"tq": 5}}}}', "gpu keys are GPU indexes"),
+        ('{"spec": {"gpu": {"0": {"escalation": "shout"}}}}', "escalation must be"),
+    ]:
+        r = two.show("patch", "gsn", one.name, "--type=merge", "-p", patch, check=False)
+        assert r.returncode != 0 and said in r.stderr, (patch, r.stderr)
+    assert two.obj(one.name)["metadata"]["generation"] == gen
+    # What only the node can judge (its GPUs), the node refuses, in the status and an Event.
+    two.show("patch", "gsn", one.name, "--type=merge", "-p", '{"spec": {"gpu": {"7": {"tq": 5}}}}')
 
     def refused() -> dict[str, Any] | None:
         st = status_of(two, one.name)
@@ -248,20 +261,20 @@ def test_gpusharenode_bad_spec_value_refused_and_settings_kept(two: Two):
         return c if c.get("observedGeneration") == gen and c.get("status") == "False" else None
 
     c = wait_until(refused, timeout=30, what="the refusal in the status")
-    assert c["reason"] == "Refused" and "mode must be one of auto, exclusive" in c["message"]
+    assert c["reason"] == "Refused" and "spec.gpu.7: no GPU 7 on this node" in c["message"]
     assert one.tqs() == kept and {g["mode"] for g in one.node.status()["gpus"]} == {"auto"}
     events = two.show(
         "get", "events", "-n", "default", "--field-selector",
         f"involvedObject.name={one.name},reason=SettingsRefused",
     ).stdout  # fmt: skip
-    assert "mode must be one of" in events
+    assert "no GPU 7 on this node" in events
     # the node's own event stream says so too (config_refused, from this source)
     with AdminClient(one.node.admin) as a:
         recs = [e for e in a.events() if e and e.get("event") == "config_refused"]
     assert recs and recs[-1]["source"] == f"GPUShareNode {one.name}"
     # the plugin reports the node's reason for a value only the node can judge
     two.kubectl("patch", "gsn", one.name, "--type=json", "-p",
-                '[{"op": "remove", "path": "/spec/mode"}]')  # fmt: skip
+                '[{"op": "remove", "path": "/spec/gpu"}]')  # fmt: skip
     r = two.show("gpushare", "tq", "5", "--node", one.name, "--gpu", "1")
     assert r.returncode == 0 and one.tqs()[1] == 5.0
 
@@ -303,7 +316,7 @@ def test_plugin_without_the_crd_names_the_fix(deployed: Cluster):
     from tests.cluster.conftest import built
 
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
-    c = Cluster(Path(built("apiserver")), d)
+    c = Cluster(Path(built("k8s")), d)
     try:
         c.start()
         env = dict(os.environ, KUBECONFIG=str(c.kubeconfig))
@@ -323,7 +336,7 @@ def test_gpusharenode_node_runs_on_without_the_crd(short_tmp: Path):
     from tests.cluster.conftest import built
 
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
-    c = Cluster(Path(built("apiserver")), d)
+    c = Cluster(Path(built("k8s")), d)
     n = None
     saved = os.environ.get("KUBECONFIG")
     try:

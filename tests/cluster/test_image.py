@@ -27,8 +27,8 @@ import yaml
 
 from gpushare._version import __version__
 from gpushare.tools.admin import AdminClient
-from tests.cluster.apiserver import NODE_SA, Cluster, die_with_parent, free_port
 from tests.cluster.conftest import K8S, Kube, unique
+from tests.cluster.controlplane import NODE_SA, Cluster, die_with_parent, free_port
 from tests.support import REPO, wait_until
 
 pytestmark = pytest.mark.cluster

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.apiserver import Cluster
 from tests.cluster.conftest import K8S, SERVICEMONITOR_CRD, built
+from tests.cluster.controlplane import Cluster
 from tests.support import REPO
 
 EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.cluster
 def fresh() -> Iterator[Cluster]:
     """A cluster of its own: nothing applied yet."""
     d = Path(tempfile.mkdtemp(prefix="gs-k8s-"))
-    c = Cluster(Path(built("apiserver")), d)
+    c = Cluster(Path(built("k8s")), d)
     try:
         yield c.start()
     finally:

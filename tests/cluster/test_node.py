@@ -7,111 +7,18 @@ GPUShareNode's included: tests/cluster/test_gpusharenode.py tests the object its
 
 from __future__ import annotations
 
-import json
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.apiserver import NODE_SA, Cluster, free_port
-from tests.cluster.conftest import K8S, Kube, PodProcess, container_id, unique
+from tests.cluster.conftest import K8S, K8sNode, Kube, container_id, unique
+from tests.cluster.controlplane import NODE_SA, Cluster
 from tests.cluster.proxy import TcpProxy
-from tests.support import NodeProcess, sim, wait_until
+from tests.support import wait_until
 
 pytestmark = pytest.mark.cluster
 SA_USER = f"system:serviceaccount:{NODE_SA[0]}:{NODE_SA[1]}"
-
-
-@dataclass
-class K8sNode:
-    node: NodeProcess
-    proc_root: Path
-    name: str  # the Kubernetes node it serves ($NODE_NAME)
-    daemon_pod: str  # its own pod there (what its token is bound to)
-    metrics_port: int
-    kube: Kube
-    workloads: list[PodProcess]
-
-    def pod(self, namespace: str, container: str = "trainer") -> tuple[str, str, str]:
-        """A pod on this node, its container running: (name, UID, container ID)."""
-        name, cid = unique("train"), container_id()
-        uid = self.kube.pod(namespace, name, self.name, container)
-        self.kube.running(namespace, name, container, cid)
-        return name, uid, cid
-
-    def session_in(self, namespace: str, pod: str, uid: str, cid: str) -> int:
-        w = PodProcess(self.proc_root, self.node.socket, pod)
-        self.workloads.append(w.start(uid, cid, namespace, pod))
-        return w.session
-
-    def session(self, sid: int) -> dict[str, Any]:
-        for g in self.node.status()["gpus"]:
-            for s in g["sessions"]:
-                if s["id"] == sid:
-                    return dict(s)
-        raise AssertionError(f"no session {sid}")
-
-    def names(self, sid: int) -> tuple[str, str, str, str]:
-        s = self.session(sid)
-        return s["namespace"], s["pod"], s["container"], s["identity_source"]
-
-    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            text = r.read().decode()
-        return [
-            (s.name, s.labels, s.value)
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-        ]
-
-
-@pytest.fixture
-def k8s_node(
-    node_factory, short_tmp: Path, deployed: Cluster, kube: Kube, monkeypatch
-) -> Iterator[Any]:
-    made: list[K8sNode] = []
-
-    def make(server: str = "") -> K8sNode:
-        """A node whose API client has the DaemonSet's rights: its service account's
-        token, bound to a pod of its own on its node (as kubelet projects it into the
-        DaemonSet's pod), through ``server`` (default: the API server itself)."""
-        name = unique("gpu-node")
-        daemon_pod = unique("gpushare-node")
-        uid = kube.pod(NODE_SA[0], daemon_pod, name, "node", service_account=NODE_SA[1])
-        token = deployed.token_for(*NODE_SA, pod={"name": daemon_pod, "uid": uid})
-        kc = short_tmp / "node.kubeconfig"
-        kc.write_text(json.dumps(deployed.config_for(NODE_SA[1], token, server)))
-        monkeypatch.setenv("KUBECONFIG", str(kc))
-        monkeypatch.setenv("NODE_NAME", name)
-        for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
-            monkeypatch.delenv(k, raising=False)  # else the client takes the in-cluster config
-        proc = short_tmp / "proc"
-        proc.mkdir()
-        port = free_port()
-        n = node_factory(
-            *sim("4GiB"),
-            "--kubernetes",
-            "--proc-root",
-            str(proc),
-            "--metrics-port",
-            str(port),
-            "--metrics-address",
-            "127.0.0.1",
-        )
-        k = K8sNode(n, proc, name, daemon_pod, port, kube, [])
-        made.append(k)
-        return k
-
-    yield make
-    for k in made:
-        for w in k.workloads:
-            w.stop()
 
 
 def node_log(k: K8sNode) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from gpushare.node.k8s import KubernetesApi, PodCache, PodWatcher
-from tests.cluster.apiserver import NODE_SA, Cluster
 from tests.cluster.conftest import Kube, container_id, unique
+from tests.cluster.controlplane import NODE_SA, Cluster
 from tests.cluster.proxy import TcpProxy
 from tests.support import wait_until
 

@@ -116,6 +116,26 @@ def test_gpusharenode_crd_printer_columns_name_status_fields():
             obj = obj[part]
 
 
+def test_gpusharenode_crd_rules_refuse_what_the_settings_refuse():
+    """The CRD's CEL rules (the server refuses a bad spec at `kubectl apply`) say what
+    gpushare.settings says: the same TQ bounds and choices, node-wide and per GPU
+    (tests/cluster/test_crd.py shows the server applying them)."""
+    from gpushare import settings
+
+    (crd,) = [o for o in render("plain") if o["kind"] == "CustomResourceDefinition"]
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    per_gpu = spec["properties"]["gpu"]["additionalProperties"]["properties"]
+    choices = {"mode": settings.MODES, "policy": settings.POLICIES,
+               "escalation": settings.ESCALATIONS}  # fmt: skip
+    for props in (spec["properties"], per_gpu):
+        (tq,) = props["tq"]["x-kubernetes-validations"]
+        assert tq["rule"] == f"self >= {settings.TQ_MIN_S} && self <= {settings.TQ_MAX_S}"
+        for key, allowed in choices.items():
+            (rule,) = props[key]["x-kubernetes-validations"]
+            assert rule["rule"] == f"self in {list(allowed)}", key
+            assert all(a in rule["message"] for a in allowed)
+
+
 @pytest.mark.parametrize("overlay", ["plain", "kai"])
 def test_configmap_is_a_valid_node_config(overlay):
     cm = by_kind(render(overlay))["ConfigMap"]

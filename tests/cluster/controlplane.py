@@ -1,14 +1,16 @@
-"""A real Kubernetes API server on loopback for the tests: etcd and kube-apiserver as child
-processes, on free ports, in a directory of their own, torn down afterwards.
+"""A real Kubernetes control plane on loopback for the tests: etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler as child processes, on free ports, in a
+directory of their own, torn down afterwards.
 
-The binary comes from ``tests/cluster/build-apiserver.sh`` (built once from Debian's
-source package, cached under ~/.cache/gpushare/k8s). The server authenticates an admin by
-a static token (``system:masters``) and service accounts by the tokens it signs; it
-authorizes with RBAC, as clusters do. There is no kubelet, scheduler or controller
-manager: pods bound to a node stay Pending, DaemonSets get no pods, service accounts get
-no token secrets (tokens come from the TokenRequest API, as kubelet's projected tokens
-do). An audit log records every request made with the node's service account, so tests
-can see which calls the node really makes.
+The binaries come from ``tests/cluster/build-k8s.sh`` (built once from Go modules, cached
+under ~/.cache/gpushare/k8s). The server authenticates an admin by a static token
+(``system:masters``) and service accounts by the tokens it signs; it authorizes with RBAC,
+as clusters do. The controller manager runs the controllers that need no kubelet or
+cloud (DaemonSets make pods, the garbage collector and the namespace controller clean
+up, ResourceClaims are made from templates); the scheduler binds pods to the Node objects
+a test makes. There is no kubelet: a pod bound to a node stays Pending until a test
+writes its status as the kubelet would. An audit log records every request made with the
+node's service account, so tests can see which calls the node really makes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from tests.support import REPO
 
-BUILD = REPO / "tests" / "cluster" / "build-apiserver.sh"
+BUILD = REPO / "tests" / "cluster" / "build-k8s.sh"
 NODE_SA = ("gpushare-system", "gpushare-node")  # the manifests' service account
 CANNOT_BUILD = 3  # the build scripts' exit status where they cannot build (not root, no apt)
 NOT_BUILT = 4  # ... and with --cached, where it is not built (or out of date)
@@ -75,9 +77,10 @@ def run_build(script: Path, env: dict[str, str] | None = None) -> tuple[str, str
 
 
 def build() -> tuple[str, str]:
-    """The kube-apiserver binary, or why there is none. ``GPUSHARE_KUBE_APISERVER`` names
-    another binary to use (a newer release, say)."""
-    own = os.environ.get("GPUSHARE_KUBE_APISERVER")
+    """The folder of the control plane's binaries (kube-apiserver, kube-controller-manager,
+    kube-scheduler, kubelet, etcd), or why there is none. ``GPUSHARE_K8S_BIN`` names
+    another folder with the same binaries (another release, say)."""
+    own = os.environ.get("GPUSHARE_K8S_BIN")
     return (own, "") if own else run_build(BUILD)
 
 
@@ -100,11 +103,38 @@ def _kubeconfig(server: str, ca: Path, user: str, token: str) -> dict[str, Any]:
     }
 
 
-class Cluster:
-    """etcd + kube-apiserver under ``dir``; ``start()``, ``stop()``, ``restart_apiserver()``."""
+# The controller manager's controllers: those that need neither a kubelet nor a cloud.
+# Left out: node lifecycle and taint eviction (no kubelet renews a Node's lease: they
+# would taint and evict), pod GC (it deletes pods bound to a node that has no Node object,
+# as most tests' pods are), and the cloud, IPAM, volume and certificate controllers.
+CONTROLLERS = ",".join(
+    f"{c}-controller"
+    for c in [
+        "daemonset",
+        "deployment",
+        "replicaset",
+        "statefulset",
+        "job",
+        "garbage-collector",
+        "namespace",
+        "serviceaccount",
+        "serviceaccount-token",
+        "root-ca-certificate-publisher",
+        "resourceclaim",
+        "endpointslice",
+        "endpointslice-mirroring",
+        "clusterrole-aggregation",
+    ]
+)
 
-    def __init__(self, binary: Path, dir: Path) -> None:
-        self.binary, self.dir = binary, dir
+
+class Cluster:
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler under ``dir``;
+    ``start()``, ``stop()``, ``restart_apiserver()``. ``bin`` holds the binaries."""
+
+    def __init__(self, bin: Path, dir: Path) -> None:
+        self.bin, self.dir = bin, dir
+        self.binary = bin / "kube-apiserver"
         self.certs = dir / "certs"
         self.etcd_dir = dir / "etcd"
         self.audit_log = dir / "audit.jsonl"
@@ -112,6 +142,8 @@ class Cluster:
         self.port = 0
         self.etcd: subprocess.Popen[bytes] | None = None
         self.apiserver: subprocess.Popen[bytes] | None = None
+        self.controllers: subprocess.Popen[bytes] | None = None
+        self.scheduler: subprocess.Popen[bytes] | None = None
         self.kubeconfig = dir / "admin.kubeconfig"
 
     # --- lifecycle -----------------------------------------------------------------
@@ -145,7 +177,58 @@ class Cluster:
                 if attempt == 2:
                     raise
         self.kubeconfig.write_text(json.dumps(self.config_for("admin", self.admin_token)))
+        self._start_controllers()
+        self._start_scheduler()
         return self
+
+    def _start_controllers(self) -> None:
+        port = free_port()
+        args = [
+            str(self.bin / "kube-controller-manager"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--controllers={CONTROLLERS}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={self.dir / 'kcm-certs'}",
+            f"--service-account-private-key-file={self.dir / 'sa.key'}",
+            f"--root-ca-file={self.ca}",
+            "--use-service-account-credentials=false",
+            "--concurrent-gc-syncs=2",
+            "--v=1",
+        ]
+        self.controllers = self._spawn(args, "kube-controller-manager")
+        self._wait(
+            self.controllers,
+            "kube-controller-manager",
+            self.dir / "kube-controller-manager.log",
+            lambda: _healthy(port),
+        )
+
+    def _start_scheduler(self) -> None:
+        port = free_port()
+        args = [
+            str(self.bin / "kube-scheduler"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={self.dir / 'scheduler-certs'}",
+            "--v=1",
+        ]
+        self.scheduler = self._spawn(args, "kube-scheduler")
+        self._wait(
+            self.scheduler,
+            "kube-scheduler",
+            self.dir / "kube-scheduler.log",
+            lambda: _healthy(port),
+        )
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        with open(self.dir / f"{name}.log", "ab") as log:
+            return subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=die_with_parent)
 
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()
@@ -154,7 +237,7 @@ class Cluster:
         with open(self.dir / "etcd.log", "ab") as log:
             self.etcd = subprocess.Popen(
                 [
-                    "etcd",
+                    str(self.bin / "etcd"),
                     "--name=test",
                     f"--data-dir={self.etcd_dir}",
                     f"--listen-client-urls={self.etcd_url}",
@@ -204,8 +287,6 @@ class Cluster:
             "--profiling=false",
             "--v=1",
         ]
-        if self.minor() < 24:
-            args.append("--insecure-port=0")  # before 1.24 it opens :8080 unless told not to
         with open(d / "apiserver.log", "ab") as log:
             self.apiserver = subprocess.Popen(
                 args, stdout=log, stderr=log, preexec_fn=die_with_parent
@@ -213,8 +294,7 @@ class Cluster:
         self._wait(self.apiserver, "kube-apiserver", d / "apiserver.log", self.ready)
 
     def minor(self) -> int:
-        """The binary's minor version (1.20 from the build; another with
-        GPUSHARE_KUBE_APISERVER)."""
+        """The binary's minor version (37 from the build; another with GPUSHARE_K8S_BIN)."""
         if not hasattr(self, "_minor"):
             out = subprocess.run(
                 [str(self.binary), "--version"], capture_output=True, text=True, timeout=60
@@ -254,6 +334,8 @@ class Cluster:
         self.start_apiserver()
 
     def stop(self) -> None:
+        _stop(self.scheduler, grace=1.0)
+        _stop(self.controllers, grace=1.0)
         _stop(self.apiserver, grace=1.0)  # the end: no need to let watches finish
         _stop(self.etcd)
 
@@ -288,8 +370,17 @@ class Cluster:
                 "Content-Type": content_type,
             },
         )
-        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-            text = r.read().decode()
+        for attempt in range(20):
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+                    text = r.read().decode()
+                break
+            except urllib.error.HTTPError as e:
+                # 429 with Retry-After: the server is not ready for this yet (a CRD's
+                # storage just after it is made); clients wait and retry, as client-go does.
+                if e.code != 429 or attempt == 19:
+                    raise
+                time.sleep(min(float(e.headers.get("Retry-After") or 1), 5.0))
         try:
             out: dict[str, Any] = json.loads(text)
         except ValueError:
@@ -349,6 +440,18 @@ class Cluster:
             if ev.get("user", {}).get("username") == username:
                 out.append(ev)
         return out
+
+
+def _healthy(port: int) -> bool:
+    """A controller manager's or scheduler's /healthz (its own self-signed certificate:
+    not checked, it is ours on loopback)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=2):
+            return True
+    except (OSError, urllib.error.HTTPError, ssl.SSLError):
+        return False
 
 
 def die_with_parent() -> None:
