@@ -767,9 +767,9 @@ def _ctl(args: argparse.Namespace) -> int:
 
 def _node(args: argparse.Namespace) -> int:
 
-    from gpushare.node.config import ConfigError, load
     from gpushare.node.daemon import Node
-    from gpushare.node.gpus import find_gpus, simulated_gpus
+    from gpushare.node.host.gpus import find_gpus, simulated_gpus
+    from gpushare.node.keep.config import ConfigError, load
     from gpushare.units import format_size
 
     logging.basicConfig(
