@@ -14,7 +14,7 @@ import pytest
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import load
-from gpushare.node.kube.gpusharenode import status_body
+from gpushare.node.kube.node_status import status_body
 from gpushare.tools.kubectl_gpushare import PluginError, age, pod_ref, status_table, top_table
 
 

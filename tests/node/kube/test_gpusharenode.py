@@ -20,7 +20,9 @@ from gpushare import protocol as p
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import load
-from gpushare.node.kube.gpusharenode import Absent, NodeObject, desired, shape, status_body
+from gpushare.node.kube.gpusharenode import NodeObject
+from gpushare.node.kube.node_api import Absent
+from gpushare.node.kube.node_status import desired, shape, status_body
 from gpushare.settings import SettingsError
 
 G = 2**30

@@ -23,7 +23,9 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import NodeConfig
-from gpushare.node.observe.metrics import _SESSIONS, CONTENT_TYPE, Exposition, bind, serve_on, value
+from gpushare.node.observe.metric_tables import _SESSIONS, value
+from gpushare.node.observe.metrics import Exposition
+from gpushare.node.observe.metrics_http import CONTENT_TYPE, bind, serve_on
 from gpushare.status import NodeStatus, SessionStatus, WorkloadStatus
 from tests.node.observe import exporter_before
 
@@ -252,7 +254,7 @@ def test_random_values_are_written_as_prometheus_client_writes_them():
 def test_served_plain_and_gzipped_as_prometheus_client_served_it():
     node, _ = scripted_node()
     exp = Exposition()
-    # The exporter process's server (metrics.serve_on), on a thread of this process.
+    # The exporter process's server (metrics_http.serve_on), on a thread of this process.
     server = serve_on(bind(0, "127.0.0.1"), lambda: exp.render(node.status()))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_port

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import gpushare
 from gpushare.node.observe.exporter import Snapshots
 from gpushare.node.observe.exporter_process import ASK, HEADER, Link
-from gpushare.node.observe.metrics import CONTENT_TYPE
+from gpushare.node.observe.metrics_http import CONTENT_TYPE
 from gpushare.status import NodeInfo, NodeStatus
 from tests.node.observe.test_metrics import free_port
 from tests.node.test_faults import proc_state
@@ -334,10 +334,10 @@ def test_half_sent_requests_are_bounded_and_timed_out(monkeypatch):
     # Issue 24: the exporter had no connection timeout: 4,000 half-sent requests held
     # 4,002 threads. Now at most MAX_CONNECTIONS are served at once and each is closed
     # when it sends nothing for HTTP_TIMEOUT_S.
-    from gpushare.node.observe import metrics
+    from gpushare.node.observe import metrics_http
 
-    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 1.0)
-    server = metrics.serve_on(metrics.bind(0, "127.0.0.1"), lambda: b"up 1\n")
+    monkeypatch.setattr(metrics_http, "HTTP_TIMEOUT_S", 1.0)
+    server = metrics_http.serve_on(metrics_http.bind(0, "127.0.0.1"), lambda: b"up 1\n")
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     before = threading.active_count()
@@ -348,9 +348,9 @@ def test_half_sent_requests_are_bounded_and_timed_out(monkeypatch):
             c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the end
             held.append(c)
         time.sleep(0.3)
-        assert threading.active_count() - before <= metrics.MAX_CONNECTIONS + 2
+        assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS + 2
         for c in held:  # each closed by the server within a few timeouts
-            c.settimeout(10 * metrics.HTTP_TIMEOUT_S)
+            c.settimeout(10 * metrics_http.HTTP_TIMEOUT_S)
             with contextlib.suppress(ConnectionResetError):
                 assert c.recv(1024) == b""
         wait_until(lambda: threading.active_count() - before <= 2, timeout=20, what="threads")

@@ -19,8 +19,10 @@ applies.
 Where the CRD is not installed, or the node's role lacks a right, the node says so once
 and goes on without its object, looking again every ``absent_retry`` seconds.
 
-The pure parts (the status' body, the spec's reading) are functions; :class:`NodeObject`
-runs them on the node's loop, its API calls on threads (the official client blocks).
+The pure parts (the status' body, the spec's reading) are functions in
+:mod:`~gpushare.node.kube.node_status`, the API is :mod:`~gpushare.node.kube.node_api`;
+:class:`NodeObject` runs them on the node's loop, its API calls on threads (the official
+client blocks).
 """
 
 from __future__ import annotations
@@ -30,327 +32,31 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from gpushare import protocol as p
-from gpushare._version import __version__
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.clock import Clock
 from gpushare.node.host.clock import SystemClock, now_rfc3339
 from gpushare.node.keep.events import EventBus
-from gpushare.settings import Change, SettingsError, validate
-from gpushare.status import NodeStatus, SessionStatus
-from gpushare.units import format_size
+from gpushare.node.kube.node_api import Absent, KubernetesObjects, ObjectApi
+from gpushare.node.kube.node_status import (
+    API_VERSION,
+    EVENTS_NAMESPACE,
+    KIND,
+    condition,
+    desired,
+    shape,
+    status_body,
+)
+from gpushare.settings import Change, SettingsError
+from gpushare.status import NodeStatus
 
 log = logging.getLogger("gpushare.node.gpusharenode")
 
-GROUP, VERSION, PLURAL, KIND = "gpushare.io", "v1alpha1", "gpusharenodes", "GPUShareNode"
-CRD = f"{PLURAL}.{GROUP}"
-API_VERSION = f"{GROUP}/{VERSION}"
-CONDITION = "SettingsApplied"
-SPEC_KEYS = {"tq": "tq_s", "mode": "mode", "policy": "policy", "escalation": "escalation"}
-MAX_SESSIONS = 256  # per object: a status stays well under etcd's object size
-EVENTS_NAMESPACE = "default"  # where Events about a cluster-scoped object go (as a Node's)
 # What changes the status' shape (written at once, rate-bounded) rather than its figures.
 SHAPE_EVENTS = {"attach", "detach", "grant", "revoke", "release", "config", "escalate"}
-
-
-def _joined(values: Sequence[object]) -> str:
-    """One value where all GPUs agree, else each GPU's, comma-separated."""
-    texts = [str(v) for v in values]
-    return texts[0] if len(set(texts)) == 1 else ",".join(texts)
-
-
-def _tq(v: float) -> str:
-    return f"{v:g}s"
-
-
-def session_entry(gpu: int, s: SessionStatus) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "gpu": gpu,
-        "id": s.id,
-        "name": s.name,
-        "namespace": s.namespace,
-        "pod": s.pod,
-        "container": s.container,
-        "state": s.state,
-        "frozen": s.frozen,
-        "memoryLimitBytes": s.memory_limit_bytes,
-        "memoryLimit": format_size(s.memory_limit_bytes),
-        "residentBytes": s.resident_bytes,
-        "swappedBytes": s.swapped_bytes,
-        "leaseSeconds": round(s.lease_seconds_total, 3),
-        "waitSeconds": round(s.wait_seconds_total, 3),
-    }
-    if s.weight_source not in ("", "default"):  # the pod's GPU request: its fraction
-        out["fraction"] = s.weight
-        out["fractionSource"] = s.weight_source
-    if s.pod_uid:
-        out["podUID"] = s.pod_uid
-    return out
-
-
-def status_body(
-    node: str,
-    st: NodeStatus,
-    conditions: Sequence[Mapping[str, Any]],
-    observed_generation: int,
-    wall: float,
-) -> dict[str, Any]:
-    """The object's ``status``, from the node's snapshot (plain JSON types)."""
-    gpus = [
-        {
-            "index": g.index,
-            "model": g.name,
-            "uuid": g.uuid,
-            "simulated": g.simulated,
-            "memoryBytes": g.memory_bytes,
-            "memory": format_size(g.memory_bytes),
-            "usableBytes": g.usable_bytes,
-            "usedBytes": g.used_bytes,
-            "tq": g.tq_s,
-            "mode": g.mode,
-            "policy": g.policy,
-            "escalation": g.escalation,
-            "holders": list(g.holders),
-            "queue": list(g.queue),
-            "recovering": g.recovering,
-        }
-        for g in st.gpus
-    ]
-    sessions = [session_entry(g.index, s) for g in st.gpus for s in g.sessions]
-    sessions.sort(key=lambda s: (s["namespace"], s["pod"], s["container"], s["gpu"], s["id"]))
-    omitted = max(0, len(sessions) - MAX_SESSIONS) + sum(g.sessions_omitted for g in st.gpus)
-    sessions = sessions[:MAX_SESSIONS]
-    swapped = sum(s.swapped_bytes for g in st.gpus for s in g.sessions)
-    models = [("[simulated] " if g.simulated else "") + g.name for g in st.gpus]
-    summary = {
-        "gpus": len(st.gpus),
-        "tq": _joined([_tq(g.tq_s) for g in st.gpus]),
-        "mode": _joined([g.mode for g in st.gpus]),
-        "policy": _joined([g.policy for g in st.gpus]),
-        "escalation": _joined([g.escalation for g in st.gpus]),
-        "holders": sum(len(g.holders) for g in st.gpus),
-        "waiting": sum(len(g.queue) for g in st.gpus),
-        "sessions": sum(len(g.sessions) + g.sessions_omitted for g in st.gpus),
-        "swappedBytes": swapped,
-        "model": _joined(models),
-        "memory": _joined([format_size(g.memory_bytes) for g in st.gpus]),
-        "simulated": any(g.simulated for g in st.gpus),
-    }
-    summary["swapped"] = format_size(swapped)
-    return {
-        "node": node,
-        "version": __version__,
-        "pid": st.node.pid,
-        "updated": now_rfc3339(wall),
-        "observedGeneration": observed_generation,
-        "summary": summary,
-        "gpus": gpus,
-        "sessions": sessions,
-        "sessionsOmitted": omitted,
-        "conditions": [dict(c) for c in conditions],
-    }
-
-
-_FIGURES = {
-    "updated",
-    "leaseSeconds",
-    "waitSeconds",
-    "residentBytes",
-    "swappedBytes",
-    "swapped",
-    "usedBytes",
-    "pid",
-}
-
-
-def shape(body: Mapping[str, Any]) -> str:
-    """The body without its running figures: what, changed, is written at once."""
-
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in _FIGURES}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    return json.dumps(strip(body), sort_keys=True)
-
-
-def desired(spec: Mapping[str, Any] | None, ngpus: int) -> list[Change]:
-    """Each GPU's settings as the spec sets them (only the keys it sets), every value
-    checked by the one validation (:func:`gpushare.settings.validate`); the first bad
-    one raises :class:`SettingsError` naming the field and why, and nothing is to apply."""
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - {*SPEC_KEYS, "gpu"})
-    if unknown:
-        raise SettingsError(f"spec.{unknown[0]}: not a setting (tq, mode, policy, escalation, gpu)")
-    top = {SPEC_KEYS[k]: v for k, v in spec.items() if k in SPEC_KEYS}
-    per_gpu = spec.get("gpu") or {}
-    if not isinstance(per_gpu, Mapping):
-        raise SettingsError("spec.gpu must map GPU indexes to settings (gpu: {'0': {tq: 20}})")
-    over: dict[int, dict[str, Any]] = {}
-    for key, values in per_gpu.items():
-        try:
-            index = int(key)
-        except ValueError:
-            raise SettingsError(f"spec.gpu.{key}: not a GPU index (0..{ngpus - 1})") from None
-        if not 0 <= index < ngpus:
-            raise SettingsError(
-                f"spec.gpu.{key}: no GPU {index} on this node (it has {ngpus}: 0..{ngpus - 1})"
-            )
-        values = dict(values or {})
-        bad = sorted(set(values) - set(SPEC_KEYS))
-        if bad:
-            raise SettingsError(
-                f"spec.gpu.{key}.{bad[0]}: not a setting (tq, mode, policy, escalation)"
-            )
-        over[index] = {SPEC_KEYS[k]: v for k, v in values.items()}
-    out: list[Change] = []
-    for i in range(ngpus):
-        merged = {**top, **over.get(i, {})}
-        where = f"spec.gpu.{i}" if i in over else "spec"
-        try:
-            out.append(validate(**merged))
-        except SettingsError as e:
-            raise SettingsError(f"{where}: {e}") from None
-    return out
-
-
-def condition(ok: bool, reason: str, message: str, generation: int, wall: float) -> dict[str, Any]:
-    return {
-        "type": CONDITION,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": now_rfc3339(wall),
-    }
-
-
-class Absent(Exception):
-    """The API has no such kind (the CRD is not installed) or refuses this node's role."""
-
-
-class ObjectApi(Protocol):
-    def get(self, name: str) -> dict[str, Any] | None: ...
-    def create(self, name: str) -> dict[str, Any]: ...
-    def patch_status(self, name: str, status: Mapping[str, Any]) -> dict[str, Any]: ...
-    def event(self, namespace: str, body: Mapping[str, Any]) -> None: ...
-    def watch(self, name: str) -> Iterator[tuple[str, dict[str, Any]]]: ...
-
-
-class KubernetesObjects:
-    """:class:`ObjectApi` through the official client (in-cluster, else KUBECONFIG), each
-    call with a client-side deadline. 404 on the kind and 403 raise :class:`Absent`."""
-
-    def __init__(self, kubeconfig: str | None = None, watch_timeout: int = 300) -> None:
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        else:
-            try:
-                config.load_incluster_config(client_configuration=cfg)
-            except config.ConfigException:
-                config.load_kube_config(client_configuration=cfg)
-        # One client per thread that calls (the watch's own, the writer's).
-        self._writer = client.CustomObjectsApi(client.ApiClient(cfg))
-        self._core = client.CoreV1Api(client.ApiClient(cfg))
-        self._watcher = client.CustomObjectsApi(client.ApiClient(cfg))
-        self.watch_timeout = watch_timeout
-        self._timeout = (10.0, 30.0)
-
-    @staticmethod
-    def _absent(e: Any, what: str) -> Exception:
-        from kubernetes.client.rest import ApiException
-
-        if isinstance(e, ApiException) and e.status == 404:
-            return Absent(
-                f"{what}: the API server has no {KIND} kind (the CRD {CRD} is not installed:"
-                " kubectl apply -k deploy/kubernetes/overlays/plain, or -f"
-                " deploy/kubernetes/base/crd.yaml)"
-            )
-        if isinstance(e, ApiException) and e.status == 403:
-            return Absent(
-                f"{what}: forbidden ({e.reason}): the node's service account lacks the"
-                " rights of deploy/kubernetes/base/rbac.yaml (kubectl apply -k"
-                " deploy/kubernetes/overlays/plain)"
-            )
-        return e  # type: ignore[no-any-return]
-
-    def get(self, name: str) -> dict[str, Any] | None:
-        try:  # a list by name: the role needs list and watch, not get as well
-            r = self._writer.list_cluster_custom_object(
-                GROUP,
-                VERSION,
-                PLURAL,
-                field_selector=f"metadata.name={name}",
-                _request_timeout=self._timeout,
-            )
-        except Exception as e:
-            raise self._absent(e, f"list {PLURAL}") from None
-        items: list[dict[str, Any]] = r.get("items") or []
-        return items[0] if items else None
-
-    def create(self, name: str) -> dict[str, Any]:
-        from kubernetes.client.rest import ApiException
-
-        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": {}}
-        try:
-            out: dict[str, Any] = self._writer.create_cluster_custom_object(
-                GROUP, VERSION, PLURAL, body, _request_timeout=self._timeout
-            )
-            return out
-        except ApiException as e:
-            if e.status == 409:  # made meanwhile (another start of this node)
-                got = self.get(name)
-                if got is not None:
-                    return got
-            raise self._absent(e, f"create {KIND} {name}") from None
-
-    def patch_status(self, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
-        from kubernetes.client.rest import ApiException
-
-        try:
-            out: dict[str, Any] = self._writer.patch_cluster_custom_object_status(
-                GROUP,
-                VERSION,
-                PLURAL,
-                name,
-                {"status": status},
-                _content_type="application/merge-patch+json",
-                _request_timeout=self._timeout,
-            )
-            return out
-        except ApiException as e:
-            if e.status == 404 and "not found" in str(e.body).lower() and PLURAL in str(e.body):
-                raise LookupError(name) from None  # the object is gone: made again
-            raise self._absent(e, f"patch {KIND} {name}/status") from None
-
-    def event(self, namespace: str, body: Mapping[str, Any]) -> None:
-        self._core.create_namespaced_event(namespace, body, _request_timeout=self._timeout)
-
-    def watch(self, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        from kubernetes import watch
-
-        w = watch.Watch()
-        try:
-            for ev in w.stream(
-                self._watcher.list_cluster_custom_object,
-                GROUP,
-                VERSION,
-                PLURAL,
-                field_selector=f"metadata.name={name}",
-                timeout_seconds=self.watch_timeout,
-                _request_timeout=(10.0, self.watch_timeout + 30.0),
-            ):
-                yield ev["type"], ev["raw_object"]
-        except Exception as e:
-            raise self._absent(e, f"watch {PLURAL}") from None
 
 
 class NodeObject:

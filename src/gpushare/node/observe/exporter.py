@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from gpushare.node.observe import metrics
+from gpushare.node.observe import metrics_http
 from gpushare.node.observe.exporter_process import ASK, HEADER, READY
 from gpushare.status import NodeStatus
 
@@ -103,7 +103,7 @@ class Exporter:
         clock: Callable[[], float],
     ) -> None:
         self._snapshots = Snapshots(status, clock)
-        self._listen = metrics.bind(port, address)  # OSError: the caller says what to do
+        self._listen = metrics_http.bind(port, address)  # OSError: the caller says what to do
         self.port: int = self._listen.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
         self._link: asyncio.Transport | None = None

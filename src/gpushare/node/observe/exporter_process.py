@@ -3,7 +3,7 @@ event loop one snapshot and nothing else.
 
 The node (node/observe/exporter.py) binds the listening socket and starts this module with it
 and one end of a socketpair (the *link*) as inherited descriptors. Here, scrapes are
-served by wsgiref's threading server (metrics.app: gzip, 405, OPTIONS, favicon as
+served by wsgiref's threading server (metrics_http.app: gzip, 405, OPTIONS, favicon as
 before); each asks the node over the link for a snapshot (``ASK``), the node answers
 from its loop with the typed status, msgpack-encoded (``HEADER`` then the body; an
 empty body: the node could not take one), and the text is written and compressed here,
@@ -30,7 +30,7 @@ import threading
 
 import msgspec
 
-from gpushare.node.observe import metrics
+from gpushare.node.observe import metrics, metrics_http
 from gpushare.status import NodeStatus
 
 ASK = b"?"  # the exporter asks for a snapshot
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lower_priority()
     link = Link(socket.socket(fileno=a.link))
-    server = metrics.serve_on(socket.socket(fileno=a.listen), Texts(link))
+    server = metrics_http.serve_on(socket.socket(fileno=a.listen), Texts(link))
     with contextlib.suppress(OSError):
         link.ready()
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
