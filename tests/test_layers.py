@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,38 @@ def test_every_module_of_the_tree_is_mapped_in_the_architecture_doc() -> None:
     )
     gone = sorted(mapped - tree)
     assert not gone, f"docs/architecture.md maps modules that are not in the tree: {gone}"
+
+
+def node_tables() -> dict[str, set[str]]:
+    """docs/architecture.md's "The node": the modules in each room's table, by room (""
+    for the table of those loose in node/)."""
+    section = ARCHITECTURE.read_text().split("\n## The node\n", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    room = ""
+    for line in section.splitlines():
+        heading = re.match(r"\*\*`(\w+)/`", line)
+        if heading:
+            room = heading[1]
+        elif line.startswith("| `"):
+            out.setdefault(room, set()).update(re.findall(r"`([\w/]+\.py)`", line.split("|")[1]))
+    return out
+
+
+def test_each_room_of_the_node_has_its_table_in_the_architecture_doc() -> None:
+    # A module mapped under another room's table, or a room without a table, fails here.
+    node = PACKAGE / "node"
+    tree: dict[str, set[str]] = {}
+    for path in node.rglob("*.py"):
+        room = "" if path.parent == node else path.relative_to(node).parts[0]
+        tree.setdefault(room, set()).add(path.relative_to(PACKAGE).as_posix())
+    assert node_tables() == tree
+    # at most three modules loose in node/ (the package, the daemon, the guard)
+    assert len(tree[""]) <= 3, sorted(tree[""])
+    # the rooms with a table are the node-layers contract's, less the two loose modules
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in contracts["contracts"] if c["name"].startswith("node-l")]
+    rooms = {r.strip() for layer in layers for r in layer.split("|")}
+    assert rooms - {"daemon", "guard"} == set(tree) - {""}
 
 
 # The functions over the complexity ceiling (ruff's C901, max-complexity in
