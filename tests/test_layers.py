@@ -190,7 +190,6 @@ GRANDFATHERED = {
     "src/gpushare/node/kube/gpusharenode.py::_publish",
     "src/gpushare/node/observe/metrics.py::_gpu_text",
     "src/gpushare/node/serve/workload_server.py::handle",
-    "src/gpushare/tools/cli.py::_command",
     "src/gpushare/tools/timeline.py::lanes",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
