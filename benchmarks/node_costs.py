@@ -95,19 +95,19 @@ def arbiter_part(sizes: list[int], handoffs: int) -> dict[str, float]:
 def render_part(sizes: list[int]) -> dict[str, Any]:
     """status() and the exposition text, in process (both trees' ways)."""
     from gpushare.core.clock import ManualClock
-    from gpushare.node.config import NodeConfig
     from gpushare.node.daemon import Node
-    from gpushare.node.gpus import simulated_gpus
+    from gpushare.node.host.gpus import simulated_gpus
+    from gpushare.node.keep.config import NodeConfig
 
     try:
-        from gpushare.node.metrics import Exposition
+        from gpushare.node.observe.metrics import Exposition
 
         def renderer() -> Any:
             return Exposition().render
     except ImportError:  # before: prometheus_client's families and generate_latest
         from prometheus_client import generate_latest
 
-        from gpushare.node.metrics import registry_for
+        from gpushare.node.observe.metrics import registry_for
 
         def renderer() -> Any:
             return lambda st: generate_latest(registry_for(lambda: st))
@@ -116,7 +116,9 @@ def render_part(sizes: list[int]) -> dict[str, Any]:
 
     from gpushare.status import NodeStatus
 
-    exporter_process = importlib.util.find_spec("gpushare.node.exporter_process") is not None
+    exporter_process = (
+        importlib.util.find_spec("gpushare.node.observe.exporter_process") is not None
+    )
     decoder = msgspec.msgpack.Decoder(NodeStatus)
 
     def best(f: Any, k: int = 5) -> float:

@@ -71,7 +71,7 @@ class SimLink:
     def create(path: str, mode: int = 0o600) -> None:
         """Make the shared file: a new one, renamed into place (a process mapping the
         old one keeps it whole; it is never truncated), never through a symlink. The
-        node makes its own through its checked directory (``gpushare.node.safefs``)."""
+        node makes its own through its checked directory (``gpushare.node.keep.safefs``)."""
         d, name = os.path.split(os.path.abspath(path))
         tmp = os.path.join(d, f".{name}.{secrets.token_hex(6)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)

@@ -1,7 +1,7 @@
 """The status snapshot, typed: what ``ctl status --json`` prints, the admin socket's
 ``StatusReply`` carries, the exporter, ``top`` and the demo read.
 
-The node builds it (``gpushare.node.snapshot``); the tools decode it. The names of
+The node builds it (``gpushare.node.observe.snapshot``); the tools decode it. The names of
 DESIGN.md's contract are fields here and stay; more fields may be added. Field order is
 the JSON's key order.
 """

@@ -1,4 +1,4 @@
-"""The pod watcher (gpushare.node.k8s) against a real API server, with the node's service
+"""The pod watcher (gpushare.node.kube.k8s) against a real API server, with the node's service
 account's token: what a scheduler's binding, a kubelet's status and a deletion look like
 to it; a watch whose resourceVersion expired (410 Gone); a connection that dies silently."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpushare.node.k8s import KubernetesApi, PodCache, PodWatcher
+from gpushare.node.kube.k8s import KubernetesApi, PodCache, PodWatcher
 from tests.cluster.conftest import Kube, container_id, unique
 from tests.cluster.controlplane import NODE_SA, Cluster
 from tests.cluster.proxy import TcpProxy

@@ -21,7 +21,7 @@ from tests.profiles import examples
 
 class Node:
     """Two exclusive GPUs and their coordinator, ticked as the node's decisions are
-    (node/decisions.py): after a GPU's decisions, the GPUs that share a gang with it,
+    (node/decide/decisions.py): after a GPU's decisions, the GPUs that share a gang with it,
     until none decides anything more."""
 
     def __init__(self, clock: ManualClock, coordinate: bool = True) -> None:

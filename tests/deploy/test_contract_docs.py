@@ -15,8 +15,8 @@ import pytest
 
 import gpushare
 from gpushare import protocol
-from gpushare.node.config import GpuOverride, NodeConfig
-from gpushare.node.events import EVENT_KINDS
+from gpushare.node.keep.config import GpuOverride, NodeConfig
+from gpushare.node.keep.events import EVENT_KINDS
 from gpushare.tools.cli import build_parser
 from tests.support import REPO
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import yaml
 
-from gpushare.node.config import NodeConfig
+from gpushare.node.keep.config import NodeConfig
 from tests.support import REPO
 
 ROOT = REPO
@@ -100,8 +100,8 @@ def test_gpusharenode_crd_printer_columns_name_status_fields():
     cols = {c["name"]: c for c in v["additionalPrinterColumns"]}
     default = [n for n, c in cols.items() if not c.get("priority")]
     assert default == ["GPUs", "TQ", "Mode", "Holders", "Waiting", "Swapped", "Age"]
-    # every column reads a field the node writes (gpushare.node.gpusharenode.status_body)
-    from gpushare.node.gpusharenode import status_body
+    # every column reads a field the node writes (gpushare.node.kube.node_status.status_body)
+    from gpushare.node.kube.node_status import status_body
     from gpushare.status import NodeInfo, NodeStatus
 
     body = {"status": status_body("n", NodeStatus(node=NodeInfo(pid=1, started=0, config=""),

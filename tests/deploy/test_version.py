@@ -78,7 +78,7 @@ def test_the_command_line_says_the_same():
 
 
 def test_the_exporter_says_the_same():
-    from gpushare.node.metrics import registry_for
+    from gpushare.node.observe.metrics import registry_for
     from gpushare.status import NodeInfo, NodeStatus
 
     empty = NodeStatus(node=NodeInfo(pid=0, started=0.0, config=""), gpus=[])

@@ -3,7 +3,7 @@
 ``@in_process(...)`` turns ``async def test_x(node, ...)`` into a test that starts a real
 :class:`~gpushare.node.daemon.Node` (its asyncio servers on real Unix sockets in a
 temporary folder, its arbiters, timers, sampler and config watch) on a
-:class:`~gpushare.node.virtual_time.VirtualTimeLoop`, and hands it the test as an
+:class:`~gpushare.node.host.virtual_time.VirtualTimeLoop`, and hands it the test as an
 :class:`InProcessNode`. Workloads and administrators are raw protocol connections in the
 same loop, so quanta, grace periods and watch periods pass in no wall time, in the same
 order every run. Signals are recorded, never sent (the peers are this process).
@@ -22,11 +22,11 @@ from typing import Any
 
 from gpushare import protocol as p
 from gpushare.core.clock import ManualClock
-from gpushare.node import virtual_time
-from gpushare.node.config import load
 from gpushare.node.daemon import Node
-from gpushare.node.gpus import simulated_gpus
-from gpushare.node.procs import ProcRef
+from gpushare.node.host import virtual_time
+from gpushare.node.host.gpus import simulated_gpus
+from gpushare.node.host.procs import ProcRef
+from gpushare.node.keep.config import load
 from gpushare.units import parse_size
 
 G = 2**30

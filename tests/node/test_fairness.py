@@ -16,8 +16,8 @@ import pytest
 from gpushare import protocol as p
 from gpushare.node import guard
 from gpushare.node.guard import LINE_FACTOR
-from gpushare.node.identity import Peer as Cred
-from gpushare.node.identity import peer_credentials
+from gpushare.node.host.identity import Peer as Cred
+from gpushare.node.host.identity import peer_credentials
 from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
 
 _names = itertools.count()

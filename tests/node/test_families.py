@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from gpushare import protocol as p
-from gpushare.node import workload_server
+from gpushare.node.serve import workload_server
 from tests.node.harness import InProcessNode, Workload, in_process
 from tests.support import sim, wait_until
 

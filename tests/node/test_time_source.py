@@ -10,7 +10,7 @@ from pathlib import Path
 import gpushare.node
 
 NODE = Path(gpushare.node.__file__).parent
-CLOCK = NODE / "clock.py"
+CLOCK = NODE / "host" / "clock.py"
 # Reading time: the time and datetime modules. Timers on the loop's own clock: call_at
 # and loop.time() (relative delays, asyncio.sleep and call_later, are the clock's).
 FORBIDDEN_MODULES = {"time", "datetime"}

@@ -20,9 +20,9 @@ import msgspec
 import pytest
 
 from gpushare import protocol as p
-from gpushare.node.events import EventBus
 from gpushare.node.guard import LINE_FACTOR
-from gpushare.node.snapshot import fit
+from gpushare.node.keep.events import EventBus
+from gpushare.node.observe.snapshot import fit
 from gpushare.status import GpuStatus, NodeInfo, NodeStatus, SessionStatus, WorkloadStatus
 from gpushare.tools import ctl
 from tests.node.harness import G, InProcessNode, Peer, Workload, in_process
@@ -409,7 +409,7 @@ async def test_a_stale_token_or_another_sessions_lease_is_not_given_back(node):
 
 @in_process(policy="weighted")
 async def test_the_apis_names_and_weight_count_and_stay_when_the_pod_is_deleted(node):
-    from gpushare.node.k8s import PodCache
+    from gpushare.node.kube.k8s import PodCache
 
     uid, cid = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f", "ab" * 32
     proc = node.dir / "proc" / str(os.getpid())
@@ -564,7 +564,7 @@ async def test_session_ids_stay_unique_when_the_state_directory_is_full(node, mo
     # Seen: with the state directory full, session ids repeated after SIGKILL + restart.
     import errno
 
-    from gpushare.node import recovery
+    from gpushare.node.keep import recovery
 
     monkeypatch.setattr(recovery, "ID_BLOCK", 2)
     first = await node.workload(memory_limit=G)
@@ -638,8 +638,8 @@ async def test_a_config_file_caught_half_written_is_not_applied(node):
 
 
 def test_a_lease_key_symlink_is_replaced_never_followed(tmp_path):
-    from gpushare.node.recovery import KEY_FILE, Recovery
-    from gpushare.node.safefs import SafeDir
+    from gpushare.node.keep.recovery import KEY_FILE, Recovery
+    from gpushare.node.keep.safefs import SafeDir
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o1777)
@@ -659,8 +659,8 @@ def test_status_polled_back_to_back_takes_a_bounded_share_of_the_loop():
     # every SHARE times its cost: requests sooner wait for the next one and share it,
     # and every reply is taken after the request it answers (never stale).
     from gpushare.core.clock import ManualClock
-    from gpushare.node import virtual_time
-    from gpushare.node.snapshot import StatusFrames
+    from gpushare.node.host import virtual_time
+    from gpushare.node.observe.snapshot import StatusFrames
 
     clock, cost = ManualClock(), 0.0045
 

@@ -17,7 +17,7 @@ import pytest
 import gpushare
 from gpushare.errors import GpushareError
 from gpushare.tools.admin import AdminClient
-from tests.node.test_metrics import free_port
+from tests.node.observe.test_metrics import free_port
 from tests.support import REPO, sim, wait_until
 
 GPUSHARE = [sys.executable, "-m", "gpushare"]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.node.config import load
 from gpushare.node.daemon import Node
-from gpushare.node.gpus import simulated_gpus
-from gpushare.node.gpusharenode import status_body
+from gpushare.node.host.gpus import simulated_gpus
+from gpushare.node.keep.config import load
+from gpushare.node.kube.node_status import status_body
 from gpushare.tools.kubectl_gpushare import PluginError, age, pod_ref, status_table, top_table
 
 

@@ -12,9 +12,9 @@ import pytest
 
 import gpushare
 from gpushare.core.clock import ManualClock
-from gpushare.node.config import NodeConfig
 from gpushare.node.daemon import Node
-from gpushare.node.gpus import simulated_gpus
+from gpushare.node.host.gpus import simulated_gpus
+from gpushare.node.keep.config import NodeConfig
 from gpushare.tools.top import render
 from gpushare.tools.top_model import ShareTracker
 from tests.support import sim, wait_until
@@ -301,7 +301,7 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
 def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
     """Issue 28: an operator could not see why a server took no turns. Its credit, usual
     burst and measured use are in its status row, top's JSON frame and the exporter."""
-    from gpushare.node.metrics import Exposition
+    from gpushare.node.observe.metrics import Exposition
     from gpushare.tools.top import frame_json
 
     clock = ManualClock()

@@ -17,7 +17,7 @@ here move messages and state in and out of them, one job each:
   in which it grants nothing until they are back;
 * ``safefs``: the node's files, in directories it checked, never through a symlink.
 
-Time comes from one injected clock; on :mod:`gpushare.node.virtual_time`'s loop a test
+Time comes from one injected clock; on :mod:`gpushare.node.host.virtual_time`'s loop a test
 drives the whole running node with fake time.
 """
 
@@ -39,32 +39,32 @@ from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
 from gpushare.core.coordinator import Coordinator
-from gpushare.node import snapshot
-from gpushare.node.admin_server import AdminServer
-from gpushare.node.clock import SystemClock
-from gpushare.node.config import NodeConfig, check_gpus, settings_for
-from gpushare.node.decisions import Decisions
-from gpushare.node.dispatch import Dispatch, Signaller
-from gpushare.node.events import EventBus
-from gpushare.node.gpus import GpuInfo
-from gpushare.node.gpusharenode import NodeObject
+from gpushare.node.decide.decisions import Decisions
+from gpushare.node.decide.dispatch import Dispatch, Signaller
 from gpushare.node.guard import Conn, Guard, admin_gid
-from gpushare.node.k8s import PodCache, PodWatcher
-from gpushare.node.live_config import LiveConfig
-from gpushare.node.procs import ProcRef, pidfd_signal
-from gpushare.node.recovery import Recovery, SessionRecord
-from gpushare.node.safefs import SafeDir
-from gpushare.node.sockets import Handlers, serve_unix
-from gpushare.node.totals import Totals
-from gpushare.node.utilization import NvmlUtilization, Sampler
-from gpushare.node.workload_server import WorkloadServer
+from gpushare.node.host.clock import SystemClock
+from gpushare.node.host.gpus import GpuInfo
+from gpushare.node.host.procs import ProcRef, pidfd_signal
+from gpushare.node.host.sockets import Handlers, serve_unix
+from gpushare.node.keep.config import NodeConfig, check_gpus, settings_for
+from gpushare.node.keep.events import EventBus
+from gpushare.node.keep.recovery import Recovery, SessionRecord
+from gpushare.node.keep.safefs import SafeDir
+from gpushare.node.keep.totals import Totals
+from gpushare.node.kube.gpusharenode import NodeObject
+from gpushare.node.kube.k8s import PodCache, PodWatcher
+from gpushare.node.observe import snapshot
+from gpushare.node.observe.utilization import NvmlUtilization, Sampler
+from gpushare.node.serve.admin_server import AdminServer
+from gpushare.node.serve.live_config import LiveConfig
+from gpushare.node.serve.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
 from gpushare.simlink import SimLink
 from gpushare.status import NodeInfo, NodeStatus
 from gpushare.units import format_size, parse_size
 
 if TYPE_CHECKING:
-    from gpushare.node.exporter import Exporter
+    from gpushare.node.observe.exporter import Exporter
 
 log = logging.getLogger("gpushare.node.daemon")
 
@@ -397,7 +397,7 @@ class Node:
 
     def _start_exporter(self, cfg: NodeConfig) -> None:
         try:
-            from gpushare.node.exporter import Exporter
+            from gpushare.node.observe.exporter import Exporter
         except ImportError:
             raise OSError(
                 "the metrics exporter needs prometheus-client: pip install"

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from gpushare import protocol as p
 from gpushare.core import events as typed
 from gpushare.core.clock import Clock
-from gpushare.node.config import NodeConfig
-from gpushare.node.events import EventBus
-from gpushare.node.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
-from gpushare.node.procs import ProcRef, holders_of, peer_inode, ref_of
-from gpushare.node.recovery import SessionRecord
+from gpushare.node.host.identity import CgroupIdentity, groups_of, peer_credentials, read_identity
+from gpushare.node.host.procs import ProcRef, holders_of, peer_inode, ref_of
+from gpushare.node.keep.config import NodeConfig
+from gpushare.node.keep.events import EventBus
+from gpushare.node.keep.recovery import SessionRecord
 from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.guard")

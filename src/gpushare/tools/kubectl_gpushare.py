@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from gpushare.node.gpusharenode import (
+from gpushare.node.kube.node_status import (
     CONDITION,
     CRD,
     EVENTS_NAMESPACE,

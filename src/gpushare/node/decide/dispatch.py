@@ -1,0 +1,217 @@
+"""Dispatch: the one place the arbiters' decisions leave the node.
+
+Each action goes where it belongs: a grant (signed, so that it can be claimed back after a
+restart), revoke, room, swap-out or new limits to its session's connection, an event to the bus, an
+escalation to the log and (freeze, kill) as a signal to the whole workload: every process
+of the session's uid holding its connection, each reached through a pidfd, never a
+process that took a pid since. A batch's frames for one connection leave in one write; a
+connection whose peer does not read is not let to hold more than ``write_limit`` bytes
+of the node's memory: it is refused and closed, and the others go on.
+
+It only delivers: what follows from a batch (the GPUs' timers, the GPUs linked through a
+gang ticked in turn) is :mod:`gpushare.node.decide.decisions`'.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+
+import msgspec
+
+from gpushare import protocol as p
+from gpushare.core.actions import (
+    Action,
+    EscalateAction,
+    EventAction,
+    GrantAction,
+    LimitsAction,
+    PrefetchAction,
+    RevokeAction,
+    RoomAction,
+    SwapOutAction,
+    ThawAction,
+)
+from gpushare.core.arbiter import Arbiter
+from gpushare.core.clock import Clock
+from gpushare.node.guard import Conn, Refused
+from gpushare.node.host.procs import ProcRef, pidfd_signal
+from gpushare.node.keep.events import EventBus
+from gpushare.node.keep.recovery import Recovery
+
+log = logging.getLogger("gpushare.node.dispatch")
+
+Signaller = Callable[[ProcRef, int], None]
+"""Sends signal ``sig`` to the process ``ref`` names (tests inject one that only records)."""
+Refuser = Callable[[Conn, str, Refused], None]
+"""The node's one refusal path (:meth:`gpushare.node.guard.Guard.refuse`)."""
+
+# Escalations for which "freeze" stops the workload (over its memory limit it is logged).
+FREEZES = frozenset({"no_yield_within_grace", "no_swap_out_within_grace"})
+
+# The most a connection may have waiting in the node, unread by its peer, beyond what
+# the kernel's socket buffer holds (~200 KiB): a frame is ~50-100 bytes, and a client
+# reads every one at once, so only a peer that stopped reading comes near it.
+WRITE_LIMIT = 1 << 20
+
+
+def send_signal(ref: ProcRef, sig: int) -> None:
+    pidfd_signal(ref, sig)
+
+
+class Dispatch:
+    def __init__(
+        self,
+        clock: Clock,
+        events: EventBus,
+        conns: dict[int, Conn],
+        signaller: Signaller = send_signal,
+        proc_root: Callable[[], str] = lambda: "/proc",
+        refuse: Refuser | None = None,
+    ) -> None:
+        self.clock = clock
+        self.events = events
+        self.conns = conns
+        self.signaller = signaller
+        self.proc_root = proc_root
+        self.recovery: Recovery | None = None  # signs leases, keeps their floor on disk
+        self.refuse = refuse
+        self.write_limit = WRITE_LIMIT
+
+    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:  # noqa: C901
+        """``arb``'s actions, each where it belongs (a batch's frames for a connection in
+        one write)."""
+        frames: dict[int, tuple[Conn, list[bytes]]] = {}  # per session, in order
+
+        def send(c: Conn, msg: p.Message) -> None:
+            frames.setdefault(c.session, (c, []))[1].append(p.encode(msg))
+
+        for a in actions:
+            if isinstance(a, EventAction):
+                self.events.publish(a.record)
+                continue
+            c = self.conns.get(a.session)
+            if isinstance(a, EscalateAction):
+                self._escalate(a, c)
+            elif c is None:
+                continue  # the session is gone: its actions have no one to go to
+            elif isinstance(a, GrantAction):
+                c.may_hold_memory = True
+                if a.thaw:
+                    self._thaw(c)
+                token = ""
+                if self.recovery is not None:  # on disk before its holder hears of it
+                    self.recovery.granted(arb.gpu, a.session, a.lease)
+                    token = self.recovery.token(arb.gpu, a.session, a.lease)
+                    self.recovery.save_soon()  # and the rest of its record soon
+                send(
+                    c,
+                    p.Grant(
+                        lease=a.lease,
+                        swap_in=a.swap_in,
+                        quantum_s=a.quantum_s,
+                        shared=a.shared,
+                        room=a.room,
+                        token=token,
+                        resume=a.resume,
+                        ask=c.ask,
+                        bound=a.bound,
+                        idle_release_s=a.idle_release_s,
+                    ),
+                )
+            elif isinstance(a, ThawAction):
+                self._thaw(c)
+            elif isinstance(a, RevokeAction):
+                send(c, p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s))
+            elif isinstance(a, SwapOutAction):
+                send(c, p.SwapOut(bytes=a.bytes))
+            elif isinstance(a, RoomAction):
+                send(c, p.Room(room=a.room))
+            elif isinstance(a, PrefetchAction):
+                c.may_hold_memory = True
+                send(c, p.Prefetch(room=a.room, seq=a.seq))
+            elif isinstance(a, LimitsAction):
+                self._limits(c, a)
+                send(c, p.Limits(memory_limit=a.memory_limit, memory_request=a.memory_request))
+        for c, out in frames.values():  # one write per connection
+            self._write(c, out[0] if len(out) == 1 else b"".join(out))
+
+    def _limits(self, c: Conn, a: LimitsAction) -> None:
+        """A family's session has new limits: on record at once, with the family, so
+        that a restarted node matches the session (by its new limit) and rebuilds it."""
+        if c.record is not None:
+            c.record = msgspec.structs.replace(c.record, limit=a.memory_limit, family=c.session)
+        if self.recovery is not None:
+            # On disk before the session hears it (this batch's frames leave after): a
+            # node killed once it has would find no record with its new limit, and take
+            # it for a stranger (and its member's part, never given back, lost).
+            self.recovery.save()
+
+    def _write(self, c: Conn, data: bytes) -> None:
+        c.write(data)
+        unread = c.unread_bytes()
+        if unread <= self.write_limit or c.writer.is_closing():
+            return
+        err = Refused(
+            "slow",
+            f"session {c.session} left {unread} bytes of the node's messages unread (the"
+            f" most is {self.write_limit}): a workload must read its connection; closed",
+        )
+        if self.refuse is not None:
+            self.refuse(c, "workload", err)
+        else:
+            log.warning("%s", err)
+        c.writer.transport.abort()  # it reads nothing: closing would wait for it forever
+
+    def end_session(self, c: Conn, reason: str) -> None:
+        """An administrator ends a session: it is told, thawed if frozen, and its
+        connection closed (its reader sees the end; the detach follows from there)."""
+        c.ended = True  # its detach says so: reason "ended"
+        c.send(p.Error(code="ended", message=f"session ended: {reason}"))
+        if c.frozen:
+            self._thaw(c)
+        c.writer.close()
+
+    def _escalate(self, a: EscalateAction, c: Conn | None) -> None:
+        who = f"session {a.session}" + (f" (pid {c.pid})" if c else "")
+        log.warning("escalation %s for %s: %s", a.escalation, who, a.reason)
+        if c is None:
+            return
+        if a.escalation == "kill":
+            if c.frozen:  # a stopped process dies only once continued
+                self._thaw(c)
+            self._signal(c, signal.SIGKILL)
+            # And the session ends here: a process of another uid may hold its socket
+            # too, and it is never signalled; it sees the connection end.
+            c.writer.close()
+        elif a.escalation == "freeze" and a.reason in FREEZES:
+            c.frozen = True
+            c.stopped = self._signal(c, signal.SIGSTOP)
+            self._note_stopped(c)
+
+    def _thaw(self, c: Conn) -> None:
+        """Continue what the freeze stopped, and whatever holds the connection now."""
+        stopped, c.stopped, c.frozen = c.stopped, [], False
+        sent = self._signal(c, signal.SIGCONT)
+        for ref in stopped:
+            if ref not in sent:
+                self.signaller(ref, signal.SIGCONT)
+        if stopped:
+            self._note_stopped(c)
+
+    def _note_stopped(self, c: Conn) -> None:
+        """What a freeze stopped goes on record now: a node that restarts continues it."""
+        if c.record is not None:
+            c.record = msgspec.structs.replace(
+                c.record, stopped=[(r.pid, r.start_time) for r in c.stopped]
+            )
+        if self.recovery is not None:
+            self.recovery.save()
+
+    def _signal(self, c: Conn, sig: int) -> list[ProcRef]:
+        """``sig`` to the session's workload; the processes it went to."""
+        refs = [r for r in c.workload(self.proc_root()) if r.pid > 1]  # never init, 0, -1
+        for ref in refs:
+            self.signaller(ref, sig)
+        return refs

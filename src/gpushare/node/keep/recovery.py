@@ -1,0 +1,446 @@
+"""What the node keeps to recover its sessions after it restarts, and the recovery window.
+
+Workloads outlive the node: killed and started again, it must learn who held what before
+it grants anything, or two sessions hold one GPU and memory is booked twice. So it keeps,
+in a file of its own (``gpushare.node.keep.safefs``: a new file, flushed, renamed over the
+old), each session's identity as the kernel gave it (pid and the process's start time,
+uid, pod and container from the cgroup), its GPU, limit and name, whether a freeze
+stopped it; the next session id (ids are never used twice); and, per GPU, a floor for
+lease numbers (leases are numbered on across restarts). Beside it, a key the node signs
+each lease with: a workload that comes back claiming a lease shows the token it was
+granted with, so only leases this node (or the one before it) granted are given back.
+
+The records are written whole a moment after a change (an attach, a release), but a
+grant cannot wait for that, nor pay for it (it is the hot path: a whole write costs a
+flush and grows with the sessions): its holder may claim it at the very next restart.
+So each grant goes first, as one line, into a journal beside the records (an append:
+in the kernel's page cache, which a killed node does not lose; a machine that loses
+power loses its workloads too). Each whole write numbers itself (its generation) and
+empties the journal; a line counts only under the generation it follows, so a line a
+later whole write already holds is never read back over it.
+
+On start, the sessions on record whose processes still run are *expected*: nothing is
+granted until each has re-registered (matched by pid, start time, uid, cgroup and the
+session id it names among its process's records, never by its word alone) or the
+window (``recovery_window`` seconds) ends. A re-registered session gets its old id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from gpushare.node.host.procs import ProcRef, same_process
+from gpushare.node.keep.safefs import SafeDir, UnsafePath
+
+log = logging.getLogger("gpushare.node.recovery")
+
+STATE_FILE = "sessions.state"
+JOURNAL_FILE = "leases.journal"  # the grants since the state file was last written
+JOURNAL_MOST = 16 << 20  # read back at most (it is emptied at every whole write)
+KEY_FILE = "lease.key"
+LEASE_BLOCK = 100_000  # lease numbers reserved on disk at a time
+ID_BLOCK = 1_000  # session ids reserved on disk at a time
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    id: int
+    gpu: int
+    pid: int
+    start_time: int  # 0: unknown (never matched)
+    uid: int
+    pod_uid: str = ""
+    container_id: str = ""
+    limit: int
+    name: str
+    stopped: list[tuple[int, int]] = []  # (pid, start time) a freeze stopped
+    # As the node last wrote them: its memory, and the lease it held (0: none). Only
+    # that lease's token is good after a restart, and only once.
+    resident: int = 0
+    swapped: int = 0
+    lease: int = 0
+    # Its family (core/families.py): the session it is a process of, or its own id when
+    # processes of its own are members (0: neither). A restart rebuilds the family from
+    # this, never from what a client says.
+    family: int = 0
+
+    def ref(self) -> ProcRef:
+        return ProcRef(self.pid, self.start_time, self.uid)
+
+
+class IdsUnavailable(OSError):
+    """No session id can be reserved on disk (the message names the directory and fix)."""
+
+
+class Saved(msgspec.Struct, kw_only=True):
+    version: int = 1
+    boot_id: str = ""  # records of another boot are void: no process outlives a reboot
+    next_session: int = 1  # ids below this may have been used
+    lease_floor: list[int] = []  # per GPU
+    sessions: list[SessionRecord] = []
+    generation: int = 0  # the journal's lines of this generation come after this file
+
+
+@dataclass
+class Figures:
+    """What the recovery window saw (the ``recovery`` events' figures)."""
+
+    expected: int = 0
+    returned: int = 0
+    started: float = 0.0  # monotonic
+
+    @property
+    def missing(self) -> int:
+        return self.expected - self.returned
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class Recovery:
+    """The records and the window. ``live`` gives the records of the sessions attached
+    now (the node's connections and arbiters); :meth:`save` writes them."""
+
+    def __init__(
+        self,
+        folder: SafeDir,
+        gpus: int,
+        live: Callable[[], Iterable[SessionRecord]],
+        proc_root: Callable[[], str],
+    ) -> None:
+        self.dir, self.gpus, self.live, self.proc_root = folder, gpus, live, proc_root
+        self.boot = boot_id()
+        self.next_session = 1
+        self.id_floor = 1  # on disk: no id below it is handed out again
+        self.lease_floor = [0] * gpus
+        self.expected: dict[int, SessionRecord] = {}  # still to come back
+        self.previous: dict[int, SessionRecord] = {}  # the last node's, processes alive
+        self.figures = Figures()
+        self._failing_why = ""
+        self.open = False  # the window: only sessions on record attach meanwhile
+        self._failing = False  # a write failed: said once, until one succeeds again
+        self.key = self._key()
+        self._soon: asyncio.TimerHandle | None = None
+        self._soon_delay = 0.0
+        self._held = False  # the node is stopping: the records stay as they are
+        self.generation = 0  # of the state file on disk
+        self._journal: int | None = None  # its descriptor, opened at load
+        self._journal_size = 0  # its whole lines' bytes
+        self._disk_floor = [0] * gpus  # the lease floors last written
+
+    # --- at start ---------------------------------------------------------------------
+
+    def _key(self) -> bytes:
+        """The key leases are signed with: the last node's, or a new one. Anything but a
+        file of the node's where it should be (a planted symlink, say) is never followed:
+        it is replaced by a new file (renamed over it), or, where the directory does not
+        allow that, the node stops with the one line that says what to do."""
+        try:
+            key = self.dir.read(KEY_FILE, most=64)
+        except UnsafePath as e:
+            log.warning("%s; replacing it with a new key (leases signed before are void)", e)
+            key = None
+        if key is None or len(key) < 32:
+            key = secrets.token_bytes(32)
+            try:
+                self.dir.write(KEY_FILE, key, mode=0o600)
+            except OSError as e:
+                raise UnsafePath(
+                    f"cannot write the lease key {self.dir.join(KEY_FILE)} ({e.strerror}):"
+                    f" remove what is there (rm {self.dir.join(KEY_FILE)}) or set"
+                    " recovery_dir to a directory of the node's own"
+                ) from None
+        return key
+
+    def load(self) -> list[SessionRecord]:
+        """The last node's records; the sessions whose processes still run are expected
+        (returned). A file of another boot, or one that cannot be read, is void."""
+        try:
+            raw = self.dir.read(STATE_FILE)
+            saved = msgspec.json.decode(raw, type=Saved) if raw else Saved(boot_id=self.boot)
+        except (UnsafePath, msgspec.DecodeError) as e:
+            log.warning("session records not usable (%s): starting without them", e)
+            saved = Saved(boot_id=self.boot)
+        self.next_session = self.id_floor = max(1, saved.next_session)
+        floors = list(saved.lease_floor)[: self.gpus]
+        self.lease_floor = floors + [0] * (self.gpus - len(floors))
+        self._disk_floor = list(self.lease_floor)
+        self.generation = saved.generation
+        grants = _grants(self._open_journal(), saved.generation)
+        for gpu, _, lease in grants:  # a lease out with its floor not on disk (a full disk)
+            if gpu < self.gpus:
+                self.lease_floor[gpu] = max(self.lease_floor[gpu], lease)
+        if saved.boot_id != self.boot:
+            return []  # another boot: no process of then runs now
+        _replay(saved, grants)
+        root = self.proc_root()
+        alive = [
+            r
+            for r in saved.sessions
+            if 0 <= r.gpu < self.gpus and r.start_time and same_process(r.ref(), root)
+        ]
+        self.previous = {r.id: r for r in alive}
+        self.expected = dict(self.previous)
+        return alive
+
+    def _open_journal(self) -> bytes:
+        """The journal's whole lines as the last node left them (its last
+        :data:`JOURNAL_MOST` bytes: a journal that large has outlived many failed whole
+        writes), and the journal opened to append to, a last line it left torn cut off
+        (its lease's digits cut short would still read as a number). Without a journal,
+        every grant is a whole write: slower, as safe."""
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+        try:
+            fd = self.dir.append(JOURNAL_FILE, end_line=False)
+        except (OSError, UnsafePath) as e:
+            log.warning("cannot open the lease journal (%s): each grant writes the records", e)
+            return b""
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - JOURNAL_MOST)
+            data = os.pread(fd, size - start, start)
+            if start:  # from within a line: from the next one
+                data = data[data.find(b"\n") + 1 :]
+            lines = data[: data.rfind(b"\n") + 1]
+            torn = len(data) - len(lines)
+            os.ftruncate(fd, size - torn)
+        except OSError as e:
+            os.close(fd)
+            log.warning("cannot read the lease journal (%s): each grant writes the records", e)
+            return b""
+        self._journal, self._journal_size = fd, size - torn
+        return lines
+
+    def _append(self, line: str) -> bool:
+        """``line`` appended to the journal, whole; a short write (a full disk) is cut
+        back off, so no torn line is left for the next one to join."""
+        if self._journal is None:
+            return False
+        data = line.encode()
+        try:
+            n = os.write(self._journal, data)
+        except OSError as e:
+            n, why = -1, e.strerror or str(e)
+        else:
+            why = "a short write"
+        if n == len(data):
+            self._journal_size += n
+            return True
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._journal, self._journal_size)
+        log.warning("cannot append to the lease journal (%s): writing the records", why)
+        return False
+
+    # --- ids, leases, tokens -------------------------------------------------------------
+
+    def peek_id(self) -> int:
+        """The id :meth:`new_id` hands out next, reserved on disk first (ids are reserved
+        a block at a time); or :class:`IdsUnavailable` when the reservation cannot be
+        written (a full disk): an id not on disk could be handed out again after a crash,
+        so none is."""
+        if self.next_session >= self.id_floor:
+            old = self.id_floor
+            self.id_floor = self.next_session + ID_BLOCK
+            if not self.save():
+                self.id_floor = old
+                if self._held:
+                    raise IdsUnavailable("the node is stopping: attach to the next one")
+                raise IdsUnavailable(
+                    f"cannot reserve session ids: writing to {self.dir.path} failed"
+                    f" ({self._failing_why}): free space there, or set recovery_dir to"
+                    " another directory"
+                )
+        return self.next_session
+
+    def new_id(self) -> int:
+        """A session id never used before, on this node or the ones before it (see
+        :meth:`peek_id`)."""
+        sid = self.peek_id()
+        self.next_session += 1
+        return sid
+
+    def token(self, gpu: int, sid: int, lease: int) -> str:
+        msg = f"{gpu}:{sid}:{lease}".encode()
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:32]
+
+    def claim_wrong(self, rec: SessionRecord | None, lease: int, token: str) -> str:
+        """Why a claim of ``lease`` with ``token`` is not believed ('' when it is): only
+        the token of the lease ``rec`` says its session held when the last node wrote it
+        down is; a lease released before the crash, or one given back already (its
+        session was granted anew since, and that is on record), is not."""
+        if rec is None:
+            return "the session is not on record"
+        if not (lease and token):
+            return "it shows no lease and token"
+        if lease != rec.lease:
+            return f"the lease on record is {rec.lease or 'none'}"
+        if not hmac.compare_digest(self.token(rec.gpu, rec.id, lease), token):
+            return "its token is not that lease's"
+        return ""
+
+    def granted(self, gpu: int, sid: int, lease: int) -> None:
+        """``lease`` is about to go out to session ``sid``: on disk first, so that its
+        holder finds it on record whenever the node is killed (a line in the journal;
+        a whole write where the lease floor must move past it, or the journal fails)."""
+        if self._held:
+            return
+        line = f"{self.generation} {gpu} {sid} {lease}\n"
+        # The floor moves half a block ahead of the leases, and a whole write carries it:
+        # on a full disk every grant tries again, and the floor on disk still covers the
+        # leases (for half a block more) until one succeeds.
+        near = lease + LEASE_BLOCK // 2 >= self._disk_floor[gpu]
+        if near:
+            self.lease_floor[gpu] = max(self.lease_floor[gpu], lease + LEASE_BLOCK)
+        elif self._append(line):
+            return
+        if not self.save() and near:
+            # past the floor on disk, a line may still fit: the next node numbers past it
+            self._append(line)
+
+    # --- re-registering ----------------------------------------------------------------
+
+    def match(
+        self,
+        claimed: int,
+        proc: ProcRef | None,
+        pod_uid: str,
+        container_id: str,
+        gpu: int,
+        limit: int,
+        taken: Mapping[int, object],
+    ) -> SessionRecord | None:
+        """The record of the session ``claimed`` if this process is the one it names
+        (pid, start time, uid; pod and container), on the same GPU with the same limit,
+        and no live session has its id."""
+        r = self.previous.get(claimed)
+        if r is None or proc is None or claimed in taken:
+            return None
+        if (r.pid, r.start_time, r.uid) != (proc.pid, proc.start_time, proc.uid):
+            return None
+        if (r.pod_uid, r.container_id, r.gpu, r.limit) != (pod_uid, container_id, gpu, limit):
+            return None
+        return r
+
+    def returned(self, sid: int) -> bool:
+        """A record's session is back; True when no one else is expected."""
+        self.previous.pop(sid, None)
+        if self.expected.pop(sid, None) is not None:
+            self.figures.returned += 1
+        return not self.expected
+
+    # --- writing -----------------------------------------------------------------------
+
+    def save(self) -> bool:
+        """The records of the sessions attached now, the ones still expected beside them,
+        the next id and the lease floors: a new file, flushed, renamed over the old.
+        True if written."""
+        if self._held:
+            return False
+        now = {r.id: r for r in self.live()}
+        for r in self.previous.values():  # a late returner still gets its id back
+            now.setdefault(r.id, r)
+        saved = Saved(
+            boot_id=self.boot,
+            next_session=self.id_floor,
+            lease_floor=self.lease_floor,
+            sessions=list(now.values()),
+            generation=self.generation + 1,
+        )
+        try:
+            self.dir.write(STATE_FILE, msgspec.json.encode(saved), mode=0o600)
+        except OSError as e:  # a full disk must not stop the node: it says so, once
+            self._failing_why = e.strerror or str(e)
+            if not self._failing:
+                log.error(
+                    "cannot write session records to %s: %s (new sessions are refused"
+                    " until it can)",
+                    self.dir.path,
+                    self._failing_why,
+                )
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("session records written to %s again", self.dir.path)
+        self._failing = False
+        # The journal's lines are in the new file: emptied (its lines would be of the
+        # generation before, and skipped, were the node killed before this).
+        self.generation = saved.generation
+        self._disk_floor = list(saved.lease_floor)
+        if self._journal is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._journal, 0)
+                self._journal_size = 0
+        return True
+
+    def save_soon(self, delay: float = 0.1) -> None:
+        """:meth:`save` within ``delay`` seconds, once for any number of calls meanwhile:
+        ``0`` after the handlers ready now have run (attaches arriving together cost one
+        write), longer for a detach (a record left a moment too long only makes a
+        restart wait for it)."""
+        if self._soon is not None:
+            if self._soon_delay <= delay:
+                return  # one is due as soon already
+            self._soon.cancel()
+        self._soon_delay = delay
+        self._soon = asyncio.get_running_loop().call_later(delay, self._save_now)
+
+    def _save_now(self) -> None:
+        self._soon = None
+        self.save()
+
+    def hold(self) -> None:
+        """The node stops: the sessions on record now are kept for the next node (their
+        connections end, their workloads go on), whatever happens while it stops."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        self.save()
+        self._held = True
+
+    def forget_dead(self) -> None:
+        """Records of the last node whose processes have ended are dropped."""
+        root = self.proc_root()
+        for sid in [i for i, r in self.previous.items() if not same_process(r.ref(), root)]:
+            self.previous.pop(sid)
+            self.expected.pop(sid, None)
+
+
+def _grants(lines: bytes, generation: int) -> list[tuple[int, int, int]]:
+    """The journal's grants of ``generation`` (the state file's: the lines after it), as
+    (GPU, session, lease), in order; a line no grant wrote is skipped."""
+    out = []
+    for line in lines.split(b"\n"):
+        try:
+            gen, gpu, sid, lease = map(int, line.split())
+        except ValueError:
+            continue
+        if gen == generation and gpu >= 0 and sid > 0 and lease > 0:
+            out.append((gpu, sid, lease))
+    return out
+
+
+def _replay(saved: Saved, grants: list[tuple[int, int, int]]) -> None:
+    """The grants onto ``saved``'s records: each session's lease, the last one it was
+    granted (the state file holds its releases until then)."""
+    records = {r.id: r for r in saved.sessions}
+    for gpu, sid, lease in grants:
+        r = records.get(sid)
+        if r is not None and r.gpu == gpu:
+            r.lease = lease

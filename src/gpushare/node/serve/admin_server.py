@@ -1,0 +1,233 @@
+"""The admin socket: status, live settings, ending a session, the event stream. Each
+request is decoded, checked (the peer may administer, at a bounded rate) and answered;
+settings go to the arbiters and their actions to the node's decisions, like every
+other input."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpushare import protocol as p
+from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.clock import Clock
+from gpushare.node.decide.decisions import Decisions
+from gpushare.node.decide.dispatch import Dispatch
+from gpushare.node.guard import Conn, Guard, Refused
+from gpushare.node.host.sockets import Idle, Unfinished, read_frame_within
+from gpushare.node.keep.events import EventBus
+from gpushare.node.observe.snapshot import StatusFrames
+from gpushare.node.serve.live_config import LiveConfig, NotPersisted
+from gpushare.settings import SettingsError, validate
+from gpushare.status import NodeStatus
+
+log = logging.getLogger("gpushare.node.admin_server")
+
+# Every connection holds a task and a descriptor, so none is held for good: the first
+# request must come within hello_timeout, each request be whole within hello_timeout of
+# its first byte, and a connection between requests (a `gpushare top` polling) or a
+# reader not reading what it asked for (a stalled `ctl events --follow`) waits at most
+# IDLE_S. A follower reading its events is never timed out.
+IDLE_S = 300.0
+# Admin connections open at once (followers included); more are refused `busy`.
+MAX_CONNECTIONS = 64
+
+
+class AdminServer:
+    def __init__(
+        self,
+        *,
+        live: LiveConfig,
+        arbiters: Sequence[Arbiter],
+        conns: dict[int, Conn],
+        guard: Guard,
+        dispatch: Dispatch,
+        decisions: Decisions,
+        events: EventBus,
+        status: Callable[[], NodeStatus],
+        clock: Clock,
+    ) -> None:
+        self.live, self.arbiters, self.conns = live, arbiters, conns
+        self.guard, self.dispatch, self.events = guard, dispatch, events
+        self.decisions = decisions
+        self.status, self.clock = status, clock
+        self.status_frames = StatusFrames(status, clock.monotonic)
+        self.open = 0  # connections now
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            conn = self.guard.accept(writer)
+        except OSError:  # gone before the kernel could say who it was
+            writer.close()
+            return
+        self.open += 1
+        frame_s = self.live.config.hello_timeout
+        idle = frame_s  # for the first request; IDLE_S between the next ones
+        try:
+            if self.open > MAX_CONNECTIONS:
+                raise Refused(
+                    "busy",
+                    f"{MAX_CONNECTIONS} admin connections are open, the most allowed"
+                    " (ctl events --follow readers and gpushare top count): close some",
+                )
+            self.guard.check_admin(conn)
+            while True:
+                try:
+                    msg = await read_frame_within(reader, idle, frame_s)
+                except Unfinished:
+                    raise Refused(
+                        "timeout",
+                        f"a request not whole within {frame_s:g} s of its first byte"
+                        " (hello_timeout): send each frame at once",
+                    ) from None
+                idle = IDLE_S
+                await self.guard.spend(conn)
+                if isinstance(msg, p.EventsRequest):  # the connection's last request
+                    await self.serve_events(conn, msg, reader)
+                    return
+                await self.answer(conn, msg)
+                await drained(writer)
+        except (asyncio.IncompleteReadError, ConnectionError, Idle, TimeoutError, _Gone):
+            pass  # gone, idle too long (it may connect again), or not reading its answers
+        except (Refused, p.ProtocolError) as e:
+            self.guard.refuse(conn, "admin", e)
+        finally:
+            self.open -= 1
+            writer.close()
+
+    async def answer(self, conn: Conn, msg: p.Message) -> None:
+        if isinstance(msg, p.StatusRequest):  # bounded in cost (snapshot.py)
+            conn.write(await self.status_frames.take())
+        elif isinstance(msg, p.SetConfig):
+            conn.send(self.set_config(msg))
+        elif isinstance(msg, p.EndSession):
+            conn.send(self.end_session(msg))
+        elif isinstance(msg, p.Hello):
+            raise p.ProtocolError(
+                f"{self.live.config.admin_socket} is this node's admin socket:"
+                " workloads (gpushare run, gpushare.attach) attach at its workload"
+                f" socket, {self.live.config.socket} (--socket, or GPUSHARE_SOCKET)"
+            )
+        else:
+            raise p.ProtocolError(f"{type(msg).__name__} is not an admin request")
+
+    def end_session(self, m: p.EndSession) -> p.Message:
+        c = self.conns.get(m.session)
+        if c is None:
+            return p.Error(code="session", message=f"no session {m.session} on this node")
+        log.warning("ending session %d (pid %d): %s", m.session, c.pid, m.reason)
+        self.dispatch.end_session(c, m.reason)
+        return p.Done(message=f"session {m.session} ended")
+
+    def set_config(self, m: p.SetConfig) -> p.Message:
+        if m.gpu is not None and not 0 <= m.gpu < len(self.arbiters):
+            n = len(self.arbiters)
+            message = f"no GPU {m.gpu} on this node (it has {n}: --gpu 0..{n - 1})"
+            self.live.refused("ctl", message)
+            return p.Error(code="gpu", message=message)
+        try:  # all of it checked before any GPU changes
+            change = validate(tq_s=m.tq_s, mode=m.mode, policy=m.policy, escalation=m.escalation)
+        except SettingsError as e:
+            self.live.refused("ctl", str(e))
+            return p.Error(code="value", message=str(e))
+        targets = self.arbiters if m.gpu is None else [self.arbiters[m.gpu]]
+        try:
+            for arb in targets:
+                self.decisions.act(arb, arb.set_config(change))
+        except ArbiterError as e:
+            return p.Error(code="value", message=str(e))
+        for arb in targets:
+            s = arb.settings
+            log.info(
+                "GPU %d: TQ %g s, mode %s, policy %s (from next quantum)",
+                arb.gpu,
+                s.tq_s,
+                s.mode,
+                s.policy,
+            )
+        persisted = ""
+        if m.persist:
+            try:
+                persisted = self.live.persist(m.gpu, change)
+            except NotPersisted as e:
+                return p.Error(code="persist", message=str(e))
+        return p.ConfigReply(
+            gpus=[
+                p.GpuConfig(
+                    index=a.gpu,
+                    tq_s=a.settings.tq_s,
+                    mode=a.settings.mode,
+                    policy=a.settings.policy,
+                    escalation=a.settings.escalation,
+                )
+                for a in targets
+            ],
+            persisted_to=persisted,
+        )
+
+    async def serve_events(
+        self, conn: Conn, m: p.EventsRequest, reader: asyncio.StreamReader
+    ) -> None:
+        """The backlog (since ``since_s`` ago, of one session), the end marker, then with
+        ``follow`` live events until the node stops or this reader falls too far behind
+        (then an error frame says so, and the connection ends)."""
+        since = self.clock.wall() - m.since_s if m.since_s is not None else None
+        f = self.events.follow() if m.follow else None
+        try:
+            for rec in self.events.select(since, m.session):
+                conn.send(p.EventMsg(event=rec))
+            conn.send(p.EventsEnd())
+            await drained(conn.writer)
+            if f is None:
+                return
+            # A follower says nothing more: anything it sends, or its end, ends the
+            # stream at once (not at the next event: its connection counts till then).
+            gone: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))
+            try:
+                while (live := await _next(f.queue, gone)) is not None:
+                    if m.session is None or live.get("session") == m.session:
+                        conn.send(p.EventMsg(event=live))
+                        await drained(conn.writer)
+            finally:
+                gone.cancel()
+            if f.dropped:
+                conn.send(
+                    p.Error(
+                        code="behind",
+                        message=(
+                            f"dropped: this reader fell {f.limit} events behind the node;"
+                            " read faster (or narrow it with --session) and follow again"
+                        ),
+                    )
+                )
+                await drained(conn.writer)
+        finally:
+            if f is not None:
+                self.events.unfollow(f)
+
+
+async def drained(writer: asyncio.StreamWriter) -> None:
+    """What was written taken by the peer, within :data:`IDLE_S` (else TimeoutError: a
+    peer that asks and never reads does not hold the node's buffers for good)."""
+    await asyncio.wait_for(writer.drain(), IDLE_S)
+
+
+class _Gone(Exception):
+    """The peer sent something, or hung up."""
+
+
+async def _next(
+    queue: asyncio.Queue[dict[str, Any] | None], gone: asyncio.Future[Any]
+) -> dict[str, Any] | None:
+    """The next event queued, or :class:`_Gone` once ``gone`` is done first."""
+    if not queue.empty():
+        return queue.get_nowait()
+    task: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+    await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        raise _Gone()
+    live: dict[str, Any] | None = task.result()
+    return live

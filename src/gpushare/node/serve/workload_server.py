@@ -1,0 +1,552 @@
+"""The workload socket: a session's hello (who it is, which GPU, how much memory), then
+its messages, each decoded, checked and handed to its GPU's arbiter. A workload acts
+only on its own session; anything else is refused through the guard.
+
+Every field of a hello is bounded (names as Kubernetes bounds them, no control
+characters, weights and portions finite and in range) and refused with a message naming
+it; a session that outlived a node restart gets its old id back only if the node matches
+it to its record (``gpushare.node.keep.recovery``), and its lease only with the lease's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Collection, Sequence
+
+from gpushare import protocol as p
+from gpushare.core import families
+from gpushare.core.actions import Action
+from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attribution import Attribution
+from gpushare.core.gangs import across_gpus
+from gpushare.node.decide.decisions import Decisions
+from gpushare.node.guard import Conn, Guard, Refused
+from gpushare.node.host.gpus import GpuInfo
+from gpushare.node.host.identity import CgroupIdentity, read_identity
+from gpushare.node.host.procs import descends
+from gpushare.node.host.sockets import read_frame
+from gpushare.node.keep.config import NodeConfig
+from gpushare.node.keep.recovery import IdsUnavailable, Recovery, SessionRecord
+from gpushare.node.kube.k8s import PodCache
+from gpushare.status import Claimed
+from gpushare.units import is_fraction
+
+log = logging.getLogger("gpushare.node.workload_server")
+
+# What an administrator's tool sends first: said to have come to the wrong socket.
+ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
+
+# The longest each text of a hello may be: Kubernetes' bounds for names (a DNS
+# subdomain, 253) and labels (63); a UUID; a job id as long as a name.
+TEXT_BOUNDS = {
+    "name": 253,
+    "pod": 253,
+    "namespace": 63,
+    "container": 63,
+    "pod_uid": 36,
+    "gpu_uuid": 64,
+    "backend": 32,
+    "gang": 253,
+    "token": 64,
+}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
+MAX_GANG = 4096
+MAX_WORLD = 1 << 20  # ranks of a job on all nodes
+
+
+def check_hello(h: p.Hello) -> None:
+    """Every bound a hello's fields must keep, or :class:`Refused` naming the field."""
+    for name, most in TEXT_BOUNDS.items():
+        text: str = getattr(h, name)
+        if len(text) > most:
+            raise Refused(
+                "attach", f"hello: {name} is {len(text)} characters long, the most is {most}"
+            )
+        if _CONTROL.search(text):
+            raise Refused("attach", f"hello: {name} holds control characters")
+    if h.portion is not None and not is_fraction(h.portion):
+        raise Refused(
+            "attach",
+            f"hello: portion must be a fraction in (0, 1] (KAI's GPU_PORTION), not {h.portion}",
+        )
+    pl = h.portion_limit
+    if pl is not None and not (h.portion is not None and is_fraction(pl, low=h.portion)):
+        raise Refused(
+            "attach",
+            "hello: portion_limit must be a fraction in [portion, 1] beside a portion"
+            f" (KAI's gpu-memory.portion.limit), not {pl}",
+        )
+    if not 0 <= h.gang_size <= MAX_GANG or not -1 <= h.rank < max(h.gang_size, 1):
+        raise Refused(
+            "attach",
+            f"hello: gang_size must be in [0, {MAX_GANG}] and rank in [-1, gang_size),"
+            f" not {h.gang_size} and {h.rank}",
+        )
+    if not 0 <= h.world_size <= MAX_WORLD:
+        raise Refused(
+            "attach", f"hello: world_size must be in [0, {MAX_WORLD}], not {h.world_size}"
+        )
+    for name in ("session", "lease"):
+        if not 0 <= getattr(h, name) < 2**63:
+            raise Refused("attach", f"hello: {name} must be a number >= 0")
+
+
+class WorkloadServer:
+    def __init__(
+        self,
+        *,
+        config: Callable[[], NodeConfig],
+        gpus: Sequence[GpuInfo],
+        arbiters: Sequence[Arbiter],
+        conns: dict[int, Conn],
+        guard: Guard,
+        decisions: Decisions,
+        utilization: Sequence[Attribution],
+        sim_link: Callable[[int, int], str],
+        recovery: Recovery,
+        returned: Callable[[], None],
+        pods: Callable[[], PodCache | None],
+        retire: Callable[[int, int], None] = lambda gpu, sid: None,
+        nvml_used: Callable[[int, Collection[int]], int | None] = lambda gpu, pids: None,
+    ) -> None:
+        self._config = config
+        self.gpus, self.arbiters, self.conns = gpus, arbiters, conns
+        self.guard, self.decisions, self.utilization = guard, decisions, utilization
+        self.sim_link = sim_link  # (gpu, uid) -> the link file that uid may book
+        self.recovery = recovery
+        self.returned = returned  # every session on record is back: the window ends
+        self.pods = pods
+        self.retire = retire  # a session's figures, kept as it leaves (node/keep/totals.py)
+        # (gpu, pids) -> the GPU memory NVML counts for them; None where it cannot say
+        self.nvml_used = nvml_used
+
+    def socket_path(self) -> str:
+        return self._config().socket
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: C901
+        try:
+            conn = self.guard.accept(writer, name=False)
+        except OSError:  # gone before the kernel could say who it was
+            writer.close()
+            return
+        arb: Arbiter | None = None
+        cfg = self._config()
+        try:
+            try:
+                self.guard.may_wait(conn)  # refused at once: nothing more spent on it
+                self.guard.name(conn)  # its process, named for good as soon as may be
+                await self.guard.admit(conn)  # a bounded number say hello at once
+                hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
+            except TimeoutError:
+                raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
+            finally:
+                self.guard.said_hello(conn)
+            if isinstance(hello, ADMIN_REQUESTS):
+                raise p.ProtocolError(
+                    f"{self.socket_path()} is this node's workload socket: ctl, top and"
+                    f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
+                    " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
+                )
+            if not isinstance(hello, p.Hello):
+                raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+            if reader.at_eof():  # its client gave up waiting (a burst on a slow node):
+                return  # no session for nobody, the node's time goes to the next
+            arb = self._attach(conn, hello)
+            while True:
+                msg = await read_frame(reader)
+                await self.guard.spend(conn)
+                if not conn.may_hold_memory and _claims_memory(msg, conn):
+                    conn.send(p.Error(code="value", message=NO_MEMORY_YET))
+                    continue
+                try:
+                    actions = self._message(arb, conn.session, msg)
+                    if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
+                        conn.ask = msg.ask  # accepted: the grants that follow answer it
+                    if isinstance(msg, p.Release | p.Report | p.SwapDone):
+                        self.recovery.save_soon()  # its memory and lease, on record soon
+                    self.decisions.act(arb, actions)
+                except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
+                    # answered (the field named), nothing changed, the session goes on
+                    conn.send(p.Error(code=e.code, message=str(e)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except (Refused, p.ProtocolError) as e:
+            self.guard.refuse(conn, "workload", e)
+        finally:
+            self.guard.leave_budget(conn)
+            if arb is not None and conn.session in self.conns:
+                self.retire(arb.gpu, conn.session)
+                del self.conns[conn.session]
+                self.guard.left(conn)
+                self.utilization[arb.gpu].forget(conn.session)
+                reason = "ended" if conn.ended else "disconnected"
+                self.decisions.act(arb, arb.detach(conn.session, reason=reason))
+                self.recovery.save_soon()
+            writer.close()
+
+    def _gpu_of(self, h: p.Hello) -> int:
+        """The GPU a hello asks for (by UUID, or index), or :class:`Refused`."""
+        gpu = 0 if h.gpu is None else h.gpu
+        if h.gpu_uuid:
+            by_uuid = {g.uuid: g.index for g in self.gpus}
+            if h.gpu_uuid not in by_uuid:
+                raise Refused(
+                    "gpu",
+                    f"no GPU {h.gpu_uuid} on this node (NVIDIA_VISIBLE_DEVICES): it has "
+                    + ", ".join(by_uuid),
+                )
+            gpu = by_uuid[h.gpu_uuid]
+        if not 0 <= gpu < len(self.arbiters):
+            raise Refused(
+                "gpu",
+                f"no GPU {gpu} on this node (it has {len(self.arbiters)}): choose gpu=0.."
+                f"{len(self.arbiters) - 1}",
+            )
+        return gpu
+
+    def _where(self, conn: Conn, h: p.Hello, proc_root: str) -> tuple[Conn | None, int]:
+        """The session a member joins now (new, or back after a restart that kept no
+        record of it; None: not a member) and the GPU: a member's is its session's."""
+        if h.family and not (h.session and h.session in self.recovery.previous):
+            head = self._head_of(conn, h, proc_root)
+            return head, head.gpu
+        return None, self._gpu_of(h)
+
+    def _head_of(self, conn: Conn, h: p.Hello, proc_root: str) -> Conn:
+        """The session a hello with ``family`` joins as one of its processes: attached
+        here, of the same user, and this process started by its process or by one that
+        process started (the kernel's view, not the client's word); or :class:`Refused`."""
+        head = self.conns.get(h.family)
+        fix = (
+            "a process joins the session of the program that started it (gpushare run sets"
+            " GPUSHARE_FAMILY in its environment): unset GPUSHARE_FAMILY to attach it as"
+            " a session of its own"
+        )
+        if head is None and h.family in self.recovery.expected:
+            raise Refused(  # its session comes back first: the client tries again
+                "busy",
+                f"the node restarted and session {h.family} is not back yet: try again soon",
+            )
+        if head is None:
+            raise Refused("family", f"hello: no session {h.family} is attached to join: {fix}")
+        if (
+            head.uid != conn.uid
+            or head.proc is None
+            or not descends(conn.pid, head.proc, proc_root)
+        ):
+            raise Refused(
+                "family",
+                f"hello: process {conn.pid} was not started by session {h.family}'s process"
+                f" (pid {head.pid}) or its children, or is another user's: {fix}",
+            )
+        return head
+
+    def _weight(self, conn: Conn, h: p.Hello) -> tuple[float, str]:
+        """The session's weight and where it comes from: the pod's gpu-fraction
+        annotation through the API (checked), else the workload's word."""
+        pods = self.pods()
+        if pods is not None and conn.identity.pod_uid:
+            fraction = pods.fraction(conn.identity.pod_uid)
+            if fraction is not None:
+                return fraction, "kubernetes"
+        if h.weight is None:
+            return 1.0, "default"
+        return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
+
+    def _new_id(self, conn: Conn, h: p.Hello, limit: int) -> int:
+        """The id a session with no record gets (on disk before anything changes)."""
+        self._no_record(conn, h, limit)
+        try:
+            return self.recovery.peek_id()
+        except IdsUnavailable as e:
+            raise Refused("busy", str(e)) from None
+
+    def _attach(self, conn: Conn, h: p.Hello) -> Arbiter:
+        """A session for the hello, welcomed; or :class:`Refused`, with nothing changed."""
+        self.guard.check_sessions_of_uid(conn)
+        if h.version != p.PROTOCOL_VERSION:
+            raise Refused(
+                "version",
+                f"client speaks protocol {h.version}, this node {p.PROTOCOL_VERSION}:"
+                " use the same gpushare version in workloads and node",
+            )
+        check_hello(h)
+        cfg = self._config()
+        head, gpu = self._where(conn, h, cfg.proc_root)
+        arb, g = self.arbiters[gpu], self.gpus[gpu]
+        # A member asks for its part of its session's limit (all it has free, unless it
+        # names less), at its session's weight.
+        limit = _limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
+        identity = read_identity(conn.pid, cfg.proc_root)
+        conn.identity = identity
+        weight, source = self._weight(conn, h)
+        if head is not None:
+            weight, source = arb.sessions[head.session].weight, "family"
+        # Back after a restart? Only the process the record names gets the id it had,
+        # and its lease only with the token that lease was granted with.
+        rec = None
+        if h.session:
+            rec = self.recovery.match(
+                h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
+                self.conns,
+            )  # fmt: skip
+        swapped = h.swapped
+        # Memory a session says it has on the GPU counts only where the node can check
+        # it: on record from before a restart, or as NVML counts its process's (then no
+        # more than that). A new session with neither has nothing resident. (What it
+        # says it has swapped out, in its own host memory, only costs it swap-ins.)
+        sid = self._new_id(conn, h, limit) if rec is None else rec.id
+        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
+        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
+        verified = not wrong
+        if h.holding and wrong:
+            log.warning(
+                "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
+                " to yield it",
+                conn.pid,
+                conn.uid,
+                h.lease,
+                wrong,
+            )
+        name = h.name or f"pid-{conn.pid}"
+        # A new member's gang is its session's, never its hello's word (which would put
+        # that session in a gang of its choosing).
+        gang, spans_nodes = gang_of(h, conn.uid, identity) if head is None else ("", False)
+        family, gang = _family_of(arb, head, rec, gang, _who(conn.uid, identity))
+        if gang:
+            elsewhere = {
+                a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
+            }
+            why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
+            if why:
+                raise Refused("attach", why)
+        link = self.sim_link(gpu, conn.uid) if g.simulated else ""  # before any change
+        try:
+            actions = arb.attach(
+                sid,
+                name=name,
+                memory_limit=limit,
+                memory_request=_request_of(h, arb.capacity, limit) if head is None else None,
+                grows=h.grows and g.simulated,
+                sharing=h.sharing,
+                compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
+                weight=weight,
+                resident=resident,
+                swapped=swapped,
+                discarded=h.discarded,
+                holding=h.holding,
+                lease=h.lease,
+                verified=verified,
+                fills=h.fills,
+                prefetch=h.prefetch,
+                gang=gang,
+                gang_size=h.gang_size,
+                spans_nodes=spans_nodes,
+                family=family,
+                joins_family=head is not None,
+            )
+        except ArbiterError as e:  # busy: a member whose session holds tries again
+            raise Refused("busy" if e.code == "busy" else "attach", str(e)) from None
+        limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
+        if rec is None:
+            self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
+        conn.session, conn.gpu, conn.weight_source = sid, gpu, source
+        # else only once granted (dispatch)
+        conn.may_hold_memory = rec is not None or resident > 0
+        conn.rank = h.rank if gang else -1
+        # The pod UID is the kernel's; the names beside it are the workload's word.
+        conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
+        conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
+        conn.record = SessionRecord(
+            id=sid,
+            gpu=gpu,
+            pid=conn.pid,
+            start_time=conn.proc.start_time if conn.proc else 0,
+            uid=conn.uid,
+            pod_uid=identity.pod_uid,
+            container_id=identity.container_id,
+            limit=limit,
+            name=name,
+            family=family,
+        )
+        self.conns[sid] = conn
+        self.guard.joined(conn)
+        self.guard.join_budget(
+            conn, f"pod {identity.pod_uid}" if identity.pod_uid else f"uid {conn.uid}"
+        )
+        self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
+        conn.send(
+            p.Welcome(
+                session=sid,
+                name=name,
+                gpu=gpu,
+                gpu_name=g.name,
+                gpu_uuid=g.uuid,
+                simulated=g.simulated,
+                memory_limit=limit,
+                memory_request=arb.sessions[sid].memory.request,
+                weight=weight,
+                idle_release_s=cfg.idle_release,
+                sim_scale=cfg.sim_scale,
+                sim_bandwidth=cfg.sim_bandwidth,
+                sim_swap_failure_rate=cfg.sim_swap_failure_rate,
+                sim_link=link,
+                tq_s=arb.settings.tq_s,
+            )
+        )
+        self.decisions.act(arb, actions)
+        if rec is not None and self.recovery.returned(sid):
+            self.returned()  # the last one expected: the recovery window ends
+        return arb
+
+    def _no_record(self, conn: Conn, h: p.Hello, limit: int) -> None:
+        """A hello the node has no record of: while the recovery window is open it waits
+        (``busy``: the client tries again within its timeout), so that the sessions on
+        record come back first; memory it says it has is not believed (said in the log)."""
+        if self.recovery.open:
+            n = len(self.recovery.expected)
+            raise Refused(
+                "busy",
+                f"the node restarted and is recovering {n} sessions on record, which come"
+                f" back first (recovery_window, {self._config().recovery_window:g} s at"
+                " most): try again then",
+            )
+        held = h.resident + h.swapped + h.discarded
+        if min(h.resident, h.swapped, h.discarded) < 0 or held > limit:
+            raise Refused(  # no session could have these: a broken client, said so
+                "attach",
+                f"hello: resident + swapped + discarded ({h.resident} + {h.swapped} +"
+                f" {h.discarded} bytes) must be bytes within the memory limit of {limit}"
+                " bytes",
+            )
+
+    def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
+        """What of the memory a hello says is resident the node believes: NVML's count
+        for the process where it has one (at most; all of it for a session on record
+        that NVML does not list, since a node outside the host's pid namespace sees no
+        pids of its); else all of it for a session on record, none for a new one."""
+        if claimed <= 0:
+            return 0
+        seen = self.nvml_used(gpu, {conn.pid})
+        if seen is None or (on_record and seen == 0):
+            believed = claimed if on_record else 0
+            why = "the session is not on record (new to this node), nor counted by NVML"
+        else:
+            believed = min(claimed, seen)
+            why = f"NVML counts {seen} bytes for its process"
+        if believed < claimed:
+            log.warning(
+                "pid %d uid %d: hello says %d bytes are resident on GPU %d, but %s: taken as %d",
+                conn.pid,
+                conn.uid,
+                claimed,
+                gpu,
+                why,
+                believed,
+            )
+        return believed
+
+    @staticmethod
+    def _message(arb: Arbiter, sid: int, msg: p.Message) -> list[Action]:
+        if isinstance(msg, p.Acquire):
+            return arb.acquire(sid)
+        if isinstance(msg, p.Release):
+            return arb.release(
+                sid,
+                resident=msg.resident,
+                swapped=msg.swapped,
+                again=msg.again,
+                swapped_out=msg.swapped_out,
+                seconds=msg.seconds,
+                swapping_out=msg.swapping_out,
+                need=msg.need,
+                discarded=msg.discarded,
+            )
+        if isinstance(msg, p.SwapDone):
+            return arb.swap_done(
+                sid,
+                direction=msg.direction,
+                nbytes=msg.bytes,
+                seconds=msg.seconds,
+                resident=msg.resident,
+                swapped=msg.swapped,
+                error=msg.error,
+                prefetch=msg.prefetch,
+                discarded=msg.discarded,
+            )
+        if isinstance(msg, p.Report):
+            return arb.report(
+                sid, resident=msg.resident, swapped=msg.swapped, discarded=msg.discarded
+            )
+        raise Refused(
+            "denied",
+            f"{type(msg).__name__} is not a workload message: a workload acts only on its own"
+            " session (administration uses the admin socket)",
+        )
+
+
+NO_MEMORY_YET = (
+    "resident: this session has had no lease nor prefetch room since it attached, and is"
+    " not on record from before a restart: it has nothing on the GPU (report memory"
+    " within a lease)"
+)
+
+
+def _claims_memory(msg: p.Message, conn: Conn) -> bool:
+    """A report or release saying the session has memory on the GPU, within its limit (a report
+    over it is the workload's own word that it broke the limit: the arbiter escalates
+    it, and books nothing)."""
+    if not isinstance(msg, p.Report | p.Release):  # a swap_done answers what it was asked
+        return False
+    limit = conn.record.limit if conn.record is not None else 0
+    return 0 < msg.resident <= limit
+
+
+def _family_of(
+    arb: Arbiter, head: Conn | None, rec: SessionRecord | None, gang: str, who: str
+) -> tuple[int, str]:
+    """A session's family (a new member's session, checked; else what its record says;
+    0: none) and the gang it is in: its job's, else its family's."""
+    family = head.session if head is not None else (rec.family if rec is not None else 0)
+    if family and not gang:  # a rank's processes are in its job's gang already
+        gang = families.key(family, who)
+    if head is not None:  # the session's own gang (its job's if it is a rank of one)
+        gang = arb.sessions[head.session].rank.gang or gang
+    return family, gang
+
+
+def _who(uid: int, identity: CgroupIdentity) -> str:
+    """Whose a job or family is, as the kernel says: the pod, else the uid."""
+    return f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
+
+
+def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
+    """The node's key of the job a hello says it is a rank of ("" for none), and whether
+    the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
+    job's id to what the kernel says (the pod, else the uid): a rank can join only a job
+    of its own pod or user, whatever id it claims."""
+    if not h.gang:
+        return "", False
+    return f"{h.gang}@{_who(uid, identity)}", 0 < h.gang_size < h.world_size
+
+
+def _limit_of(h: p.Hello, capacity: int) -> int:
+    """The memory limit a hello asks for: its own, its pod's portion limit or portion,
+    or the whole GPU."""
+    if h.memory_limit is not None:
+        return h.memory_limit
+    if h.portion is not None:
+        return max(1, int(capacity * (h.portion_limit or h.portion)))
+    return capacity
+
+
+def _request_of(h: p.Hello, capacity: int, limit: int) -> int | None:
+    """The memory request a hello asks for: its own, its pod's portion (when a portion
+    limit makes the limit larger), else none (the limit). The arbiter checks it."""
+    if h.memory_request is not None:
+        return h.memory_request
+    if h.portion is not None and h.portion_limit is not None and h.memory_limit is None:
+        return max(1, int(capacity * h.portion))
+    return None
