@@ -19,7 +19,7 @@ PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip
 # the time; hermetic tests (no fixed port or path) make it safe.
 PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 
-.PHONY: demo test lint typecheck unit bench clean system-deps pre-commit
+.PHONY: demo test lint typecheck unit test-loaded bench clean system-deps pre-commit
 
 # Rebuilt when the dependencies or the version change (the installed metadata holds it).
 $(STAMP): pyproject.toml src/gpushare/_version.py
@@ -80,6 +80,12 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(PYTEST)
+
+# make unit under load, as a busy machine runs it: a busy loop per CPU and a writer of
+# 512 MiB files, each flushed to disk (in $TMPDIR, default /var/tmp), beside it; all
+# ended when it ends, also on Ctrl-C (benchmarks/load.py).
+test-loaded: $(STAMP)
+	$(BIN)/python benchmarks/load.py --busy $$(nproc) --writer auto -- $(PYTEST)
 
 # The cluster suite's real servers (tests/cluster): etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kubelet built once from Go modules with the

@@ -18,7 +18,13 @@ torch = pytest.importorskip(
     reason="PyTorch is not installed (make test installs the CPU build where its wheel is on disk)",
 )
 
+STEPS = 20
+# Trains for SECONDS and at least STEPS steps (a busy machine makes each step slower: the
+# work is counted, not the time it took); with TOGETHER ("DIR:N"), the seconds count from
+# when N programs have trained a step (each says so with a file in DIR), so that they
+# overlap however late each started. 120 s at most: a test fails, never hangs.
 TRAIN = textwrap.dedent("""
+    import json, os
     import sys, time, torch
     from gpushare.client import runner
     m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -26,18 +32,26 @@ TRAIN = textwrap.dedent("""
     x, y = torch.randn(64, 32), torch.randn(64, 1)
     s = runner.SESSION
     print(json.dumps({"session": s.id, "limit": s.memory_limit, "weight": s.weight}), flush=True)
-    end, steps = time.time() + float(sys.argv[1]), 0
-    while time.time() < end:
+    seconds, least = float(sys.argv[1]), STEPS
+    together = os.environ.get("TRAIN_TOGETHER", "")
+    hard = time.time() + 120
+    end, steps, joined = time.time() + seconds, 0, not together
+    while time.time() < hard and (time.time() < end or steps < least or not joined):
         loss = ((m(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         steps += 1
+        if not joined:
+            d, n = together.rsplit(":", 1)
+            open(os.path.join(d, str(os.getpid())), "a").close()
+            if len(os.listdir(d)) >= int(n):
+                joined, end = True, time.time() + seconds
         time.sleep(0.002)
     idle = float(sys.argv[2]) if len(sys.argv) > 2 else 0
     print(json.dumps({"steps": steps, "grants": s.grants, "holding": s.holding}), flush=True)
     time.sleep(idle)  # no GPU work: the lease goes back after idle_release
-""").replace("import sys,", "import json, sys,")
+""").replace("STEPS", str(STEPS))
 
 
 @pytest.fixture
@@ -91,7 +105,8 @@ def test_an_unmodified_program_becomes_a_session(node_factory, script):
     )
     first = json.loads(pr.stdout.readline())
     assert first["limit"] == 2 * 2**30
-    assert json.loads(pr.stdout.readline())["steps"] > 10  # trained; now 1.5 s without work
+    trained = json.loads(pr.stdout.readline())  # now 1.5 s without work
+    assert trained["steps"] >= STEPS and trained["grants"] >= 1, trained
 
     def idle() -> bool:
         return any(
@@ -108,21 +123,22 @@ def test_an_unmodified_program_becomes_a_session(node_factory, script):
     assert any(e["event"] == "release" and e["reason"] == "burst_end" for e in ev)
 
 
-def test_two_programs_take_turns_at_the_hooks(node_factory, script):
+def test_two_programs_take_turns_at_the_hooks(node_factory, script, short_tmp):
     node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.3"))
+    (short_tmp / "in").mkdir()
+    env = {"TRAIN_TOGETHER": f"{short_tmp / 'in'}:2"}  # 3 s from when both train
     procs = [
-        gs_run(
-            node, "--memory", "4GiB", "--name", f"job{i}", "--", sys.executable, str(script), "3.0"
-        )
+        gs_run(node, "--memory", "4GiB", "--name", f"job{i}", "--", sys.executable, str(script),
+               "3.0", extra_env=env)
         for i in range(2)
-    ]
+    ]  # fmt: skip
     results = []
     for pr in procs:
-        out, err = pr.communicate(timeout=60)
+        out, err = pr.communicate(timeout=150)
         assert pr.returncode == 0, err
         results.append(lines(out))
     ids = [r[0]["session"] for r in results]
-    assert all(r[1]["steps"] > 10 and r[1]["grants"] >= 2 for r in results), results
+    assert all(r[1]["steps"] >= STEPS and r[1]["grants"] >= 2 for r in results), results
     ev = node.event_list()
     revoked = {e["session"] for e in ev if e["event"] == "release" and e["reason"] == "revoked"}
     assert set(ids) <= revoked  # each was revoked and yielded at a hook
@@ -136,19 +152,23 @@ def test_two_programs_take_turns_at_the_hooks(node_factory, script):
             holder = None
 
 
-def test_three_programs_requesting_less_than_their_limits_hold_together(node_factory, script):
+def test_three_programs_requesting_less_than_their_limits_hold_together(
+    node_factory, script, short_tmp
+):
     """Limits of 60 GiB each on 80 GiB would take turns; requests of 20 GiB hold together
     (mode auto), each program's session told its request and its limit."""
     node = node_factory(*sim("80GiB", mode="auto", tq="0.5", idle_release="0.3"))
+    (short_tmp / "in").mkdir()
+    env = {"TRAIN_TOGETHER": f"{short_tmp / 'in'}:3"}  # each trains until all three do
     procs = [
         gs_run(node, "--memory", "20GiB", "--memory-limit", "60GiB", "--name", f"job{i}",
-               "--", sys.executable, str(script), "3.0")
+               "--", sys.executable, str(script), "3.0", extra_env=env)
         for i in range(3)
     ]  # fmt: skip
     for pr in procs:
-        out, err = pr.communicate(timeout=90)
+        out, err = pr.communicate(timeout=150)
         assert pr.returncode == 0, err
-        assert lines(out)[1]["steps"] > 10
+        assert lines(out)[1]["steps"] >= STEPS
         assert "memory request 20.0 GiB, memory limit 60.0 GiB" in err, err
     ev = node.event_list()
     holding: set[int] = set()

@@ -107,26 +107,45 @@ def test_a_node_killed_twice_during_a_burst_loses_no_byte_and_stays_within_capac
     import signal
     import time
 
+    # The workloads run until told to end, once all are back and granted after the last
+    # restart: with 14 s of work each, a busy machine's two restarts outlasted them (they
+    # ended while the node was away: "timed out waiting for back"; a restart 8 s away
+    # shows it on a quiet one).
     node = node_factory(*sim("80GiB", mode="auto", tq="1", sim_bandwidth="1e12"))
     env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "60"}
-    common = ("--memory", "20GiB", "--memory-limit", "60GiB", "--seconds", "14")
+    common = ("--memory", "20GiB", "--memory-limit", "60GiB", "--seconds", "600")
     procs = [node.workload("batch", *common, "--name", "grower", "--grow", "30GiB",
                            "--grow-at", "3", "--grow-for", "6", env=env)]  # fmt: skip
     procs += [node.workload("batch", *common, "--name", f"s{i}", "--seed", str(i + 2), env=env)
               for i in (1, 2)]  # fmt: skip
-    wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="3")
-    wait_until(
-        lambda: any(r["resident_bytes"] > 20 * G for r in node.status()["gpus"][0]["sessions"]),
-        timeout=60,
-        what="the burst",
-    )
-    for away in (0.3, 0.2):
-        node.proc.send_signal(signal.SIGKILL)
-        node.proc.wait()
-        time.sleep(away)
-        node.start()
-        wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="back")
-        st = node.status()["gpus"][0]
-        assert st["used_bytes"] <= st["usable_bytes"]
+    try:
+        wait_until(lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="3")
+        sessions = {r["id"] for r in node.status()["gpus"][0]["sessions"]}
+        wait_until(
+            lambda: any(r["resident_bytes"] > 20 * G for r in node.status()["gpus"][0]["sessions"]),
+            timeout=60,
+            what="the burst",
+        )
+        for away in (0.3, 0.2):
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait()
+            time.sleep(away)
+            seen = len(node.event_list())
+            node.start()
+            wait_until(
+                lambda: len(node.status()["gpus"][0]["sessions"]) == 3, timeout=60, what="back"
+            )
+            st = node.status()["gpus"][0]
+            assert {r["id"] for r in st["sessions"]} == sessions  # their ids, back
+            assert st["used_bytes"] <= st["usable_bytes"]
+
+        def granted_since() -> bool:
+            ev = node.event_list()[seen:]
+            return {e["session"] for e in ev if e["event"] == "grant"} >= sessions
+
+        wait_until(granted_since, timeout=60, what="each granted after the last restart")
+    finally:
+        for pr in procs:
+            pr.send_signal(signal.SIGTERM)  # each prints what it did, checked, and ends
     outs = [_out(p) for p in procs]
     assert all(o["failures"] == 0 and o["checks"] >= 1 for o in outs), outs

@@ -131,9 +131,9 @@ class Tmux:
     def keys(self, *keys: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
 
-    def until(self, pred, what: str, timeout: float = 20) -> str:
+    def until(self, pred, what: str, timeout: float = 60, colours: bool = False) -> str:
         def shown() -> str | None:
-            t = self.screen()
+            t = self.screen(colours)
             return t if pred(t) else None
 
         try:
@@ -154,8 +154,10 @@ class Tmux:
 @needs_tmux
 def test_live_view_in_tmux(node_factory):
     node = node_factory(*sim("80GiB", mode="exclusive", tq="1"))
+    # Until killed (at the end): the screen is read while all three are there, however
+    # long a busy machine takes to start them (it was 20 s of work: read after it, 0/0).
     procs = [
-        node.workload("batch", "--memory", "30GiB", "--seconds", "20", "--name", f"job{i}")
+        node.workload("batch", "--memory", "30GiB", "--seconds", "600", "--name", f"job{i}")
         for i in range(3)
     ]
     term = Tmux(f"{sys.executable} -m gpushare top --socket {node.admin}")
@@ -169,8 +171,11 @@ def test_live_view_in_tmux(node_factory):
         assert all(len(line) <= 80 for line in text.splitlines())
         # colour: a waiting state in yellow (SGR 93; one row at most is the highlighted
         # focus, and two wait), the simulated mark in yellow too
-        coloured = term.screen(colours=True)
-        assert "\x1b[93mwaiting" in coloured and "93m [SIMULATED]" in coloured
+        term.until(
+            lambda t: "\x1b[93mwaiting" in t and "93m [SIMULATED]" in t,
+            "a waiting state and the simulated mark in yellow",
+            colours=True,
+        )
         term.keys("q")
         wait_until(lambda: not term.alive(), timeout=10, what="q to quit")
     finally:

@@ -173,12 +173,17 @@ def interactive(
     return check.figures()
 
 
-def short(s: Session, seconds: float, memory: int, seed: int) -> dict[str, Any]:
-    """Short bursts back to back (``with s.gpu():`` around 100 ms of work, a loop)."""
+def short(
+    s: Session, seconds: float, memory: int, seed: int, bursts: int | None = None
+) -> dict[str, Any]:
+    """Short bursts back to back (``with s.gpu():`` around 100 ms of work, a loop); with
+    ``bursts``, that many (``seconds`` then only bounds the run)."""
     m = _memory(s, memory, seed)
     check = _Checker(s, m, seed)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    done = 0
+    while time.monotonic() < end and (bursts is None or done < bursts):
+        done += 1
         with s.gpu():
             check()
             for _ in range(10):
@@ -220,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--name", default="")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--bursts", type=int, default=100, help="cycles: how many bursts")
+    ap.add_argument(
+        "--bursts", type=int, default=None, help="cycles (100), short (no end): how many bursts"
+    )
     ap.add_argument("--weight", type=float, default=None, help="under policy weighted")
     ap.add_argument("--memory-limit", default=None, help="the limit, when above --memory")
     ap.add_argument("--allocate", default=None, help="what it allocates (default --memory)")
@@ -249,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if a.kind == "cycles":
-            out = cycles(s, a.seconds, allocated, a.seed, a.bursts)
+            out = cycles(s, a.seconds, allocated, a.seed, 100 if a.bursts is None else a.bursts)
         elif a.kind == "batch":
             grow = Burst(parse_size(a.grow), a.grow_at, a.grow_for, parse_size(a.discardable))
             out = batch(s, a.seconds, allocated, a.seed, a.until is not None, grow)
         elif a.kind == "short":
-            out = short(s, a.seconds, allocated, a.seed)
+            out = short(s, a.seconds, allocated, a.seed, a.bursts)
         else:
             out = interactive(s, a.seconds, allocated, a.seed, deadline=a.until is not None)
     except TimeUp:  # stopped where it was: what it did until then

@@ -9,14 +9,19 @@ periods and watch periods in no wall time and in the same order every run.
 
 Sockets between peers in this process are seen at once (the kernel holds the bytes), so
 "nothing ready" means every peer waits. Other threads and processes are not waited for:
-time jumps while they work, so a virtual-time test keeps all its peers in this loop.
+time jumps while they work, so a virtual-time test keeps all its peers in this loop. The
+one exception is the loop's own work handed to an executor it is given
+(``run_in_executor(pool, ...)``: the node's record writes): while such a job runs, time
+passes as the wall clock's does, never jumping past the job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import selectors
-from collections.abc import Coroutine, Mapping
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpushare.core.clock import ManualClock
@@ -34,6 +39,7 @@ class _AutojumpSelector(selectors.BaseSelector):
     def __init__(self, clock: ManualClock) -> None:
         self._clock = clock
         self._real = selectors.DefaultSelector()
+        self.working = 0  # executor jobs of the loop's in flight
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = self._real.select(0)
@@ -41,6 +47,11 @@ class _AutojumpSelector(selectors.BaseSelector):
             return ready
         if timeout is None:  # no timer at all: only I/O can wake the loop
             return self._real.select(None)
+        if self.working:  # a job's end wakes the loop (its self-pipe); meanwhile time
+            t0 = time.monotonic()  # passes as the wall clock's does, no faster
+            ready = self._real.select(min(timeout, 0.05))
+            self._clock.advance(min(timeout, time.monotonic() - t0))
+            return ready
         self._clock.advance(max(0.0, timeout))
         return []
 
@@ -72,10 +83,23 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, clock: ManualClock) -> None:
         self.clock = clock
-        super().__init__(_AutojumpSelector(clock))
+        self._jumps = _AutojumpSelector(clock)
+        super().__init__(self._jumps)
 
     def time(self) -> float:
         return self.clock.monotonic()
+
+    def run_in_executor(  # type: ignore[override]
+        self, executor: Executor | None, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        fut = super().run_in_executor(executor, func, *args)
+        if executor is not None:  # asyncio.to_thread's (None): not waited for
+            self._jumps.working += 1
+            fut.add_done_callback(self._job_done)
+        return fut
+
+    def _job_done(self, _: asyncio.Future[Any]) -> None:
+        self._jumps.working -= 1
 
 
 def run(main: Coroutine[Any, Any, T], clock: ManualClock | None = None) -> T:

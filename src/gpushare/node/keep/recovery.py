@@ -10,14 +10,19 @@ lease numbers (leases are numbered on across restarts). Beside it, a key the nod
 each lease with: a workload that comes back claiming a lease shows the token it was
 granted with, so only leases this node (or the one before it) granted are given back.
 
-The records are written whole a moment after a change (an attach, a release), but a
-grant cannot wait for that, nor pay for it (it is the hot path: a whole write costs a
-flush and grows with the sessions): its holder may claim it at the very next restart.
-So each grant goes first, as one line, into a journal beside the records (an append:
-in the kernel's page cache, which a killed node does not lose; a machine that loses
-power loses its workloads too). Each whole write numbers itself (its generation) and
-empties the journal; a line counts only under the generation it follows, so a line a
-later whole write already holds is never read back over it.
+The records are written whole a moment after a change (an attach, a release), on a
+thread of their own: a whole write costs a flush (milliseconds, seconds while another
+process fills the disk), and no grant, revoke or status waits for it. A grant cannot
+wait for that write, nor pay for it, yet its holder may claim it at the very next
+restart: so each grant goes first, as one line, into a journal beside the records (an
+append, no flush: in the kernel's page cache, which a killed node does not lose; a
+machine that loses power loses its workloads too). Each whole write numbers itself (its
+generation) and the lines after it carry that number: two journal files take turns, the
+one the lines of the write in flight go to, and the one the write before it left, which
+is emptied once the new file is on disk; a line counts only under a generation the file
+on disk does not hold (its own or a later one), so a line a later whole write already
+holds is never read back over it. A new session's record is on disk before it is
+welcomed (:meth:`Recovery.written`): one that cannot be written is refused at attach.
 
 On start, the sessions on record whose processes still run are *expected*: nothing is
 granted until each has re-registered (matched by pid, start time, uid, cgroup and the
@@ -34,7 +39,9 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -46,6 +53,8 @@ log = logging.getLogger("gpushare.node.recovery")
 
 STATE_FILE = "sessions.state"
 JOURNAL_FILE = "leases.journal"  # the grants since the state file was last written
+# The two journals, in turn: generation n's lines go to JOURNALS[(n + 1) % 2].
+JOURNALS = (JOURNAL_FILE, JOURNAL_FILE + ".1")
 JOURNAL_MOST = 16 << 20  # read back at most (it is emptied at every whole write)
 KEY_FILE = "lease.key"
 LEASE_BLOCK = 100_000  # lease numbers reserved on disk at a time
@@ -138,10 +147,24 @@ class Recovery:
         self._soon: asyncio.TimerHandle | None = None
         self._soon_delay = 0.0
         self._held = False  # the node is stopping: the records stay as they are
-        self.generation = 0  # of the state file on disk
-        self._journal: int | None = None  # its descriptor, opened at load
-        self._journal_size = 0  # its whole lines' bytes
+        self.generation = 0  # of the last whole write taken: the journal's lines carry it
+        self._journals: list[int] = []  # both journals' descriptors (none: no journal)
+        self._sizes = [0, 0]  # their whole lines' bytes
+        self._journal: int | None = None  # the one this generation's lines go to
+        self._at = 0  # its index
         self._disk_floor = [0] * gpus  # the lease floors last written
+        self._disk_generation = 0  # the state file's on disk
+        # New sessions' records, in every whole write from before their welcome on.
+        self.pending: dict[int, SessionRecord] = {}
+        # Whole writes on a thread of their own, one at a time, in generation order: one
+        # in flight, the next taken once it is done (however many were asked for).
+        self._pool: ThreadPoolExecutor | None = None
+        self._writing = False
+        self._again = False
+        self._idle = threading.Event()  # no whole write is on the thread
+        self._idle.set()
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future[bool]] = []  # for a write taken after they asked
 
     # --- at start ---------------------------------------------------------------------
 
@@ -180,8 +203,13 @@ class Recovery:
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
         self._disk_floor = list(self.lease_floor)
-        self.generation = saved.generation
-        grants = _grants(self._open_journal(), saved.generation)
+        lines = self._open_journals()
+        grants = _grants(lines, saved.generation)
+        # Lines of whole writes that never reached the disk come after the file too; the
+        # next whole write numbers itself past them, so that it holds them all.
+        self.generation = self._disk_generation = saved.generation
+        self.generation = max(self.generation, _last_generation(lines, saved.generation))
+        self._switch(self.generation)
         for gpu, _, lease in grants:  # a lease out with its floor not on disk (a full disk)
             if gpu < self.gpus:
                 self.lease_floor[gpu] = max(self.lease_floor[gpu], lease)
@@ -198,20 +226,41 @@ class Recovery:
         self.expected = dict(self.previous)
         return alive
 
-    def _open_journal(self) -> bytes:
-        """The journal's whole lines as the last node left them (its last
+    def _open_journals(self) -> bytes:
+        """Both journals' whole lines as the last node left them, and both opened to
+        append to; where either cannot be opened, neither is (every grant is then a
+        whole write: slower, as safe)."""
+        for fd in self._journals:
+            os.close(fd)
+        self._journals, self._journal = [], None
+        lines, fds = b"", []
+        for name in JOURNALS:
+            got = self._open_journal(name)
+            if got is None:
+                fds.append(-1)
+                continue
+            fds.append(got[0])
+            self._sizes[len(fds) - 1] = got[1]
+            lines += got[2]
+        if -1 in fds:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        else:
+            self._journals = fds
+        return lines
+
+    def _open_journal(self, name: str) -> tuple[int, int, bytes] | None:
+        """A journal's whole lines as the last node left them (its last
         :data:`JOURNAL_MOST` bytes: a journal that large has outlived many failed whole
         writes), and the journal opened to append to, a last line it left torn cut off
-        (its lease's digits cut short would still read as a number). Without a journal,
-        every grant is a whole write: slower, as safe."""
-        if self._journal is not None:
-            os.close(self._journal)
-            self._journal = None
+        (its lease's digits cut short would still read as a number): its descriptor,
+        size and lines."""
         try:
-            fd = self.dir.append(JOURNAL_FILE, end_line=False)
+            fd = self.dir.append(name, end_line=False)
         except (OSError, UnsafePath) as e:
             log.warning("cannot open the lease journal (%s): each grant writes the records", e)
-            return b""
+            return None
         try:
             size = os.fstat(fd).st_size
             start = max(0, size - JOURNAL_MOST)
@@ -224,9 +273,14 @@ class Recovery:
         except OSError as e:
             os.close(fd)
             log.warning("cannot read the lease journal (%s): each grant writes the records", e)
-            return b""
-        self._journal, self._journal_size = fd, size - torn
-        return lines
+            return None
+        return fd, size - torn, lines
+
+    def _switch(self, generation: int) -> None:
+        """The journal ``generation``'s lines go to (the other holds the generation
+        before, emptied once this one's whole write is on disk)."""
+        self._at = (generation + 1) % 2
+        self._journal = self._journals[self._at] if self._journals else None
 
     def _append(self, line: str) -> bool:
         """``line`` appended to the journal, whole; a short write (a full disk) is cut
@@ -241,40 +295,48 @@ class Recovery:
         else:
             why = "a short write"
         if n == len(data):
-            self._journal_size += n
+            self._sizes[self._at] += n
             return True
         with contextlib.suppress(OSError):
-            os.ftruncate(self._journal, self._journal_size)
+            os.ftruncate(self._journal, self._sizes[self._at])
         log.warning("cannot append to the lease journal (%s): writing the records", why)
         return False
 
     # --- ids, leases, tokens -------------------------------------------------------------
 
-    def peek_id(self) -> int:
-        """The id :meth:`new_id` hands out next, reserved on disk first (ids are reserved
-        a block at a time); or :class:`IdsUnavailable` when the reservation cannot be
-        written (a full disk): an id not on disk could be handed out again after a crash,
-        so none is."""
-        if self.next_session >= self.id_floor:
-            old = self.id_floor
-            self.id_floor = self.next_session + ID_BLOCK
-            if not self.save():
-                self.id_floor = old
-                if self._held:
-                    raise IdsUnavailable("the node is stopping: attach to the next one")
-                raise IdsUnavailable(
-                    f"cannot reserve session ids: writing to {self.dir.path} failed"
-                    f" ({self._failing_why}): free space there, or set recovery_dir to"
-                    " another directory"
-                )
-        return self.next_session
-
     def new_id(self) -> int:
-        """A session id never used before, on this node or the ones before it (see
-        :meth:`peek_id`)."""
-        sid = self.peek_id()
+        """A session id never used before, on this node or the ones before it: ids are
+        reserved a block at a time, the block on disk with the session's record
+        (:meth:`written`) before its workload hears its id, so none is handed out that a
+        later node could hand out again."""
+        if self.next_session >= self.id_floor:
+            self.id_floor = self.next_session + ID_BLOCK
+        sid = self.next_session
         self.next_session += 1
         return sid
+
+    async def written(self, rec: SessionRecord) -> None:
+        """A new session's record on disk, with the id it names reserved, in a whole
+        write on the records' thread (the loop goes on meanwhile); or
+        :class:`IdsUnavailable` when it cannot be written (a full disk): a session whose
+        record is not on disk would be a stranger to the next node, so none is
+        welcomed. The record stays in every whole write until :meth:`settled`."""
+        self.pending[rec.id] = rec
+        if not await self._saved():
+            self.pending.pop(rec.id, None)
+            if self._held:
+                raise IdsUnavailable("the node is stopping: attach to the next one")
+            raise IdsUnavailable(
+                f"cannot save the session's record (session ids are handed out only on"
+                f" record): writing to {self.dir.path} failed ({self._failing_why}): free"
+                " space there, or set recovery_dir to another directory"
+            )
+
+    def settled(self, sid: int, attached: bool) -> None:
+        """A new session's attach is done: attached (its record is the connection's
+        now), or refused (its record is dropped, in a whole write soon)."""
+        if self.pending.pop(sid, None) is not None and not attached:
+            self.save_soon(0.0)
 
     def token(self, gpu: int, sid: int, lease: int) -> str:
         msg = f"{gpu}:{sid}:{lease}".encode()
@@ -297,22 +359,23 @@ class Recovery:
 
     def granted(self, gpu: int, sid: int, lease: int) -> None:
         """``lease`` is about to go out to session ``sid``: on disk first, so that its
-        holder finds it on record whenever the node is killed (a line in the journal;
-        a whole write where the lease floor must move past it, or the journal fails)."""
+        holder finds it on record whenever the node is killed: a line in the journal (a
+        write to the page cache, no flush); a whole write at once only where there is
+        no journal, or the line does not fit (a full disk)."""
         if self._held:
             return
         line = f"{self.generation} {gpu} {sid} {lease}\n"
-        # The floor moves half a block ahead of the leases, and a whole write carries it:
-        # on a full disk every grant tries again, and the floor on disk still covers the
-        # leases (for half a block more) until one succeeds.
+        # The floor moves half a block ahead of the leases, in a whole write on the
+        # records' thread (until one is on disk the journal's lines carry the leases
+        # past it: the next node numbers past them); on a full disk every grant tries
+        # again, and the floor on disk still covers the leases for half a block more.
         near = lease + LEASE_BLOCK // 2 >= self._disk_floor[gpu]
         if near:
             self.lease_floor[gpu] = max(self.lease_floor[gpu], lease + LEASE_BLOCK)
-        elif self._append(line):
-            return
-        if not self.save() and near:
-            # past the floor on disk, a line may still fit: the next node numbers past it
-            self._append(line)
+        if not self._append(line):
+            self.save()
+        elif near:
+            self._save_background()
 
     # --- re-registering ----------------------------------------------------------------
 
@@ -347,53 +410,130 @@ class Recovery:
 
     # --- writing -----------------------------------------------------------------------
 
-    def save(self) -> bool:
-        """The records of the sessions attached now, the ones still expected beside them,
-        the next id and the lease floors: a new file, flushed, renamed over the old.
-        True if written."""
-        if self._held:
-            return False
+    def _snapshot(self) -> tuple[int, bytes, list[int]]:
+        """The records of the sessions attached now, the new ones not yet welcomed and
+        the ones still expected beside them, the next id and the lease floors, as the
+        next generation; the journal's lines are of that generation from here on."""
         now = {r.id: r for r in self.live()}
-        for r in self.previous.values():  # a late returner still gets its id back
-            now.setdefault(r.id, r)
+        for r in (*self.pending.values(), *self.previous.values()):
+            now.setdefault(r.id, r)  # a late returner still gets its id back
+        self.generation += 1
         saved = Saved(
             boot_id=self.boot,
             next_session=self.id_floor,
-            lease_floor=self.lease_floor,
+            lease_floor=list(self.lease_floor),
             sessions=list(now.values()),
-            generation=self.generation + 1,
+            generation=self.generation,
         )
-        try:
-            self.dir.write(STATE_FILE, msgspec.json.encode(saved), mode=0o600)
-        except OSError as e:  # a full disk must not stop the node: it says so, once
-            self._failing_why = e.strerror or str(e)
-            if not self._failing:
-                log.error(
-                    "cannot write session records to %s: %s (new sessions are refused"
-                    " until it can)",
-                    self.dir.path,
-                    self._failing_why,
-                )
-            self._failing = True
+        self._switch(self.generation)
+        return saved.generation, msgspec.json.encode(saved), saved.lease_floor
+
+    def _write(self, generation: int, data: bytes, floors: list[int]) -> bool:
+        """A snapshot on disk (a new file, flushed, renamed over the old), then the
+        journal of the generation before it emptied (its lines are in the new file).
+        On the records' thread, or on the loop for :meth:`save`; never two at once."""
+        with self._lock:
+            if generation <= self._disk_generation:
+                return True  # a later one is on disk already (never older than it)
+            try:
+                self.dir.write(STATE_FILE, data, mode=0o600)
+            except OSError as e:  # a full disk must not stop the node: it says so, once
+                self._failing_why = e.strerror or str(e)
+                if not self._failing:
+                    log.error(
+                        "cannot write session records to %s: %s (new sessions are refused"
+                        " until it can)",
+                        self.dir.path,
+                        self._failing_why,
+                    )
+                self._failing = True
+                return False
+            if self._failing:
+                log.info("session records written to %s again", self.dir.path)
+            self._failing = False
+            self._disk_generation = generation
+            self._disk_floor = floors
+            if self._journals:  # not the one lines go to now: that is generation's
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._journals[generation % 2], 0)
+                    self._sizes[generation % 2] = 0
+            return True
+
+    def save(self) -> bool:
+        """A whole write now, on the loop (the one on the thread, if any, first): for
+        what must be on disk before the node goes on (a freeze, a family's limits, the
+        node stopping). True if written."""
+        if self._held:
             return False
-        if self._failing:
-            log.info("session records written to %s again", self.dir.path)
-        self._failing = False
-        # The journal's lines are in the new file: emptied (its lines would be of the
-        # generation before, and skipped, were the node killed before this).
-        self.generation = saved.generation
-        self._disk_floor = list(saved.lease_floor)
-        if self._journal is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._journal, 0)
-                self._journal_size = 0
-        return True
+        self._idle.wait()
+        return self._write(*self._snapshot())
+
+    def _save_background(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool, a test): at once
+            self.save()
+        else:
+            self.save_soon(0.0)
+
+    def _start(self) -> None:
+        """A whole write on the records' thread, of the records as they are now; if one
+        is in flight, the next once it is done."""
+        if self._held:
+            self._wake(self._waiters, False)
+            return
+        if self._writing:
+            self._again = True
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gpushare-records")
+        snap = self._snapshot()
+        waiters, self._waiters = self._waiters, []
+        self._writing, self._again = True, False
+        self._idle.clear()
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._job, *snap)
+        fut.add_done_callback(lambda f: self._done(f, waiters))
+
+    def _job(self, generation: int, data: bytes, floors: list[int]) -> bool:
+        try:
+            return self._write(generation, data, floors)
+        finally:
+            self._idle.set()
+
+    def _done(self, fut: asyncio.Future[bool], waiters: list[asyncio.Future[bool]]) -> None:
+        self._writing = False
+        ok = False
+        if not fut.cancelled():
+            if fut.exception() is not None:
+                log.error("writing session records failed: %r", fut.exception())
+            else:
+                ok = fut.result()
+        self._wake(waiters, ok)
+        if (self._again or self._waiters) and not self._held:
+            self._start()
+
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[bool]], ok: bool) -> None:
+        for w in waiters:
+            if not w.done():
+                w.set_result(ok)
+        waiters.clear()
+
+    async def _saved(self) -> bool:
+        """True once a whole write taken from now on is on disk; False if it failed."""
+        if self._held:
+            return False
+        w: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append(w)
+        if not self._writing:
+            self._start()
+        return await w
 
     def save_soon(self, delay: float = 0.1) -> None:
-        """:meth:`save` within ``delay`` seconds, once for any number of calls meanwhile:
-        ``0`` after the handlers ready now have run (attaches arriving together cost one
-        write), longer for a detach (a record left a moment too long only makes a
-        restart wait for it)."""
+        """A whole write on the records' thread within ``delay`` seconds, once for any
+        number of calls meanwhile: ``0`` after the handlers ready now have run (attaches
+        arriving together cost one write), longer for a detach (a record left a moment
+        too long only makes a restart wait for it)."""
         if self._soon is not None:
             if self._soon_delay <= delay:
                 return  # one is due as soon already
@@ -403,7 +543,7 @@ class Recovery:
 
     def _save_now(self) -> None:
         self._soon = None
-        self.save()
+        self._start()
 
     def hold(self) -> None:
         """The node stops: the sessions on record now are kept for the next node (their
@@ -413,6 +553,9 @@ class Recovery:
             self._soon = None
         self.save()
         self._held = True
+        self._wake(self._waiters, False)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def forget_dead(self) -> None:
         """Records of the last node whose processes have ended are dropped."""
@@ -422,18 +565,34 @@ class Recovery:
             self.expected.pop(sid, None)
 
 
-def _grants(lines: bytes, generation: int) -> list[tuple[int, int, int]]:
-    """The journal's grants of ``generation`` (the state file's: the lines after it), as
-    (GPU, session, lease), in order; a line no grant wrote is skipped."""
+GENERATIONS_AHEAD = 1 << 32  # a line's generation past the file's by more: not one
+
+
+def _lines(lines: bytes, generation: int) -> list[tuple[int, int, int, int]]:
+    """The journal's grants the file of ``generation`` does not hold (of its generation
+    or a later one), as (generation, GPU, session, lease); a line no grant wrote is
+    skipped."""
     out = []
     for line in lines.split(b"\n"):
         try:
             gen, gpu, sid, lease = map(int, line.split())
         except ValueError:
             continue
-        if gen == generation and gpu >= 0 and sid > 0 and lease > 0:
-            out.append((gpu, sid, lease))
+        ok = generation <= gen <= generation + GENERATIONS_AHEAD
+        if ok and gpu >= 0 and sid > 0 and lease > 0:
+            out.append((gen, gpu, sid, lease))
     return out
+
+
+def _grants(lines: bytes, generation: int) -> list[tuple[int, int, int]]:
+    """The journals' grants after the file of ``generation``, as (GPU, session, lease),
+    in the order they were granted (a GPU's leases are numbered up: the two journals'
+    lines are read one after the other)."""
+    return sorted(((g, s, n) for _, g, s, n in _lines(lines, generation)), key=lambda x: x[2])
+
+
+def _last_generation(lines: bytes, generation: int) -> int:
+    return max((gen for gen, *_ in _lines(lines, generation)), default=generation)
 
 
 def _replay(saved: Saved, grants: list[tuple[int, int, int]]) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Collection, Sequence
+from typing import Literal, overload
 
 from gpushare import protocol as p
 from gpushare.core import families
@@ -153,7 +154,7 @@ class WorkloadServer:
                 raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
             if reader.at_eof():  # its client gave up waiting (a burst on a slow node):
                 return  # no session for nobody, the node's time goes to the next
-            arb = self._attach(conn, hello)
+            arb = await self._attach_on_record(conn, hello)
             while True:
                 msg = await read_frame(reader)
                 await self.guard.spend(conn)
@@ -256,15 +257,66 @@ class WorkloadServer:
         return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
 
     def _new_id(self, conn: Conn, h: p.Hello, limit: int) -> int:
-        """The id a session with no record gets (on disk before anything changes)."""
+        """The id a session with no record gets (on disk with its record before it is
+        welcomed: :meth:`_attach_on_record`)."""
         self._no_record(conn, h, limit)
+        return self.recovery.new_id()
+
+    async def _attach_on_record(self, conn: Conn, h: p.Hello) -> Arbiter:
+        """:meth:`_attach`, a new session's record on disk first: its hello is checked
+        as for the attach, its record written on the records' thread (the loop goes on
+        meanwhile), then the attach is made, checked anew. A record that cannot be
+        written is refused here (``busy``, naming the directory and the fix), never
+        found missing after a restart."""
+        pending = self._attach(conn, h, dry=True)
+        if pending.id in self.recovery.previous:  # on record from before a restart: at once
+            arb = self._attach(conn, h)
+            self.recovery.save_soon(0.0)  # as it is now, at the end of this turn
+            return arb
         try:
-            return self.recovery.peek_id()
+            await self.recovery.written(pending)
         except IdsUnavailable as e:
             raise Refused("busy", str(e)) from None
+        try:
+            arb = self._attach(conn, h, pending)
+        except BaseException:
+            self.recovery.settled(pending.id, attached=False)
+            raise
+        self.recovery.settled(pending.id, attached=True)
+        if conn.record != pending:  # a member's limit, say: as it is now, soon
+            self.recovery.save_soon(0.0)
+        return arb
 
-    def _attach(self, conn: Conn, h: p.Hello) -> Arbiter:
-        """A session for the hello, welcomed; or :class:`Refused`, with nothing changed."""
+    def _sid(
+        self,
+        conn: Conn,
+        h: p.Hello,
+        limit: int,
+        rec: SessionRecord | None,
+        pending: SessionRecord | None,
+    ) -> int:
+        """The session's id: its record's (from before a restart, or written now), or,
+        for the check before that record is written, a new one."""
+        if rec is not None:
+            return rec.id
+        if pending is not None:
+            return pending.id
+        return self._new_id(conn, h, limit)
+
+    @overload
+    def _attach(
+        self, conn: Conn, h: p.Hello, pending: None = None, *, dry: Literal[True]
+    ) -> SessionRecord: ...
+
+    @overload
+    def _attach(self, conn: Conn, h: p.Hello, pending: SessionRecord | None = None) -> Arbiter: ...
+
+    def _attach(
+        self, conn: Conn, h: p.Hello, pending: SessionRecord | None = None, dry: bool = False
+    ) -> Arbiter | SessionRecord | None:
+        """A session for the hello, welcomed; or :class:`Refused`, with nothing changed.
+        ``dry``: only checked, and the session's record (a new id, or its record's from
+        before a restart); ``pending``: a new session's record, on disk."""
         self.guard.check_sessions_of_uid(conn)
         if h.version != p.PROTOCOL_VERSION:
             raise Refused(
@@ -293,23 +345,7 @@ class WorkloadServer:
                 self.conns,
             )  # fmt: skip
         swapped = h.swapped
-        # Memory a session says it has on the GPU counts only where the node can check
-        # it: on record from before a restart, or as NVML counts its process's (then no
-        # more than that). A new session with neither has nothing resident. (What it
-        # says it has swapped out, in its own host memory, only costs it swap-ins.)
-        sid = self._new_id(conn, h, limit) if rec is None else rec.id
-        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
-        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
-        verified = not wrong
-        if h.holding and wrong:
-            log.warning(
-                "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
-                " to yield it",
-                conn.pid,
-                conn.uid,
-                h.lease,
-                wrong,
-            )
+        sid = self._sid(conn, h, limit, rec, pending)
         name = h.name or f"pid-{conn.pid}"
         # A new member's gang is its session's, never its hello's word (which would put
         # that session in a gang of its choosing).
@@ -322,6 +358,24 @@ class WorkloadServer:
             why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
             if why:
                 raise Refused("attach", why)
+        if dry:
+            return _record(conn, sid, gpu, identity, limit, name, family)
+        # Memory a session says it has on the GPU counts only where the node can check
+        # it: on record from before a restart, or as NVML counts its process's (then no
+        # more than that). A new session with neither has nothing resident. (What it
+        # says it has swapped out, in its own host memory, only costs it swap-ins.)
+        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
+        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
+        verified = not wrong
+        if h.holding and wrong:
+            log.warning(
+                "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
+                " to yield it",
+                conn.pid,
+                conn.uid,
+                h.lease,
+                wrong,
+            )
         link = self.sim_link(gpu, conn.uid) if g.simulated else ""  # before any change
         try:
             actions = arb.attach(
@@ -350,8 +404,6 @@ class WorkloadServer:
         except ArbiterError as e:  # busy: a member whose session holds tries again
             raise Refused("busy" if e.code == "busy" else "attach", str(e)) from None
         limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
-        if rec is None:
-            self.recovery.new_id()  # reserved on disk (peek_id) before the workload hears it
         conn.session, conn.gpu, conn.weight_source = sid, gpu, source
         # else only once granted (dispatch)
         conn.may_hold_memory = rec is not None or resident > 0
@@ -359,24 +411,12 @@ class WorkloadServer:
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
         conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
-        conn.record = SessionRecord(
-            id=sid,
-            gpu=gpu,
-            pid=conn.pid,
-            start_time=conn.proc.start_time if conn.proc else 0,
-            uid=conn.uid,
-            pod_uid=identity.pod_uid,
-            container_id=identity.container_id,
-            limit=limit,
-            name=name,
-            family=family,
-        )
+        conn.record = _record(conn, sid, gpu, identity, limit, name, family)
         self.conns[sid] = conn
         self.guard.joined(conn)
         self.guard.join_budget(
             conn, f"pod {identity.pod_uid}" if identity.pod_uid else f"uid {conn.uid}"
         )
-        self.recovery.save_soon(0.0)  # on record at the end of this turn of the loop
         conn.send(
             p.Welcome(
                 session=sid,
@@ -550,3 +590,20 @@ def _request_of(h: p.Hello, capacity: int, limit: int) -> int | None:
     if h.portion is not None and h.portion_limit is not None and h.memory_limit is None:
         return max(1, int(capacity * h.portion))
     return None
+
+
+def _record(
+    conn: Conn, sid: int, gpu: int, identity: CgroupIdentity, limit: int, name: str, family: int
+) -> SessionRecord:
+    return SessionRecord(
+        id=sid,
+        gpu=gpu,
+        pid=conn.pid,
+        start_time=conn.proc.start_time if conn.proc else 0,
+        uid=conn.uid,
+        pod_uid=identity.pod_uid,
+        container_id=identity.container_id,
+        limit=limit,
+        name=name,
+        family=family,
+    )
