@@ -26,10 +26,11 @@ from gpushare.node.decisions import Decisions
 from gpushare.node.gpus import GpuInfo
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.identity import CgroupIdentity, read_identity
-from gpushare.node.k8s import PodCache
+from gpushare.node.k8s import PodCache, PodInfo
 from gpushare.node.procs import descends
 from gpushare.node.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.sockets import read_frame
+from gpushare.settings import SHARING_MODES
 from gpushare.status import Claimed
 from gpushare.units import is_fraction
 
@@ -66,6 +67,7 @@ def check_hello(h: p.Hello) -> None:
             )
         if _CONTROL.search(text):
             raise Refused("attach", f"hello: {name} holds control characters")
+    _check_words(h)
     if h.portion is not None and not is_fraction(h.portion):
         raise Refused(
             "attach",
@@ -91,6 +93,15 @@ def check_hello(h: p.Hello) -> None:
     for name in ("session", "lease"):
         if not 0 <= getattr(h, name) < 2**63:
             raise Refused("attach", f"hello: {name} must be a number >= 0")
+
+
+def _check_words(h: p.Hello) -> None:
+    if h.sharing and h.sharing not in SHARING_MODES:
+        raise Refused(
+            "attach",
+            f"hello: sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
+            f" gpu-compute-sharing-mode) or empty, not {h.sharing!r}",
+        )
 
 
 class WorkloadServer:
@@ -255,6 +266,84 @@ class WorkloadServer:
             return 1.0, "default"
         return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
 
+    def _pod(self, conn: Conn) -> tuple[PodInfo, str] | None:
+        """The session's pod as the API serves it, and its container's name (""
+        where the API does not name the kernel's container ID), under ``--kubernetes``."""
+        pods = self.pods()
+        pod = (
+            pods.pod(conn.identity.pod_uid) if pods is not None and conn.identity.pod_uid else None
+        )
+        if pod is None:
+            return None
+        return pod, pod.containers.get(conn.identity.container_id, "")
+
+    def _sharing(self, conn: Conn, h: p.Hello, workload_sharing: bool) -> tuple[str, str]:
+        """The session's compute-sharing mode and where it comes from. A GPU's mode is
+        its administrator's: a session holds in another only as its pod says through the
+        API (``kubernetes``), else where the node's ``workload_sharing`` lets a workload
+        choose (``workload``); otherwise the hello's word is only shown (``claimed``)."""
+        pod = self._pod(conn)
+        if pod is not None:
+            mode = pod[0].sharing(pod[1])
+            return mode, "kubernetes" if mode else ""
+        if workload_sharing:
+            return h.sharing, "workload" if h.sharing else ""
+        return "", ""
+
+    def _memory_of(
+        self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, limit: int
+    ) -> tuple[int, int | None]:
+        """The limit and request a hello asks for, within its pod's (a member's: its
+        part of its session's, split by the arbiter)."""
+        if head is not None:
+            return limit, None
+        request = _request_of(h, arb.capacity, limit)
+        bounded = self._bounded_limit(conn, limit, arb.capacity)
+        if bounded < limit and request is not None:  # within the pod's, as its limit
+            request = min(request, bounded)
+        return bounded, request
+
+    def _sharing_of(
+        self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, workload_sharing: bool
+    ) -> tuple[str, str]:
+        """:meth:`_sharing`, a member's its session's; a word not taken said in the log."""
+        if head is not None:  # a process of a session holds as its session does
+            sharing, source = arb.sessions[head.session].sharing, head.sharing_source
+        else:
+            sharing, source = self._sharing(conn, h, workload_sharing)
+        if h.sharing and h.sharing != sharing:
+            log.warning(
+                "pid %d uid %d: hello asks for compute-sharing mode %s, but %s: it takes %s",
+                conn.pid,
+                conn.uid,
+                h.sharing,
+                "its pod's annotations through the API say otherwise"
+                if self._pod(conn) is not None
+                else "this node lets no workload choose one (workload_sharing = false)",
+                sharing or "the GPU's mode",
+            )
+        return sharing, source
+
+    def _bounded_limit(self, conn: Conn, limit: int, capacity: int) -> int:
+        """A memory limit no more than the pod's annotations give it through the API
+        (the workload's word otherwise, as before)."""
+        pod = self._pod(conn)
+        bound = pod[0].memory_bound(pod[1], capacity) if pod is not None else None
+        if bound is None or limit <= bound:
+            return limit
+        log.warning(
+            "pid %d uid %d: hello asks for a memory limit of %d bytes, but its pod %s/%s's"
+            " annotations give it %d: taken as %d",
+            conn.pid,
+            conn.uid,
+            limit,
+            pod[0].namespace if pod else "",
+            pod[0].name if pod else "",
+            bound,
+            bound,
+        )
+        return bound
+
     def _new_id(self, conn: Conn, h: p.Hello, limit: int) -> int:
         """The id a session with no record gets (on disk before anything changes)."""
         self._no_record(conn, h, limit)
@@ -281,6 +370,8 @@ class WorkloadServer:
         limit = _limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
+        limit, request = self._memory_of(conn, h, head, arb, limit)
+        sharing, sharing_source = self._sharing_of(conn, h, head, arb, cfg.workload_sharing)
         weight, source = self._weight(conn, h)
         if head is not None:
             weight, source = arb.sessions[head.session].weight, "family"
@@ -328,9 +419,9 @@ class WorkloadServer:
                 sid,
                 name=name,
                 memory_limit=limit,
-                memory_request=_request_of(h, arb.capacity, limit) if head is None else None,
+                memory_request=request,
                 grows=h.grows and g.simulated,
-                sharing=h.sharing,
+                sharing=sharing,
                 compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
                 weight=weight,
                 resident=resident,
@@ -358,7 +449,10 @@ class WorkloadServer:
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
-        conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
+        conn.claimed = Claimed(
+            pod=h.pod, namespace=h.namespace, container=h.container, sharing=h.sharing
+        )
+        conn.sharing_source = sharing_source
         conn.record = SessionRecord(
             id=sid,
             gpu=gpu,
