@@ -228,3 +228,53 @@ def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
     assert esc["reason"] == "over_memory_bound" and esc["session"] == 2
     assert a.sessions[2].memory.bound == 20 * GiB and a.used_bytes() <= a.capacity
     assert events_of(a.report(2, resident=51 * GiB, swapped=0), "escalate") == []  # once
+
+
+def _held_by_reattaching(a, clock, workload: str, seconds: float, cap: float) -> float:
+    """GPU seconds a workload holds in ``seconds`` alone on the GPU, ending each session
+    at its revoke and attaching a new one at once (a bucket per session would be full)."""
+    sid, held, t = 1, 0.0, 0.0
+    a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+    a.acquire(sid)
+    while t < seconds:
+        clock.advance(0.05)
+        t += 0.05
+        if a.sessions[sid].state is State.HOLDING:
+            held += 0.05
+        if actions_of(a.tick(), RevokeAction):
+            a.detach(sid)
+            sid += 1
+            a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+            a.acquire(sid)
+    return held
+
+
+def test_a_compute_limit_is_the_workloads_not_reset_by_attaching_again(clock):
+    from gpushare.core.caps import WINDOW_S
+
+    held = _held_by_reattaching(arb(clock, tq_s=1), clock, "uid:1000/w", 40.0, 0.25)
+    assert held <= 0.25 * 40 + 0.25 * WINDOW_S + 0.5, held  # 10 s + one bucket
+    # where each session is its own workload (no key), each starts with a full bucket
+    fresh = _held_by_reattaching(arb(clock, tq_s=1), clock, "", 40.0, 0.25)
+    assert fresh > 2 * held, (fresh, held)
+
+
+def test_sessions_of_one_workload_spend_one_bucket(clock):
+    from gpushare.core.caps import WINDOW_S
+
+    a = arb(clock, tq_s=1, mode="exclusive")
+    for i in (1, 2):  # two at once, taking turns: together no more than the one limit
+        a.attach(i, name="w", memory_limit=GiB, compute_limit=0.25, workload="pod:x")
+        a.acquire(i)
+    held, t = 0.0, 0.0
+    while t < 40:
+        clock.advance(0.05)
+        t += 0.05
+        held += 0.05 * len(a.holders)
+        for rv in actions_of(a.tick(), RevokeAction):
+            a.release(rv.session, resident=0, swapped=0, again=True)
+    assert held <= 0.25 * 40 + 0.25 * WINDOW_S + 0.5, held
+    assert a.compute_left(a.sessions[1]) == a.compute_left(a.sessions[2])
+    # a session of the workload asking no limit spends from its bucket too
+    a.attach(3, name="w", memory_limit=GiB, workload="pod:x")
+    assert a.sessions[3].share.cap == 0.25

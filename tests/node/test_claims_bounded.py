@@ -157,3 +157,25 @@ def test_three_workloads_claiming_sm_sharing_on_an_exclusive_node_hold_one_at_a_
             holding.discard(e["session"])
         most = max(most, len(holding))
     assert most == 1, most
+
+
+# --- a compute limit is the workload's -----------------------------------------------
+
+
+@in_process(mode="exclusive", tq=1)
+async def test_detaching_and_attaching_again_gets_no_new_compute_bucket(node):
+    """A workload capped at 0.3 of the GPU that ends its session at every revoke and
+    attaches again at once (a new session, a full bucket each time before): over 20 s
+    it holds no more than its share and one bucket (0.3 x 20 + 0.3 x 10 s)."""
+    start = node.clock.monotonic()
+    held = 0.0
+    while node.clock.monotonic() - start < 20:
+        w = await node.workload(memory_limit=G, name="sneaky", compute_limit=0.3)
+        await w.send(p.Acquire())
+        await w.expect(p.Grant)
+        await w.expect(p.Revoke)  # its bucket ran dry
+        w.close()
+        await node.until(lambda: not node.node.status().gpus[0].sessions)
+    held = sum(e["seconds"] for e in node.events("release"))
+    print(f"held {held:.2f} s of 20 s at a limit of 0.3")
+    assert held <= 0.3 * 20 + 0.3 * 10 + 0.5, held

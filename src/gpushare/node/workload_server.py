@@ -423,6 +423,8 @@ class WorkloadServer:
                 grows=h.grows and g.simulated,
                 sharing=sharing,
                 compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
+                # its bucket is its workload's, whichever session of it attaches
+                workload=_who(conn.uid, identity) if identity.pod_uid else f"uid:{conn.uid}/{name}",
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
