@@ -15,7 +15,7 @@ import pytest
 
 from gpushare import protocol as p
 from gpushare.node.k8s import PodCache
-from tests.node.harness import G, InProcessNode, in_process
+from tests.node.harness import G, InProcessNode, Peer, in_process
 from tests.support import sim
 
 POD_UID, CID = "6d3e1f20-1a2b-4c3d-9e8f-0a1b2c3d4e5f", "ab" * 32
@@ -179,3 +179,37 @@ async def test_detaching_and_attaching_again_gets_no_new_compute_bucket(node):
     held = sum(e["seconds"] for e in node.events("release"))
     print(f"held {held:.2f} s of 20 s at a limit of 0.3")
     assert held <= 0.3 * 20 + 0.3 * 10 + 0.5, held
+
+
+# --- names that would not show as themselves -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "code"),
+    [
+        ("name", "train\u202egnp.exe", "U+202E"),  # right-to-left override
+        ("name", "a\u2066b\u2069", "U+2066"),  # left-to-right isolate
+        ("name", "jo\u200bb", "U+200B"),  # zero width space
+        ("name", "two\u2028lines", "U+2028"),  # line separator
+        ("pod", "p\u202d", "U+202D"),
+        ("container", "c\ufeff", "U+FEFF"),
+        ("gang", "job\u061c", "U+061C"),  # Arabic letter mark
+        ("name", "\x9b31m", "U+009B"),  # C1 control sequence introducer
+    ],
+)
+@in_process()
+async def test_names_with_bidi_or_invisible_characters_are_refused(node, field, text, code):
+    peer = await Peer.connect(node.socket)
+    await peer.send(p.Hello(version=p.PROTOCOL_VERSION, memory_limit=G, **{field: text}))
+    err = await peer.expect(p.Error)
+    assert err.code == "attach" and f"{field} holds control characters ({code}" in err.message
+    assert await peer.closed()
+    assert node.node.status().gpus[0].sessions == []
+
+
+@in_process()
+async def test_names_in_any_script_are_welcome(node):
+    name = "Überprüfung-тест-训练-تدريب"
+    w = await node.workload(memory_limit=G, name=name)
+    assert w.welcome.name == name
+    assert [s.name for s in node.node.status().gpus[0].sessions] == [name]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import unicodedata
 from collections.abc import Callable, Collection, Sequence
 
 from gpushare import protocol as p
@@ -53,6 +54,20 @@ TEXT_BOUNDS = {
     "token": 64,
 }
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
+# Unicode's control, format (bidi overrides and isolates, zero-width characters), line and
+# paragraph separators, surrogates and private use: each would show a name other than it
+# is (U+202E writes the rest of a line backwards) in ctl status, top, logs and events.
+_UNSEEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co"})
+
+
+def unsafe_text(text: str) -> str:
+    """The first character of ``text`` that would not show as itself ('' when none)."""
+    if text.isascii():
+        m = _CONTROL.search(text)
+        return m.group() if m else ""
+    return next((c for c in text if unicodedata.category(c) in _UNSEEN), "")
+
+
 MAX_GANG = 4096
 MAX_WORLD = 1 << 20  # ranks of a job on all nodes
 
@@ -65,8 +80,14 @@ def check_hello(h: p.Hello) -> None:
             raise Refused(
                 "attach", f"hello: {name} is {len(text)} characters long, the most is {most}"
             )
-        if _CONTROL.search(text):
-            raise Refused("attach", f"hello: {name} holds control characters")
+        bad = unsafe_text(text)
+        if bad:
+            raise Refused(
+                "attach",
+                f"hello: {name} holds control characters (U+{ord(bad):04X},"
+                f" {unicodedata.name(bad, 'a control character')}): name it with printable"
+                " characters only",
+            )
     _check_words(h)
     if h.portion is not None and not is_fraction(h.portion):
         raise Refused(
