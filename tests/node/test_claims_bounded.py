@@ -213,3 +213,28 @@ async def test_names_in_any_script_are_welcome(node):
     w = await node.workload(memory_limit=G, name=name)
     assert w.welcome.name == name
     assert [s.name for s in node.node.status().gpus[0].sessions] == [name]
+
+
+# --- memory after a restart: no more than the record ------------------------------------
+
+
+@pytest.mark.parametrize("nvml", ["simulated", "cannot say", "unlisted"])
+@in_process(memory="80GiB", mode="exclusive", tq=5)
+async def test_a_session_on_record_nvml_does_not_list_is_believed_no_more_than_its_record(
+    node, nvml
+):
+    from tests.node.test_nvml_memory import PID, real_gpu
+
+    b = await node.workload(memory_limit=30 * G, name="b")
+    await b.send(p.Acquire())
+    await b.expect(p.Grant)
+    await b.send(p.Report(resident=10 * G, swapped=0), p.Release(resident=10 * G, swapped=0))
+    await node.settle()
+    await node.restart()  # b outlives it, on record with 10 GiB
+    if nvml != "simulated":
+        real_gpu(node, {PID: None} if nvml == "cannot say" else {PID + 1: G})
+    b2 = await node.workload(session=b.session, memory_limit=30 * G, name="b", resident=30 * G)
+    assert b2.session == b.session  # back, on record
+    (s,) = node.node.status().gpus[0].sessions
+    assert s.resident_bytes == 10 * G  # its record's, not the 30 GiB it says
+    b2.close()

@@ -410,7 +410,7 @@ class WorkloadServer:
         # more than that). A new session with neither has nothing resident. (What it
         # says it has swapped out, in its own host memory, only costs it swap-ins.)
         sid = self._new_id(conn, h, limit) if rec is None else rec.id
-        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
+        resident = self._resident(conn, gpu, h.resident, rec)
         wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
         verified = not wrong
         if h.holding and wrong:
@@ -539,17 +539,23 @@ class WorkloadServer:
                 " bytes",
             )
 
-    def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
+    def _resident(self, conn: Conn, gpu: int, claimed: int, rec: SessionRecord | None) -> int:
         """What of the memory a hello says is resident the node believes: NVML's count
-        for the process where it has one (at most; all of it for a session on record
-        that NVML does not list, since a node outside the host's pid namespace sees no
-        pids of its); else all of it for a session on record, none for a new one."""
+        for the process where it has one (at most); for a session on record that NVML
+        does not list (a node outside the host's pid namespace sees no pids of its), or
+        where NVML cannot say, no more than its record's memory (resident and swapped:
+        a swap-in may have moved the one into the other since); none for a new one."""
         if claimed <= 0:
             return 0
         seen = self.nvml_used(gpu, {conn.pid})
+        on_record = rec is not None
         if seen is None or (on_record and seen == 0):
-            believed = claimed if on_record else 0
-            why = "the session is not on record (new to this node), nor counted by NVML"
+            believed = min(claimed, rec.resident + rec.swapped) if rec is not None else 0
+            why = (
+                f"its record says it had {rec.resident + rec.swapped} bytes"
+                if rec is not None
+                else "the session is not on record (new to this node), nor counted by NVML"
+            )
         else:
             believed = min(claimed, seen)
             why = f"NVML counts {seen} bytes for its process"
