@@ -213,10 +213,12 @@ def test_a_resting_capped_session_lets_the_others_go_first(clock):
         a.attach(3, name="x", memory_limit=GiB, compute_limit=1.5)
 
 
-def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
+def test_a_holder_past_its_bound_without_asking_is_counted_or_revoked(clock):
     """The node believes only what it can check: more than the grant lent, not asked
-    for, is counted where it fits, and escalated where it does not (never over capacity)."""
-    a = arb(clock)
+    for, is counted where it fits, and where it does not the holder gives the GPU back at
+    its next safe point (never over capacity); memory within the limit is never a reason
+    to escalate or end it (docs/scheduling.md 6), not even under escalation kill."""
+    a = arb(clock, escalation="kill")
     for i in (1, 2):
         a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
         a.acquire(i)
@@ -224,10 +226,13 @@ def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
     out = a.report(1, resident=40 * GiB, swapped=0)  # fits: 40 + 20 <= 80
     assert actions_of(out, EscalateAction) == [] and a.sessions[1].memory.bound == 40 * GiB
     out = a.report(2, resident=50 * GiB, swapped=0)  # 40 + 50 > 80: not believed
-    (esc,) = events_of(out, "escalate")
-    assert esc["reason"] == "over_memory_bound" and esc["session"] == 2
+    assert actions_of(out, EscalateAction) == [] and events_of(out, "escalate") == []
+    (rv,) = events_of(out, "revoke")
+    assert rv["reason"] == "over_memory_bound" and rv["session"] == 2
     assert a.sessions[2].memory.bound == 20 * GiB and a.used_bytes() <= a.capacity
-    assert events_of(a.report(2, resident=51 * GiB, swapped=0), "escalate") == []  # once
+    assert events_of(a.report(2, resident=51 * GiB, swapped=0), "revoke") == []  # once
+    a.release(2, resident=0, swapped=50 * GiB)  # it yields: nothing more said of it
+    assert a.sessions[2].totals.escalations == 0
 
 
 def _held_by_reattaching(a, clock, workload: str, seconds: float, cap: float) -> float:

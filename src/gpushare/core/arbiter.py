@@ -576,8 +576,10 @@ class Arbiter:
     def _past_bound(self, s: SessionState, resident: int) -> None:
         """A holder with more than its grant lent, without asking (not the protocol): its
         bound grows to what it has where that fits (as an ask would have been answered);
-        else it is escalated, once per stretch (the count keeps its bound: what it was
-        lent)."""
+        else it gives the GPU back at its next safe point (revoked, reason
+        ``over_memory_bound``, once per stretch; the count keeps its bound: what it was
+        lent). Memory within the limit is never a reason to end or escalate a session
+        (docs/scheduling.md 6): only not yielding then is, as for any revoke."""
         m = s.memory
         if not (s.holding and m.bound and resident > m.held):
             m.over_bound = False
@@ -588,8 +590,8 @@ class Arbiter:
             st.ledger.recount(s)
         elif not m.over_bound:
             m.over_bound = True
-            fields = {"resident_bytes": resident, "bound_bytes": m.bound}
-            self.escalation.escalate(s, "over_memory_bound", fields)
+            if s.state is State.HOLDING:
+                self.leases.revoke(s, self.clock.monotonic(), reason="over_memory_bound")
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""

@@ -150,7 +150,6 @@ class Escalate(Event):
     resident_bytes: int | None = None
     used_bytes: int | None = None
     limit_bytes: int | None = None
-    bound_bytes: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
