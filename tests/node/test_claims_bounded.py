@@ -7,8 +7,10 @@ real processes."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+import types
 
 import msgspec
 import pytest
@@ -238,3 +240,36 @@ async def test_a_session_on_record_nvml_does_not_list_is_believed_no_more_than_i
     (s,) = node.node.status().gpus[0].sessions
     assert s.resident_bytes == 10 * G  # its record's, not the 30 GiB it says
     b2.close()
+
+
+# --- GPU work a session's program starts outside gpushare is said ------------------------
+
+
+@in_process(memory="80GiB", mode="exclusive")
+async def test_a_child_on_the_gpu_outside_the_session_is_said_not_left_unsaid(node, caplog):
+    """A process the session's program started with a clean environment (no
+    GPUSHARE_FAMILY, so it never joined) that the GPU shows with memory: the node cannot
+    gate it, but it says so, once, in the log and as an ``ungated`` event."""
+    import subprocess
+
+    from tests.node.test_nvml_memory import PID, real_gpu
+
+    w = await node.workload(memory_limit=10 * G, name="parent")
+    child = subprocess.Popen(["sleep", "60"], env={})  # a clean environment
+    try:
+        nvml = real_gpu(node, {PID: G, child.pid: 3 * G, 1: 5 * G})  # 1: no session's child
+        nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=50)
+        with caplog.at_level(logging.WARNING, logger="gpushare.node"):
+            node.node.sampler.sample(1.0)
+            node.node.sampler.sample(1.0)  # said once
+        (ev,) = node.events("ungated")
+        assert (ev["session"], ev["pid"], ev["used_bytes"], ev["gpu"]) == (
+            w.session, child.pid, 3 * G, 0,
+        )  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "ungated" in r.getMessage()]
+        assert len(said) == 1 and f"process {child.pid}" in said[0]
+        assert "GPUSHARE_FAMILY" in said[0]
+    finally:
+        child.kill()
+        child.wait()
+        w.close()

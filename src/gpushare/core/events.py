@@ -194,6 +194,16 @@ class Reclaim(Event):
     waiting_session: int
 
 
+@dataclass(kw_only=True, slots=True)
+class Ungated(Event):
+    """A process the GPU shows (NVML) with memory on it, started by ``session``'s program,
+    that is neither that session nor a member of it: its GPU work runs ungated."""
+
+    kind: ClassVar[str] = "ungated"
+    pid: int
+    used_bytes: int
+
+
 KINDS: tuple[type[Event], ...] = (
     Attach,
     Detach,
@@ -209,4 +219,5 @@ KINDS: tuple[type[Event], ...] = (
     Refused,
     Recovery,
     Reclaim,
+    Ungated,
 )
