@@ -19,6 +19,7 @@ class Claimed(msgspec.Struct, kw_only=True):
     pod: str = ""
     namespace: str = ""
     container: str = ""
+    sharing: str = ""  # the compute-sharing mode it asked for (in force only as `sharing`)
 
 
 class SessionStatus(msgspec.Struct, kw_only=True):
@@ -85,6 +86,9 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     discarded_bytes_total: int = 0
     # its pod's compute-sharing mode (KAI: "time-slicing", "sm-sharing"; "": the GPU's)
     sharing: str = ""
+    # where that mode comes from: "kubernetes" (its pod's annotation, through the API),
+    # "workload" (its own word, where the node's workload_sharing allows it); "": none
+    sharing_source: str = ""
     # its compute limit (the most of the GPU's time it may take; 0: none) and the GPU
     # seconds it may hold now before it rests (core/caps.py)
     compute_limit: float = 0.0

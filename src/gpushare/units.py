@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
 _UNITS = {
     "": 1,
@@ -57,6 +58,37 @@ def parse_size(text: str | int) -> int:
     if not math.isfinite(value) or value > MAX_SIZE:
         raise ValueError(_too_large(text.strip()))
     return int(value)
+
+
+# Kubernetes quantity suffixes a memory size is written with (k8s.io/apimachinery).
+_QUANTITY = re.compile(
+    r"^\+?((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([KMGTPE]i|[kMGTPE]?)$"
+)
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+_QUANTITY_UNITS |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_QUANTITY_UNITS |= {"Pi": 2**50, "Ei": 2**60}
+
+
+def parse_quantity(value: str, source: str, *, unit_required: bool = False) -> int:
+    """A Kubernetes memory quantity (``8Gi``, ``7680Mi``, ``8G``, bytes) in bytes,
+    rounded up as Kubernetes rounds a quantity's value (a workload's annotations, and
+    the node reading the same pod's through the API)."""
+    m = _QUANTITY.match(value.strip())
+    if m is None or (unit_required and not m.group(2)):
+        unit = "with its unit, " if unit_required else ""
+        raise ValueError(
+            f"{source}={value!r} is not a Kubernetes memory quantity: write it {unit}like"
+            " 8Gi or 7680Mi"
+        )
+    try:
+        exact = Decimal(m.group(1)) * _QUANTITY_UNITS[m.group(2)]
+    except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
+        exact = Decimal(-1)
+    if not 0 < exact <= MAX_SIZE:
+        raise ValueError(
+            f"{source}={value!r} is not a size from 1 byte to 1024 TiB: write it like 8Gi"
+        )
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
 
 
 def _too_large(text: str) -> str:

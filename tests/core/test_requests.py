@@ -213,10 +213,12 @@ def test_a_resting_capped_session_lets_the_others_go_first(clock):
         a.attach(3, name="x", memory_limit=GiB, compute_limit=1.5)
 
 
-def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
+def test_a_holder_past_its_bound_without_asking_is_counted_or_revoked(clock):
     """The node believes only what it can check: more than the grant lent, not asked
-    for, is counted where it fits, and escalated where it does not (never over capacity)."""
-    a = arb(clock)
+    for, is counted where it fits, and where it does not the holder gives the GPU back at
+    its next safe point (never over capacity); memory within the limit is never a reason
+    to escalate or end it (docs/scheduling.md 6), not even under escalation kill."""
+    a = arb(clock, escalation="kill")
     for i in (1, 2):
         a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
         a.acquire(i)
@@ -224,7 +226,60 @@ def test_a_holder_past_its_bound_without_asking_is_counted_or_escalated(clock):
     out = a.report(1, resident=40 * GiB, swapped=0)  # fits: 40 + 20 <= 80
     assert actions_of(out, EscalateAction) == [] and a.sessions[1].memory.bound == 40 * GiB
     out = a.report(2, resident=50 * GiB, swapped=0)  # 40 + 50 > 80: not believed
-    (esc,) = events_of(out, "escalate")
-    assert esc["reason"] == "over_memory_bound" and esc["session"] == 2
+    assert actions_of(out, EscalateAction) == [] and events_of(out, "escalate") == []
+    (rv,) = events_of(out, "revoke")
+    assert rv["reason"] == "over_memory_bound" and rv["session"] == 2
     assert a.sessions[2].memory.bound == 20 * GiB and a.used_bytes() <= a.capacity
-    assert events_of(a.report(2, resident=51 * GiB, swapped=0), "escalate") == []  # once
+    assert events_of(a.report(2, resident=51 * GiB, swapped=0), "revoke") == []  # once
+    a.release(2, resident=0, swapped=50 * GiB)  # it yields: nothing more said of it
+    assert a.sessions[2].totals.escalations == 0
+
+
+def _held_by_reattaching(a, clock, workload: str, seconds: float, cap: float) -> float:
+    """GPU seconds a workload holds in ``seconds`` alone on the GPU, ending each session
+    at its revoke and attaching a new one at once (a bucket per session would be full)."""
+    sid, held, t = 1, 0.0, 0.0
+    a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+    a.acquire(sid)
+    while t < seconds:
+        clock.advance(0.05)
+        t += 0.05
+        if a.sessions[sid].state is State.HOLDING:
+            held += 0.05
+        if actions_of(a.tick(), RevokeAction):
+            a.detach(sid)
+            sid += 1
+            a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+            a.acquire(sid)
+    return held
+
+
+def test_a_compute_limit_is_the_workloads_not_reset_by_attaching_again(clock):
+    from gpushare.core.caps import WINDOW_S
+
+    held = _held_by_reattaching(arb(clock, tq_s=1), clock, "uid:1000/w", 40.0, 0.25)
+    assert held <= 0.25 * 40 + 0.25 * WINDOW_S + 0.5, held  # 10 s + one bucket
+    # where each session is its own workload (no key), each starts with a full bucket
+    fresh = _held_by_reattaching(arb(clock, tq_s=1), clock, "", 40.0, 0.25)
+    assert fresh > 2 * held, (fresh, held)
+
+
+def test_sessions_of_one_workload_spend_one_bucket(clock):
+    from gpushare.core.caps import WINDOW_S
+
+    a = arb(clock, tq_s=1, mode="exclusive")
+    for i in (1, 2):  # two at once, taking turns: together no more than the one limit
+        a.attach(i, name="w", memory_limit=GiB, compute_limit=0.25, workload="pod:x")
+        a.acquire(i)
+    held, t = 0.0, 0.0
+    while t < 40:
+        clock.advance(0.05)
+        t += 0.05
+        held += 0.05 * len(a.holders)
+        for rv in actions_of(a.tick(), RevokeAction):
+            a.release(rv.session, resident=0, swapped=0, again=True)
+    assert held <= 0.25 * 40 + 0.25 * WINDOW_S + 0.5, held
+    assert a.compute_left(a.sessions[1]) == a.compute_left(a.sessions[2])
+    # a session of the workload asking no limit spends from its bucket too
+    a.attach(3, name="w", memory_limit=GiB, workload="pod:x")
+    assert a.sessions[3].share.cap == 0.25

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gpushare.core.actions import GrantAction, RevokeAction
+from gpushare.core.actions import GrantAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.turns import SERVER_BURSTS, SERVER_IDLE_S
 from gpushare.settings import GpuSettings
@@ -145,3 +145,37 @@ def test_a_server_is_taken_for_one_from_its_second_short_burst(clock, bursts, sh
     a.attach(2, name="s", memory_limit=GiB)
     g = bursts_then_grant(a, clock, 2, bursts)
     assert (g.idle_release_s == SERVER_IDLE_S) is short
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_in_mode_auto_a_server_whose_bound_is_above_its_request_takes_its_turn(clock, grows):
+    """Issue 38: mode auto, a batch job holding 40 GiB (request = limit) at TQ 30 and a
+    server asking 1 GiB with a 79 GiB limit (counted at its limit, or at the 45 GiB it
+    has: its bound). Admission.joins() counted it at its request (it 'would join'), so
+    it took no turn, while the grant counted it at its bound (it did not fit): it waited
+    the batch job's whole quantum. Now it takes its turn, as in mode exclusive."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="auto", turn_s=1.0))
+    a.attach(2, name="server", memory_limit=79 * GiB, memory_request=GiB, grows=grows)
+    if grows:  # what it has: 45 GiB, swapped out now
+        a.sessions[2].memory.swapped = 45 * GiB
+        a.st.ledger.recount(a.sessions[2])
+    a.attach(1, name="batch", memory_limit=40 * GiB)
+    a.acquire(1)
+    s = a.sessions[2]
+    sh = s.share
+    sh.bursts.extend([0.67] * SERVER_BURSTS)
+    sh.use_s, sh.use_span, sh.use_at = 7.8, 60.0, clock.monotonic()
+    sh.credit, sh.windowless, sh.gap_ewma = 1.0, True, 1.0
+    s.totals.bursts = SERVER_BURSTS
+    s.lease.idle_since = clock.monotonic()
+    clock.advance(0.95)
+    out = a.acquire(2)
+    (r,) = actions_of(out, RevokeAction)
+    assert r.session == 1 and s.share.turn  # its turn, not the rest of a 30 s quantum
+    out = a.release(1, resident=40 * GiB, swapped=0, again=True)
+    (so,) = actions_of(out, SwapOutAction)  # room for the server's bound, then its grant
+    left = 40 * GiB - so.bytes
+    out = a.swap_done(1, direction="out", nbytes=so.bytes, seconds=0.1, resident=left,
+                      swapped=so.bytes)  # fmt: skip
+    assert [g.session for g in actions_of(out, GrantAction)] == [2]
+    a.verify()

@@ -73,3 +73,29 @@ def test_no_kubeconfig_names_the_fix(tmp_path: Path):
     )  # fmt: skip
     assert r.returncode == 1 and "set KUBECONFIG, or --kubeconfig FILE" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+MALFORMED = [
+    {"metadata": {"name": "bad"}, "status": {"gpus": [{"index": 0}]}},  # fields missing
+    {"metadata": {"name": "worse"}, "status": {"gpus": "all", "sessions": [1]}},  # types
+    {"metadata": {}, "status": []},  # no name, a list for a status
+]
+
+
+@pytest.mark.parametrize("bad", MALFORMED)
+def test_one_malformed_node_object_hides_no_other_nodes_table(bad):
+    out = status_table([obj("a", 1, 20.0), bad, obj("b", 1, 5.0)], 1e9).splitlines()
+    assert [r.split()[0] for r in out[1:]] == ["a", bad["metadata"].get("name", "?"), "b"]
+    assert "(malformed status" in out[2] or "(no status yet)" in out[2]
+    top = top_table([obj("a", 1, 20.0), bad, obj("b", 1, 5.0)], 1e9)
+    assert top.startswith("a: 1 GPU") and "\nb: 1 GPU" in top
+
+
+@pytest.mark.parametrize("interval", ["-1", "nan", "inf", "0", "1e400", "soon"])
+def test_a_bad_top_interval_is_one_line_not_a_traceback(interval):
+    r = subprocess.run(
+        [sys.executable, "-m", "gpushare.tools.kubectl_gpushare", "--kubeconfig", "/nonexistent",
+         "top", "--interval", interval], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "--interval" in r.stderr and "Traceback" not in r.stderr

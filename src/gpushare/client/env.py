@@ -35,11 +35,10 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
 
 from gpushare.settings import SHARING_MODES as MODE_OF_SHARING
-from gpushare.units import MAX_SIZE, format_size, is_fraction, parse_size
+from gpushare.units import MAX_SIZE, format_size, is_fraction, parse_quantity, parse_size
 
 DEFAULT_SOCKET = "/run/gpushare/gpushare.sock"
 DEFAULT_ADMIN_SOCKET = "/run/gpushare/admin.sock"
@@ -57,13 +56,6 @@ _NV_LIMIT = ".gpu-memory.limit"
 _NV_MODE = ".gpu-compute.mode"
 _KAI_PORTION_LIMIT = ".gpu-memory.portion.limit"
 _PER_CONTAINER = ((_NV, _NV_REQUEST), (_NV, _NV_LIMIT), (_NV, _NV_MODE), (_KAI, _KAI_PORTION_LIMIT))
-# Kubernetes quantity suffixes a memory size is written with (k8s.io/apimachinery).
-_QUANTITY = re.compile(
-    r"^\+?((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([KMGTPE]i|[kMGTPE]?)$"
-)
-_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-_QUANTITY_UNITS |= {"E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_QUANTITY_UNITS |= {"Pi": 2**50, "Ei": 2**60}
 # What KAI's node runtime for NvFractions (kai-gpu-fractioning's fractiond) injects into
 # the container, in whole MiB; the driver holds the container to the limit.
 # Its first versions wrote them plural (the toolkit's CDI hook reads the singular only).
@@ -117,27 +109,6 @@ def _fraction(value: str, source: str, fix: str = "fix the pod's gpu-fraction an
     if not is_fraction(f):
         raise ValueError(f"{source}={value!r} is not a fraction in (0, 1]: {fix}")
     return f
-
-
-def parse_quantity(value: str, source: str, *, unit_required: bool = False) -> int:
-    """A Kubernetes memory quantity (``8Gi``, ``7680Mi``, ``8G``, bytes) in bytes,
-    rounded up as Kubernetes rounds a quantity's value."""
-    m = _QUANTITY.match(value.strip())
-    if m is None or (unit_required and not m.group(2)):
-        unit = "with its unit, " if unit_required else ""
-        raise ValueError(
-            f"{source}={value!r} is not a Kubernetes memory quantity: write it {unit}like"
-            " 8Gi or 7680Mi"
-        )
-    try:
-        exact = Decimal(m.group(1)) * _QUANTITY_UNITS[m.group(2)]
-    except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
-        exact = Decimal(-1)
-    if not 0 < exact <= MAX_SIZE:
-        raise ValueError(
-            f"{source}={value!r} is not a size from 1 byte to 1024 TiB: write it like 8Gi"
-        )
-    return int(exact.to_integral_value(rounding=ROUND_CEILING))
 
 
 def _size(value: str, source: str) -> int:

@@ -86,16 +86,31 @@ class Admission:
         return (*self.st.holders, *(() if w is None else (w,)))
 
     def joins(self, s: SessionState) -> bool:
-        """Mode auto, nobody waiting, and its request fits beside the holders' bounds (a
-        waiting quantum's too): asking now, ``s`` would join them, which is no turn."""
+        """Mode auto, nobody waiting, and ``s`` would be granted at once as things are
+        (the grant's own measure: its bound beside everyone's count, :meth:`_others`):
+        asking now, it would join the holders, which is no turn. Its request alone is not
+        that measure: a session whose bound is above its request (a limit, what it has)
+        was said to join, and then waited the holders' whole quantum."""
         st, mode = self.st, self.st.settings.mode
         if st.queue or s.mode_of(mode) == "exclusive":
             return False
         ids = self._holding()
         if any(st.sessions[i].mode_of(mode) == "exclusive" for i in ids):
             return False
-        total = s.memory.guaranteed + sum(st.sessions[i].memory.held for i in ids)
-        return total <= st.capacity
+        return self._others(s) + bound_for(s, mode) <= st.capacity
+
+    def _others(self, head: SessionState) -> int:
+        """Everyone's count beside ``head``'s, as a grant to it sees it. A filling holder
+        counts at its limit: a holder joining in mode auto may not take what its room is
+        to grow into (it could never fill). A rank's grant makes its gang hold: its peers
+        then count at their limits."""
+        st = self.st
+        filling = 0
+        for h in st.holders:
+            x = st.sessions[h].memory
+            if x.room:
+                filling += x.held - x.room
+        return st.used_bytes() - head.used + filling + self.gangs.peers_to_count(head)
 
     def grant_what_fits(self) -> None:
         st = self.st
@@ -122,20 +137,12 @@ class Admission:
         """Grant the queue's head if it fits, or as it fills what swap-outs free; else
         ask for the swap-outs that make room. False: it waits."""
         st = self.st
-        # Fast path (the common case, on every handoff): it fits as things are. A
-        # filling holder counts at its limit: a holder joining in mode auto may not
-        # take what its room is to grow into (it could never fill).
-        filling = 0
-        for h in st.holders:
-            x = st.sessions[h].memory
-            if x.room:
-                filling += x.held - x.room
-        # A rank's grant makes its gang hold: its peers then count at their limits.
-        peers = self.gangs.peers_to_count(head)
-        others = self.st.used_bytes() - head.used + filling + peers
+        # Fast path (the common case, on every handoff): it fits as things are.
+        others = self._others(head)
         if others + bound_for(head, st.settings.mode) <= self.st.capacity:
             self.leases.grant(head, lent=True)
             return True
+        peers = self.gangs.peers_to_count(head)
         plan = plan_grant(self.st.capacity, self.gangs.views(head, peers), head.id)
         if plan.fits:
             self.leases.grant(head)

@@ -154,7 +154,7 @@ class Arbiter:
 
     def compute_left(self, s: SessionState) -> float:
         """GPU seconds a session with a compute limit may hold now before it rests."""
-        return caps.left(s, self.clock.monotonic()) if s.share.cap else 0.0
+        return caps.left(s, self.clock.monotonic()) if s.share.bucket is not None else 0.0
 
     def gang_here(self, key: str) -> bool:
         return self.gangs.here(key)
@@ -176,6 +176,7 @@ class Arbiter:
         grows: bool = False,
         sharing: str = "",
         compute_limit: float | None = None,
+        workload: str = "",
         weight: float = 1.0,
         resident: int = 0,
         swapped: int = 0,
@@ -207,7 +208,9 @@ class Arbiter:
         before it has more than its grant's bound. ``sharing``: its pod's compute-sharing
         mode (``time-slicing``: exclusive quanta; ``sm-sharing``: mode auto), else the
         GPU's mode. ``compute_limit``: the most of the GPU's time it may take over a
-        window (core/caps.py), even when the GPU would otherwise idle. ``family``: it is a
+        window (core/caps.py), even when the GPU would otherwise idle, from the bucket of
+        its ``workload`` (the node's key: its pod, else its user and name; "": its own),
+        shared with that workload's other sessions and kept after them. ``family``: it is a
         process of that session's (core/families.py), in its family's gang ``gang``;
         ``joins_family``: it joins now (not back after a restart), its memory taken out
         of that session's limit (``memory_limit`` the most it asks)."""
@@ -229,9 +232,7 @@ class Arbiter:
         mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
         cap = self._check_compute_limit(compute_limit)
         s = SessionState(id=sid, name=name, weight=weight, memory=mem, sharing=sharing)
-        if cap < 1.0:
-            s.share.cap, s.share.cap_left, s.share.cap_at = cap, cap * caps.WINDOW_S, now
-            self.caps.count += 1
+        self.caps.join(s, workload, cap, now)
         s.attached = s.lease.idle_since = now
         s.prefetch.enabled = prefetch
         s.share.credit = self.turns.first_credit()
@@ -382,8 +383,7 @@ class Arbiter:
             st.queue.remove(sid)
         if s.share.window:
             self.window.close(s)
-        if s.share.cap:
-            self.caps.count -= 1
+        self.caps.leave(s, now)
         del st.sessions[sid]
         st.deadlines.forget(sid)
         self.claims.forget(sid)
@@ -576,8 +576,10 @@ class Arbiter:
     def _past_bound(self, s: SessionState, resident: int) -> None:
         """A holder with more than its grant lent, without asking (not the protocol): its
         bound grows to what it has where that fits (as an ask would have been answered);
-        else it is escalated, once per stretch (the count keeps its bound: what it was
-        lent)."""
+        else it gives the GPU back at its next safe point (revoked, reason
+        ``over_memory_bound``, once per stretch; the count keeps its bound: what it was
+        lent). Memory within the limit is never a reason to end or escalate a session
+        (docs/scheduling.md 6): only not yielding then is, as for any revoke."""
         m = s.memory
         if not (s.holding and m.bound and resident > m.held):
             m.over_bound = False
@@ -588,8 +590,8 @@ class Arbiter:
             st.ledger.recount(s)
         elif not m.over_bound:
             m.over_bound = True
-            fields = {"resident_bytes": resident, "bound_bytes": m.bound}
-            self.escalation.escalate(s, "over_memory_bound", fields)
+            if s.state is State.HOLDING:
+                self.leases.revoke(s, self.clock.monotonic(), reason="over_memory_bound")
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""

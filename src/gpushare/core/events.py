@@ -150,7 +150,6 @@ class Escalate(Event):
     resident_bytes: int | None = None
     used_bytes: int | None = None
     limit_bytes: int | None = None
-    bound_bytes: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,6 +194,16 @@ class Reclaim(Event):
     waiting_session: int
 
 
+@dataclass(kw_only=True, slots=True)
+class Ungated(Event):
+    """A process the GPU shows (NVML) with memory on it, started by ``session``'s program,
+    that is neither that session nor a member of it: its GPU work runs ungated."""
+
+    kind: ClassVar[str] = "ungated"
+    pid: int
+    used_bytes: int
+
+
 KINDS: tuple[type[Event], ...] = (
     Attach,
     Detach,
@@ -210,4 +219,5 @@ KINDS: tuple[type[Event], ...] = (
     Refused,
     Recovery,
     Reclaim,
+    Ungated,
 )

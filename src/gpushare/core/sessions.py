@@ -129,10 +129,38 @@ class Share:
     # to it (others held past theirs while it waited), added to later ones (4)
     debt: float = 0.0
     owed_mark: float = 0.0  # the shares' owed total when it began to wait
-    # Its compute limit (core/caps.py: 0 none): the bucket's GPU seconds at cap_at.
-    cap: float = 0.0
-    cap_left: float = 0.0
-    cap_at: float = 0.0
+    # Its workload's compute-limit bucket (core/caps.py), shared with its other sessions;
+    # None: no limit.
+    bucket: Bucket | None = None
+
+    @property
+    def cap(self) -> float:
+        """Its compute limit: its bucket's (0: none)."""
+        return self.bucket.cap if self.bucket is not None else 0.0
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A workload's compute-limit bucket (core/caps.py): ``left`` GPU seconds at ``at``,
+    filled at ``cap`` per second up to ``cap`` x ``window``, spent by each of its
+    ``members``' GPU time while it holds (from its swap-in's end)."""
+
+    cap: float
+    left: float
+    at: float
+    window: float
+    members: list[SessionState] = field(default_factory=list)
+
+    def now(self, now: float) -> float:
+        """GPU seconds in it now (below 0 by a late yield's overrun)."""
+        spent = sum(
+            max(0.0, now - max(self.at, m.lease.gpu_since)) for m in self.members if m.holding
+        )
+        return min(self.cap * self.window, self.left + self.cap * (now - self.at) - spent)
+
+    def full(self, now: float) -> bool:
+        """No session spends from it, and it has filled up again: as a new one would be."""
+        return not self.members and self.now(now) >= self.cap * self.window - 1e-9
 
 
 @dataclass

@@ -180,6 +180,8 @@ class Node:
             self.clock,
             self.decisions,
             lambda: parse_size(self.live.config.nvml_allowance),
+            publish=self.events.publish,
+            proc_root=lambda: self.live.config.proc_root,
         )
         self._servers: list[asyncio.Server] = []
         self._made: list[str] = []  # socket and link files this node created

@@ -75,6 +75,7 @@ class Conn:
     stopped: list[ProcRef] = field(default_factory=list)  # what a freeze stopped
     names: tuple[str, str, str] | None = None  # the API's names, pinned once seen
     weight_source: str = ""
+    sharing_source: str = ""  # where its compute-sharing mode comes from ("": none)
     record: SessionRecord | None = None  # what a restarted node recovers it from
     # It may have memory on the GPU: on record from before a restart, or granted a lease
     # or prefetch room since it attached. Until then its reports of memory are refused.

@@ -36,7 +36,7 @@ from gpushare.node.kube.node_status import (
     VERSION,
 )
 from gpushare.settings import SettingsError, validate
-from gpushare.units import format_size
+from gpushare.units import format_size, parse_duration
 
 PROG = "kubectl gpushare"
 
@@ -211,6 +211,20 @@ def age(updated: str, now: float) -> str:
     return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
 
 
+def _name(o: object) -> str:
+    try:
+        return str(o["metadata"]["name"])  # type: ignore[index]
+    except (KeyError, TypeError):
+        return "?"
+
+
+def _malformed(e: Exception) -> str:
+    """What is wrong with an object as the node should not have written it, briefly."""
+    what = {KeyError: "lacks", TypeError: "has a wrong type", ValueError: "has a wrong value"}
+    kind = next((w for k, w in what.items() if isinstance(e, k)), "is unreadable")
+    return f"(malformed status: {kind} {str(e)[:60]})"
+
+
 def status_table(objs: Sequence[dict[str, Any]], now: float) -> str:
     rows: list[list[object]] = [
         [
@@ -231,37 +245,45 @@ def status_table(objs: Sequence[dict[str, Any]], now: float) -> str:
         ]
     ]
     for o in objs:
-        st = o.get("status") or {}
-        name = o["metadata"]["name"]
-        cond: dict[str, Any] = next(
-            (c for c in st.get("conditions") or [] if c["type"] == CONDITION), {}
-        )
-        if not st.get("gpus"):
-            rows.append([name, "-", "(no status yet)", *["-"] * 11])
-            continue
-        sessions = st.get("sessions") or []
-        for g in st["gpus"]:
-            mine = [s for s in sessions if s["gpu"] == g["index"]]
-            model = ("[simulated] " if g.get("simulated") else "") + str(g["model"])
-            rows.append(
-                [
-                    name,
-                    g["index"],
-                    model,
-                    g["memory"],
-                    f"{g['tq']:g}s",
-                    g["mode"],
-                    g["policy"],
-                    g["escalation"],
-                    len(g["holders"]),
-                    len(g["queue"]),
-                    len(mine),
-                    format_size(sum(int(s["swappedBytes"]) for s in mine)),
-                    cond.get("reason", "-"),
-                    age(st.get("updated", ""), now),
-                ]
-            )
+        name = _name(o)
+        try:  # one node's object written wrong hides no other node's rows
+            rows += _status_rows(o, name, now)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            rows.append([name, "-", _malformed(e), *["-"] * 11])
     return table(rows)
+
+
+def _status_rows(o: dict[str, Any], name: str, now: float) -> list[list[object]]:
+    rows: list[list[object]] = []
+    st = o.get("status") or {}
+    cond: dict[str, Any] = next(
+        (c for c in st.get("conditions") or [] if c["type"] == CONDITION), {}
+    )
+    if not st.get("gpus"):
+        return [[name, "-", "(no status yet)", *["-"] * 11]]
+    sessions = st.get("sessions") or []
+    for g in st["gpus"]:
+        mine = [s for s in sessions if s["gpu"] == g["index"]]
+        model = ("[simulated] " if g.get("simulated") else "") + str(g["model"])
+        rows.append(
+            [
+                name,
+                g["index"],
+                model,
+                g["memory"],
+                f"{g['tq']:g}s",
+                g["mode"],
+                g["policy"],
+                g["escalation"],
+                len(g["holders"]),
+                len(g["queue"]),
+                len(mine),
+                format_size(sum(int(s["swappedBytes"]) for s in mine)),
+                cond.get("reason", "-"),
+                age(st.get("updated", ""), now),
+            ]
+        )
+    return rows
 
 
 def top_table(objs: Sequence[dict[str, Any]], now: float) -> str:
@@ -283,49 +305,61 @@ def top_table(objs: Sequence[dict[str, Any]], now: float) -> str:
     ]
     heads = []
     for o in objs:
-        st = o.get("status") or {}
-        name = o["metadata"]["name"]
-        holders = {sid for g in st.get("gpus") or [] for sid in g["holders"]}
-        for s in st.get("sessions") or []:
-            pod = f"{s['namespace']}/{s['pod']}" if s.get("pod") else f"({s['name']})"
-            rows.append(
-                [
-                    name,
-                    s["gpu"],
-                    s["id"],
-                    pod,
-                    s.get("container") or "-",
-                    ("*" if s["id"] in holders else "") + s["state"],
-                    f"{s['fraction']:g}" if "fraction" in s else "-",
-                    s["memoryLimit"],
-                    format_size(int(s["residentBytes"])),
-                    format_size(int(s["swappedBytes"])),
-                    f"{s['leaseSeconds']:.1f}s",
-                    f"{s['waitSeconds']:.1f}s",
-                ]
-            )
-        summary = st.get("summary") or {}
-        heads.append(
-            f"{name}: {summary.get('gpus', 0)} GPU, TQ {summary.get('tq', '-')}, mode"
-            f" {summary.get('mode', '-')}, {summary.get('holders', 0)} holding,"
-            f" {summary.get('waiting', 0)} waiting, updated {age(st.get('updated', ''), now)}"
-            " ago"
-        )
+        name = _name(o)
+        try:  # one node's object written wrong hides no other node's sessions
+            more, head = _top_rows(o, name, now)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            more, head = [], f"{name}: {_malformed(e)}"
+        rows += more
+        heads.append(head)
     body = table(rows) if len(rows) > 1 else "no sessions"
     return "\n".join([*heads, "", body])
+
+
+def _top_rows(o: dict[str, Any], name: str, now: float) -> tuple[list[list[object]], str]:
+    st = o.get("status") or {}
+    rows: list[list[object]] = []
+    holders = {sid for g in st.get("gpus") or [] for sid in g["holders"]}
+    for s in st.get("sessions") or []:
+        pod = f"{s['namespace']}/{s['pod']}" if s.get("pod") else f"({s['name']})"
+        rows.append(
+            [
+                name,
+                s["gpu"],
+                s["id"],
+                pod,
+                s.get("container") or "-",
+                ("*" if s["id"] in holders else "") + s["state"],
+                f"{s['fraction']:g}" if "fraction" in s else "-",
+                s["memoryLimit"],
+                format_size(int(s["residentBytes"])),
+                format_size(int(s["swappedBytes"])),
+                f"{s['leaseSeconds']:.1f}s",
+                f"{s['waitSeconds']:.1f}s",
+            ]
+        )
+    summary = st.get("summary") or {}
+    head = (
+        f"{name}: {summary.get('gpus', 0)} GPU, TQ {summary.get('tq', '-')}, mode"
+        f" {summary.get('mode', '-')}, {summary.get('holders', 0)} holding,"
+        f" {summary.get('waiting', 0)} waiting, updated {age(st.get('updated', ''), now)}"
+        " ago"
+    )
+    return rows, head
 
 
 # --- commands ---------------------------------------------------------------------------
 
 
+def _status_of(o: dict[str, Any]) -> dict[str, Any]:
+    st = o.get("status") if isinstance(o, dict) else None
+    return st if isinstance(st, dict) else {} if st is None else {"malformed": True}
+
+
 def cmd_status(api: Api, a: argparse.Namespace) -> int:
     objs = [api.node(a.node)] if a.node else api.nodes()
     if a.output == "json":
-        print(
-            json.dumps(
-                [{"node": o["metadata"]["name"], **(o.get("status") or {})} for o in objs], indent=1
-            )
-        )
+        print(json.dumps([{"node": _name(o), **_status_of(o)} for o in objs], indent=1))
         return 0
     if not objs:
         print(
@@ -441,8 +475,35 @@ def cmd_events(api: Api, a: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``2``, ``500ms``, ``1m``), as gpushare's own
+    flags take durations; ``-1``, ``nan`` or ``inf`` is a usage error, not a traceback."""
+    try:
+        v = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not 0 < v <= 86400:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds up to 1 d (like 2, 500ms, 1m), not {text}"
+        )
+    return v
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, not {text}")
+    return int(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A usage mistake in one line (exit status 2), naming where --help is."""
+        print(f"{PROG}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     ap.add_argument("--context", help="the kubeconfig's context to use")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -460,13 +521,13 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--pod", help="NAMESPACE/NAME: that pod's node")
         c.add_argument("--node", help="the node by name")
         c.add_argument("--gpu", type=int, help="one GPU of the node (default: all)")
-        c.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (60)")
+        c.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait (60)")
         c.add_argument("--no-wait", action="store_true", help="patch, do not wait")
     t = sub.add_parser("top", help="the sessions by pod, refreshed")
     t.add_argument("--node", help="one node")
-    t.add_argument("--interval", type=float, default=2.0)
+    t.add_argument("--interval", type=_seconds, default=2.0, help="seconds between tables (2)")
     t.add_argument("--once", action="store_true", help="one table, then exit")
-    t.add_argument("--count", type=int, default=0, help="this many tables, then exit")
+    t.add_argument("--count", type=_count, default=0, help="this many tables, then exit")
     e = sub.add_parser("events", help="what the nodes said about a pod (or a node)")
     e.add_argument("--pod", help="NAMESPACE/NAME")
     e.add_argument("--node", help="a node's settings applied or refused")

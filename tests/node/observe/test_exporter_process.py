@@ -361,3 +361,53 @@ def test_half_sent_requests_are_bounded_and_timed_out(monkeypatch):
             c.close()
         server.shutdown()
         server.server_close()
+
+
+def test_requests_sent_a_byte_at_a_time_do_not_block_every_scrape(monkeypatch):
+    # Issue 38: each read waited HTTP_TIMEOUT_S, but a request was not bounded as a
+    # whole: 64 connections sending one byte in less than that kept every slot, and every
+    # scrape was turned away for as long as they went on. Now a request must be whole
+    # within HTTP_TIMEOUT_S of its connection, however it trickles.
+    from gpushare.node.observe import metrics_http as metrics
+
+    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 1.0)
+    server = metrics.serve_on(metrics.bind(0, "127.0.0.1"), lambda: b"up 1\n")
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stop = threading.Event()
+    cut = []
+
+    def trickle() -> None:  # a byte every 0.2 s: each read is well within the timeout
+        c = socket.create_connection(("127.0.0.1", port))
+        try:
+            for b in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 100:
+                if stop.wait(0.2):
+                    return
+                c.sendall(bytes([b]))
+        except OSError:
+            cut.append(c)  # closed by the server: its time was up
+        finally:
+            c.close()
+
+    threads = [
+        threading.Thread(target=trickle, daemon=True) for _ in range(metrics.MAX_CONNECTIONS)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # every slot taken now
+        start = time.monotonic()
+        body = None
+        while body is None and time.monotonic() - start < 10 * metrics.HTTP_TIMEOUT_S:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.1)
+        assert body == b"up 1\n"  # served once the trickling requests' time was up
+        wait_until(lambda: len(cut) == metrics.MAX_CONNECTIONS, timeout=20, what="all cut")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        server.shutdown()
+        server.server_close()

@@ -11,25 +11,29 @@ Sockets between peers in this process are seen at once (the kernel holds the byt
 "nothing ready" means every peer waits. Other threads and processes are not waited for:
 time jumps while they work, so a virtual-time test keeps all its peers in this loop. The
 one exception is the loop's own work handed to an executor it is given
-(``run_in_executor(pool, ...)``: the node's record writes): while such a job runs, time
-passes as the wall clock's does, never jumping past the job.
+(``run_in_executor(pool, ...)``: the node's record writes): time stands still while such
+a job ends within 50 ms of real time (a test's figures stay exact), and passes as the
+wall clock's does while it takes longer (a slow disk), never jumping past the job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import selectors
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpushare.core.clock import ManualClock
+from gpushare.node.host.clock import SystemClock
 
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike
 
 T = TypeVar("T")
+
+
+_WALL = SystemClock()  # only for an executor's job that takes its time
 
 
 class _AutojumpSelector(selectors.BaseSelector):
@@ -47,10 +51,11 @@ class _AutojumpSelector(selectors.BaseSelector):
             return ready
         if timeout is None:  # no timer at all: only I/O can wake the loop
             return self._real.select(None)
-        if self.working:  # a job's end wakes the loop (its self-pipe); meanwhile time
-            t0 = time.monotonic()  # passes as the wall clock's does, no faster
+        if self.working:  # a job's end wakes the loop (its self-pipe): till then time
+            t0 = _WALL.monotonic()  # stands still, or goes as the wall's for a slow one
             ready = self._real.select(min(timeout, 0.05))
-            self._clock.advance(min(timeout, time.monotonic() - t0))
+            if not ready:
+                self._clock.advance(min(timeout, _WALL.monotonic() - t0))
             return ready
         self._clock.advance(max(0.0, timeout))
         return []

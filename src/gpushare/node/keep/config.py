@@ -70,6 +70,10 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     event_log: str = ""
     proc_root: str = "/proc"
     kubernetes: bool = False  # resolve pod UIDs to names through the Kubernetes API
+    # A workload may choose its compute-sharing mode (hello.sharing) against its GPU's
+    # mode. Off, a GPU's mode is its administrator's: only a pod's annotation read
+    # through the API (--kubernetes) puts a session in another.
+    workload_sharing: bool = False
     node_name: str = ""  # this node's name in Kubernetes (default: $NODE_NAME, hostname)
     admin_group: str = ""  # a group whose members may administer (socket mode 0660)
     max_sessions_per_uid: int = 64

@@ -199,6 +199,7 @@ class Recovery:
         except (UnsafePath, msgspec.DecodeError) as e:
             log.warning("session records not usable (%s): starting without them", e)
             saved = Saved(boot_id=self.boot)
+        saved = bounded(saved)
         self.next_session = self.id_floor = max(1, saved.next_session)
         floors = list(saved.lease_floor)[: self.gpus]
         self.lease_floor = floors + [0] * (self.gpus - len(floors))
@@ -565,22 +566,100 @@ class Recovery:
             self.expected.pop(sid, None)
 
 
+# The most any count read back from disk may be (ids, leases, generations, the floors):
+# a node granting a million leases a second for 100,000 years stays below it, and every
+# figure derived from it (a floor a block ahead, a lease after it) stays within what the
+# wire carries (64 bits). A figure past it is disk corruption (or root's hand): dropped,
+# said in the log, never carried on into the arbiter or the wire.
+COUNT_MOST = 2**62
+PID_MOST = 1 << 22  # the kernel's PID_MAX_LIMIT
+UID_MOST = 2**32 - 1
+SIZE_MOST = 2**50  # gpushare.units.MAX_SIZE: 1024 TiB
+TEXT_MOST = 253  # a name, as Kubernetes bounds one (workload_server.TEXT_BOUNDS)
+STOPPED_MOST = 4096  # processes a freeze stopped, per session
+
+
+def _count(x: object, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= COUNT_MOST
+
+
+def _record_wrong(r: SessionRecord) -> str:
+    """Why a record read back cannot be a session's ('' when it can)."""
+    for name in ("id", "gpu", "start_time", "lease", "family"):
+        if not _count(getattr(r, name), 1 if name == "id" else 0):
+            return f"{name} {getattr(r, name)} is out of range"
+    if not 0 < r.pid <= PID_MOST or not 0 <= r.uid <= UID_MOST:
+        return f"pid {r.pid} or uid {r.uid} is out of range"
+    for name in ("limit", "resident", "swapped"):
+        if not 0 <= getattr(r, name) <= SIZE_MOST:
+            return f"{name} {getattr(r, name)} is not a size"
+    if r.resident + r.swapped > r.limit:
+        return f"resident + swapped ({r.resident} + {r.swapped}) is over its limit {r.limit}"
+    if max(len(r.name), len(r.pod_uid), len(r.container_id)) > TEXT_MOST:
+        return "a text is too long"
+    if len(r.stopped) > STOPPED_MOST or any(
+        not (0 < pid <= PID_MOST and _count(start)) for pid, start in r.stopped
+    ):
+        return "its stopped processes are out of range"
+    return ""
+
+
+def bounded(saved: Saved) -> Saved:
+    """``saved`` with every figure within its bounds, above as well as below: a record
+    with one that is not dropped, a count that is not replaced by what the sane records
+    show (each said in the log). A figure past 64 bits carried on would stop every grant
+    of its GPU (a lease the wire cannot carry), across restarts."""
+    keep = []
+    for r in saved.sessions:
+        why = _record_wrong(r)
+        if why:
+            log.warning("session record %.40r dropped: %s", r.id, why)
+        else:
+            keep.append(r)
+    floors = []
+    for gpu, floor in enumerate(saved.lease_floor):
+        if _count(floor):
+            floors.append(floor)
+            continue
+        floors.append(max([r.lease for r in keep if r.gpu == gpu], default=0))
+        log.warning("lease floor of GPU %d (%.40r) dropped: from the records, %d", gpu, floor,
+                    floors[-1])  # fmt: skip
+    nxt = saved.next_session
+    if not _count(nxt, 1):
+        nxt = max([r.id for r in keep], default=0) + 1
+        log.warning(
+            "next session id (%.40r) dropped: from the records, %d", saved.next_session, nxt
+        )
+    gen = saved.generation
+    if not _count(gen):
+        log.warning("records' generation (%.40r) dropped: the journal is not read", gen)
+        gen = 0
+    return msgspec.structs.replace(
+        saved, sessions=keep, lease_floor=floors, next_session=nxt, generation=gen
+    )
+
+
 GENERATIONS_AHEAD = 1 << 32  # a line's generation past the file's by more: not one
 
 
 def _lines(lines: bytes, generation: int) -> list[tuple[int, int, int, int]]:
     """The journal's grants the file of ``generation`` does not hold (of its generation
     or a later one), as (generation, GPU, session, lease); a line no grant wrote is
-    skipped."""
+    skipped, and one whose figures are out of bounds (above as well as below) is dropped,
+    said in the log."""
     out = []
+    dropped = 0
     for line in lines.split(b"\n"):
         try:
             gen, gpu, sid, lease = map(int, line.split())
         except ValueError:
             continue
-        ok = generation <= gen <= generation + GENERATIONS_AHEAD
-        if ok and gpu >= 0 and sid > 0 and lease > 0:
+        if not (_count(gen) and _count(gpu) and _count(sid, 1) and _count(lease, 1)):
+            dropped += 1
+        elif generation <= gen <= generation + GENERATIONS_AHEAD:
             out.append((gen, gpu, sid, lease))
+    if dropped:
+        log.warning("lease journal: %d lines with figures out of bounds dropped", dropped)
     return out
 
 

@@ -11,12 +11,25 @@ container ID the kernel's cgroup path gives.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpushare.settings import SHARING_MODES
+from gpushare.units import MAX_SIZE, is_fraction, parse_quantity
+
 log = logging.getLogger("gpushare.node.k8s")
+
+# KAI Scheduler's annotations (as gpushare.client.env reads them from the downward API):
+# the node reads the same pod's through the API, where the workload cannot rewrite them.
+SHARING_MODE_ANNOTATION = "kai.scheduler/gpu-compute-sharing-mode"
+_NV, _KAI = "nvidia.com/container.", "kai.scheduler/container."
+_NV_REQUEST, _NV_LIMIT, _NV_MODE = ".gpu-memory.request", ".gpu-memory.limit", ".gpu-compute.mode"
+_KAI_PORTION_LIMIT = ".gpu-memory.portion.limit"
+_POD_KEYS = ("gpu-fraction", "gpu-fraction.limit", "gpu-memory", "gpu-memory.limit",
+             SHARING_MODE_ANNOTATION)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,88 @@ class PodInfo:
     name: str
     containers: Mapping[str, str]  # container ID (hex) -> container name
     fraction: float | None = None  # KAI's gpu-fraction annotation, when it is one
+    # its KAI annotations that bound a session (memory, compute-sharing mode), as the API
+    # serves them: those that matter only, so a pod's other notes cost the cache nothing
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def _mine(self, container: str) -> dict[str, str]:
+        """Per-container annotations (suffix -> value) of ``container``: where the
+        kernel's container ID names none the API knows, of the one container they name
+        (KAI gives one container a pod its GPU fraction), else of none."""
+        named: dict[str, dict[str, str]] = {}
+        for key, value in self.notes.items():
+            for prefix, suffix in _PER_CONTAINER:
+                if key.startswith(prefix) and key.endswith(suffix):
+                    named.setdefault(key[len(prefix) : -len(suffix)], {})[suffix] = value
+        if container:
+            return named.get(container, {})
+        return next(iter(named.values())) if len(named) == 1 else {}
+
+    def sharing(self, container: str) -> str:
+        """Its compute-sharing mode (KAI's annotation, or NvFractions' per container):
+        "" (the GPU's mode) where none is written, or one that is not a mode, or two that
+        differ (the workload is refused its own reading of such annotations)."""
+        modes = {
+            self.notes.get(SHARING_MODE_ANNOTATION, ""),
+            self._mine(container).get(_NV_MODE, ""),
+        }
+        modes.discard("")
+        mode = modes.pop() if len(modes) == 1 else ""
+        return mode if mode in SHARING_MODES else ""
+
+    def memory_bound(self, container: str, capacity: int) -> int | None:
+        """The most GPU memory its annotations give it on a GPU of ``capacity`` bytes, in
+        KAI's precedence (docs/kubernetes.md): its limit, else its request; None where they
+        give none (a pod KAI gave no fraction). An annotation that cannot be read is
+        passed over (logged): the next one in precedence bounds it."""
+        mine = self._mine(container)
+        sources: list[tuple[str, str, str]] = [  # (annotation, value, how it is read)
+            (_KAI + container + _KAI_PORTION_LIMIT, mine.get(_KAI_PORTION_LIMIT, ""), "fraction"),
+            ("gpu-fraction.limit", self.notes.get("gpu-fraction.limit", ""), "fraction"),
+            (_NV + container + _NV_LIMIT, mine.get(_NV_LIMIT, ""), "quantity"),
+            ("gpu-memory.limit", self.notes.get("gpu-memory.limit", ""), "quantity"),
+            ("gpu-memory", self.notes.get("gpu-memory", ""), "mib"),
+            ("gpu-fraction", self.notes.get("gpu-fraction", ""), "fraction"),
+            (_NV + container + _NV_REQUEST, mine.get(_NV_REQUEST, ""), "quantity"),
+        ]
+        for key, value, kind in sources:
+            if not value:
+                continue
+            try:
+                return _bytes(value, kind, capacity, key)
+            except ValueError as e:
+                log.warning("pod %s/%s: %s; passed over", self.namespace, self.name, e)
+        return None
+
+
+_PER_CONTAINER = ((_NV, _NV_REQUEST), (_NV, _NV_LIMIT), (_NV, _NV_MODE), (_KAI, _KAI_PORTION_LIMIT))
+
+
+def _bytes(value: str, kind: str, capacity: int, key: str) -> int:
+    """An annotation's figure in bytes of a GPU of ``capacity``, or ValueError."""
+    if kind == "quantity":
+        return min(parse_quantity(value, f"annotation {key}"), capacity)
+    if kind == "mib":
+        n = int(value) if value.strip().isdigit() else 0
+        if not 0 < n * 2**20 <= MAX_SIZE:
+            raise ValueError(f"annotation {key}={value!r} is not a whole number of MiB")
+        return min(n * 2**20, capacity)
+    try:
+        f = float(value)
+    except ValueError:
+        f = math.nan
+    if not is_fraction(f):
+        raise ValueError(f"annotation {key}={value!r} is not a fraction in (0, 1]")
+    return max(1, int(capacity * f))
+
+
+def _notes(meta: Mapping[str, Any]) -> dict[str, str]:
+    notes = meta.get("annotations") or {}
+    return {
+        k: str(v)
+        for k, v in notes.items()
+        if k in _POD_KEYS or any(k.startswith(p) and k.endswith(x) for p, x in _PER_CONTAINER)
+    }
 
 
 def _fraction(meta: Mapping[str, Any]) -> float | None:
@@ -47,7 +142,9 @@ def pod_info(obj: Mapping[str, Any]) -> PodInfo:
             cid = cs.get("containerID") or ""
             if "://" in cid:
                 containers[cid.split("://", 1)[1]] = cs["name"]
-    return PodInfo(meta["uid"], meta["namespace"], meta["name"], containers, _fraction(meta))
+    return PodInfo(
+        meta["uid"], meta["namespace"], meta["name"], containers, _fraction(meta), _notes(meta)
+    )
 
 
 class PodCache:
@@ -84,6 +181,11 @@ class PodCache:
         with self._lock:
             p = self._pods.get(pod_uid)
         return p.fraction if p is not None else None
+
+    def pod(self, pod_uid: str) -> PodInfo | None:
+        """The pod as the API last served it, if known."""
+        with self._lock:
+            return self._pods.get(pod_uid)
 
     def __len__(self) -> int:
         return len(self._pods)

@@ -7,6 +7,7 @@ inherited by the exporter's process), its connections bounded.
 from __future__ import annotations
 
 import gzip
+import io
 import socket
 import sys
 import threading
@@ -16,22 +17,54 @@ from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client.exposition import ThreadingWSGIServer, gzip_accepted
 
+from gpushare.node.host.clock import SystemClock
+
 DEFAULT_PORT = 9423
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 # --- serving ------------------------------------------------------------------------------
 # Bounds of the exporter's HTTP server: connections served at once (more are closed as
-# they come: 4,000 half-sent requests once held 4,002 threads), and how long one may send
-# nothing before it is closed.
+# they come: 4,000 half-sent requests once held 4,002 threads), and how long one may take
+# to send its whole request (a byte now and then kept a slot for ever: 64 such blocked
+# every scrape), and then to read the answer.
 MAX_CONNECTIONS = 64
 HTTP_TIMEOUT_S = 10.0
+_CLOCK = SystemClock()  # a request's deadline (the exporter's process: real time)
+
+
+class _ByDeadline(io.RawIOBase):
+    """A socket's reads, all of them together within ``deadline`` (monotonic): each
+    waits only for what is left of it, then the connection is timed out."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self.deadline - _CLOCK.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not whole within {HTTP_TIMEOUT_S:g} s")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
 
 
 class _Quiet(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(HTTP_TIMEOUT_S)  # each read and write on it
+        self.connection.settimeout(HTTP_TIMEOUT_S)  # each write on it
+        self.rfile.close()  # (the socket stays open: the handler's own)
+        self.rfile = io.BufferedReader(
+            _ByDeadline(self.connection, _CLOCK.monotonic() + HTTP_TIMEOUT_S)
+        )
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.connection.settimeout(HTTP_TIMEOUT_S)  # the request is in: the answer's time
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

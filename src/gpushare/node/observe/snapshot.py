@@ -86,6 +86,7 @@ def session(
         discarded_bytes=s.memory.discarded,
         discarded_bytes_total=s.totals.discarded_bytes,
         sharing=s.sharing,
+        sharing_source=c.sharing_source if c else "",
         compute_limit=s.share.cap,
         compute_left_s=a.compute_left(s),
         resident_bytes=s.memory.resident,

@@ -17,12 +17,14 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from gpushare.core import events as typed
 from gpushare.core.arbiter import Arbiter
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import Clock
 from gpushare.node.decide.decisions import Decisions
 from gpushare.node.guard import Conn
 from gpushare.node.host.gpus import GpuInfo
+from gpushare.node.host.procs import descends
 
 log = logging.getLogger("gpushare.node.utilization")
 
@@ -94,10 +96,16 @@ class Sampler:
         clock: Clock,
         decisions: Decisions,
         allowance: Callable[[], int],
+        publish: Callable[[dict[str, Any]], None] = lambda rec: None,
+        proc_root: Callable[[], str] = lambda: "/proc",
     ) -> None:
         self.gpus, self.arbiters, self.utilization = gpus, arbiters, utilization
         self.nvml, self.conns, self.clock, self.decisions = nvml, conns, clock, decisions
         self.allowance = allowance  # NVML bytes a process may use beyond its session's
+        self.publish, self.proc_root = publish, proc_root
+        # (gpu, pid) NVML shows that no session is, looked at once: whose program started
+        # it (0: none of them; said where one did), while NVML goes on showing it
+        self.strangers: dict[tuple[int, int], int] = {}
 
     def used_by(self, gpu: int, pids: Collection[int]) -> int | None:
         """What NVML counts on GPU ``gpu`` for ``pids`` (:meth:`NvmlUtilization.memory_of`);
@@ -141,3 +149,38 @@ class Sampler:
                 for sid, pid in pids.items():
                     if pid in used and sid in arb.sessions:
                         self.decisions.act(arb, arb.over_limit(sid, used=used[pid] - allowance))
+                self.say_ungated(g.index, used)
+
+    def say_ungated(self, gpu: int, used: Mapping[int, int]) -> None:
+        """A process with memory on ``gpu`` that a session's program started (its chain of
+        parents reaches a session's process) but that is neither a session nor a member:
+        its GPU work runs ungated (a child started with a clean environment, ``python
+        -I``, a fork of a member). Said once per process, in the log and as an
+        ``ungated`` event: the node cannot gate it, but it does not leave it unsaid."""
+        for key in [k for k in self.strangers if k[0] == gpu and k[1] not in used]:
+            del self.strangers[key]  # gone from the GPU: forgotten (bounded by NVML's list)
+        conns = list(self.conns.values())
+        known = {c.pid for c in conns}
+        root = self.proc_root()
+        for pid, nbytes in used.items():
+            if pid in known or (gpu, pid) in self.strangers:
+                continue
+            head = next(
+                (c for c in conns if c.proc is not None and descends(pid, c.proc, root)), None
+            )
+            self.strangers[gpu, pid] = head.session if head is not None else 0
+            if head is None:
+                continue  # not started by a session's program: none of the node's business
+            log.warning(
+                "GPU %d: process %d, started by session %d's program (pid %d), uses %d bytes"
+                " of GPU memory ungated: it is neither a session nor a member (started with"
+                " a clean environment, python -I, or forked by a member?): keep"
+                " GPUSHARE_FAMILY and PYTHONPATH in its environment, or attach it",
+                gpu,
+                pid,
+                head.session,
+                head.pid,
+                nbytes,
+            )
+            ev = typed.Ungated(session=head.session, pid=pid, used_bytes=nbytes)
+            self.publish(typed.record(ev, ts=self.clock.wall(), gpu=gpu))

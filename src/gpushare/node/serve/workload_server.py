@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import unicodedata
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, overload
 
@@ -30,7 +31,8 @@ from gpushare.node.host.procs import descends
 from gpushare.node.host.sockets import read_frame
 from gpushare.node.keep.config import NodeConfig
 from gpushare.node.keep.recovery import IdsUnavailable, Recovery, SessionRecord
-from gpushare.node.kube.k8s import PodCache
+from gpushare.node.kube.k8s import PodCache, PodInfo
+from gpushare.settings import SHARING_MODES
 from gpushare.status import Claimed
 from gpushare.units import is_fraction
 
@@ -53,6 +55,20 @@ TEXT_BOUNDS = {
     "token": 64,
 }
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
+# Unicode's control, format (bidi overrides and isolates, zero-width characters), line and
+# paragraph separators, surrogates and private use: each would show a name other than it
+# is (U+202E writes the rest of a line backwards) in ctl status, top, logs and events.
+_UNSEEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co"})
+
+
+def unsafe_text(text: str) -> str:
+    """The first character of ``text`` that would not show as itself ('' when none)."""
+    if text.isascii():
+        m = _CONTROL.search(text)
+        return m.group() if m else ""
+    return next((c for c in text if unicodedata.category(c) in _UNSEEN), "")
+
+
 MAX_GANG = 4096
 MAX_WORLD = 1 << 20  # ranks of a job on all nodes
 
@@ -65,8 +81,15 @@ def check_hello(h: p.Hello) -> None:
             raise Refused(
                 "attach", f"hello: {name} is {len(text)} characters long, the most is {most}"
             )
-        if _CONTROL.search(text):
-            raise Refused("attach", f"hello: {name} holds control characters")
+        bad = unsafe_text(text)
+        if bad:
+            raise Refused(
+                "attach",
+                f"hello: {name} holds control characters (U+{ord(bad):04X},"
+                f" {unicodedata.name(bad, 'a control character')}): name it with printable"
+                " characters only",
+            )
+    _check_words(h)
     if h.portion is not None and not is_fraction(h.portion):
         raise Refused(
             "attach",
@@ -92,6 +115,15 @@ def check_hello(h: p.Hello) -> None:
     for name in ("session", "lease"):
         if not 0 <= getattr(h, name) < 2**63:
             raise Refused("attach", f"hello: {name} must be a number >= 0")
+
+
+def _check_words(h: p.Hello) -> None:
+    if h.sharing and h.sharing not in SHARING_MODES:
+        raise Refused(
+            "attach",
+            f"hello: sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
+            f" gpu-compute-sharing-mode) or empty, not {h.sharing!r}",
+        )
 
 
 class WorkloadServer:
@@ -256,6 +288,84 @@ class WorkloadServer:
             return 1.0, "default"
         return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
 
+    def _pod(self, conn: Conn) -> tuple[PodInfo, str] | None:
+        """The session's pod as the API serves it, and its container's name (""
+        where the API does not name the kernel's container ID), under ``--kubernetes``."""
+        pods = self.pods()
+        pod = (
+            pods.pod(conn.identity.pod_uid) if pods is not None and conn.identity.pod_uid else None
+        )
+        if pod is None:
+            return None
+        return pod, pod.containers.get(conn.identity.container_id, "")
+
+    def _sharing(self, conn: Conn, h: p.Hello, workload_sharing: bool) -> tuple[str, str]:
+        """The session's compute-sharing mode and where it comes from. A GPU's mode is
+        its administrator's: a session holds in another only as its pod says through the
+        API (``kubernetes``), else where the node's ``workload_sharing`` lets a workload
+        choose (``workload``); otherwise the hello's word is only shown (``claimed``)."""
+        pod = self._pod(conn)
+        if pod is not None:
+            mode = pod[0].sharing(pod[1])
+            return mode, "kubernetes" if mode else ""
+        if workload_sharing:
+            return h.sharing, "workload" if h.sharing else ""
+        return "", ""
+
+    def _memory_of(
+        self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, limit: int
+    ) -> tuple[int, int | None]:
+        """The limit and request a hello asks for, within its pod's (a member's: its
+        part of its session's, split by the arbiter)."""
+        if head is not None:
+            return limit, None
+        request = _request_of(h, arb.capacity, limit)
+        bounded = self._bounded_limit(conn, limit, arb.capacity)
+        if bounded < limit and request is not None:  # within the pod's, as its limit
+            request = min(request, bounded)
+        return bounded, request
+
+    def _sharing_of(
+        self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, workload_sharing: bool
+    ) -> tuple[str, str]:
+        """:meth:`_sharing`, a member's its session's; a word not taken said in the log."""
+        if head is not None:  # a process of a session holds as its session does
+            sharing, source = arb.sessions[head.session].sharing, head.sharing_source
+        else:
+            sharing, source = self._sharing(conn, h, workload_sharing)
+        if h.sharing and h.sharing != sharing:
+            log.warning(
+                "pid %d uid %d: hello asks for compute-sharing mode %s, but %s: it takes %s",
+                conn.pid,
+                conn.uid,
+                h.sharing,
+                "its pod's annotations through the API say otherwise"
+                if self._pod(conn) is not None
+                else "this node lets no workload choose one (workload_sharing = false)",
+                sharing or "the GPU's mode",
+            )
+        return sharing, source
+
+    def _bounded_limit(self, conn: Conn, limit: int, capacity: int) -> int:
+        """A memory limit no more than the pod's annotations give it through the API
+        (the workload's word otherwise, as before)."""
+        pod = self._pod(conn)
+        bound = pod[0].memory_bound(pod[1], capacity) if pod is not None else None
+        if bound is None or limit <= bound:
+            return limit
+        log.warning(
+            "pid %d uid %d: hello asks for a memory limit of %d bytes, but its pod %s/%s's"
+            " annotations give it %d: taken as %d",
+            conn.pid,
+            conn.uid,
+            limit,
+            pod[0].namespace if pod else "",
+            pod[0].name if pod else "",
+            bound,
+            bound,
+        )
+        return bound
+
     def _new_id(self, conn: Conn, h: p.Hello, limit: int) -> int:
         """The id a session with no record gets (on disk with its record before it is
         welcomed: :meth:`_attach_on_record`)."""
@@ -333,6 +443,8 @@ class WorkloadServer:
         limit = _limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
+        limit, request = self._memory_of(conn, h, head, arb, limit)
+        sharing, sharing_source = self._sharing_of(conn, h, head, arb, cfg.workload_sharing)
         weight, source = self._weight(conn, h)
         if head is not None:
             weight, source = arb.sessions[head.session].weight, "family"
@@ -364,7 +476,7 @@ class WorkloadServer:
         # it: on record from before a restart, or as NVML counts its process's (then no
         # more than that). A new session with neither has nothing resident. (What it
         # says it has swapped out, in its own host memory, only costs it swap-ins.)
-        resident = self._resident(conn, gpu, h.resident, on_record=rec is not None)
+        resident = self._resident(conn, gpu, h.resident, rec)
         wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
         verified = not wrong
         if h.holding and wrong:
@@ -382,10 +494,12 @@ class WorkloadServer:
                 sid,
                 name=name,
                 memory_limit=limit,
-                memory_request=_request_of(h, arb.capacity, limit) if head is None else None,
+                memory_request=request,
                 grows=h.grows and g.simulated,
-                sharing=h.sharing,
+                sharing=sharing,
                 compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
+                # its bucket is its workload's, whichever session of it attaches
+                workload=_who(conn.uid, identity) if identity.pod_uid else f"uid:{conn.uid}/{name}",
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
@@ -410,7 +524,10 @@ class WorkloadServer:
         conn.rank = h.rank if gang else -1
         # The pod UID is the kernel's; the names beside it are the workload's word.
         conn.verified = bool(identity.pod_uid) and h.pod_uid == identity.pod_uid
-        conn.claimed = Claimed(pod=h.pod, namespace=h.namespace, container=h.container)
+        conn.claimed = Claimed(
+            pod=h.pod, namespace=h.namespace, container=h.container, sharing=h.sharing
+        )
+        conn.sharing_source = sharing_source
         conn.record = _record(conn, sid, gpu, identity, limit, name, family)
         self.conns[sid] = conn
         self.guard.joined(conn)
@@ -462,17 +579,23 @@ class WorkloadServer:
                 " bytes",
             )
 
-    def _resident(self, conn: Conn, gpu: int, claimed: int, on_record: bool) -> int:
+    def _resident(self, conn: Conn, gpu: int, claimed: int, rec: SessionRecord | None) -> int:
         """What of the memory a hello says is resident the node believes: NVML's count
-        for the process where it has one (at most; all of it for a session on record
-        that NVML does not list, since a node outside the host's pid namespace sees no
-        pids of its); else all of it for a session on record, none for a new one."""
+        for the process where it has one (at most); for a session on record that NVML
+        does not list (a node outside the host's pid namespace sees no pids of its), or
+        where NVML cannot say, no more than its record's memory (resident and swapped:
+        a swap-in may have moved the one into the other since); none for a new one."""
         if claimed <= 0:
             return 0
         seen = self.nvml_used(gpu, {conn.pid})
+        on_record = rec is not None
         if seen is None or (on_record and seen == 0):
-            believed = claimed if on_record else 0
-            why = "the session is not on record (new to this node), nor counted by NVML"
+            believed = min(claimed, rec.resident + rec.swapped) if rec is not None else 0
+            why = (
+                f"its record says it had {rec.resident + rec.swapped} bytes"
+                if rec is not None
+                else "the session is not on record (new to this node), nor counted by NVML"
+            )
         else:
             believed = min(claimed, seen)
             why = f"NVML counts {seen} bytes for its process"
