@@ -195,6 +195,22 @@ def test_a_gpu_full_at_swap_in_is_an_error_and_nothing_is_lost(gpu: FakeGpu, mon
     assert intact(ranges)
 
 
+def test_a_failed_access_grant_at_swap_in_leaves_the_piece_swapped_and_unmapped(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [4 * PIECE])
+    b.swap_out(4 * PIECE)
+    gpu.fail("cuMemSetAccess", 999, skip=1)  # the second piece's, mapped by then
+    with pytest.raises(SwapError, match="cuMemSetAccess failed"):
+        b.swap_in()
+    assert (b.resident_bytes, b.swapped_bytes) == (PIECE, 3 * PIECE)
+    assert gpu.physical_bytes == PIECE
+    va = ranges[0][0]
+    assert perms(va + PIECE) == "---p"  # a reservation again, not a mapping
+    b.swap_in()  # maps there again
+    assert intact(ranges) and b.swapped_bytes == 0
+    b.close()
+
+
 def test_freeing_swapped_memory_returns_its_host_buffers(gpu: FakeGpu):
     b = gpu.backend()
     (va, _), *_ = fill(b, [4 * PIECE])

@@ -251,9 +251,14 @@ class CudaDriver:
         self._check("cuMemRelease", self._cu.cuMemRelease(handle))
 
     def map(self, va: int, size: int, handle: int) -> None:
+        """``handle`` mapped at ``va`` and accessible, or, on an error, nothing mapped
+        there (the caller still owns ``handle``): a range left mapped behind a failed
+        grant would make every later map there fail."""
         self._check("cuMemMap", self._cu.cuMemMap(va, size, 0, handle, 0))
         rc = self._cu.cuMemSetAccess(va, size, self._access, len(self._access))
-        self._check("cuMemSetAccess", rc)
+        if rc:
+            self._cu.cuMemUnmap(va, size)
+            self._check("cuMemSetAccess", rc)
 
     def unmap(self, va: int, size: int) -> None:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(va, size))
