@@ -127,4 +127,8 @@ def gpu(native: Native, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fake
     monkeypatch.setenv("FAKE_CUDA_GRANULARITY", str(GRANULE))
     monkeypatch.delenv("FAKE_CUDA_CAPACITY", raising=False)
     monkeypatch.delenv("FAKE_CUDA_CORRUPT", raising=False)
+    monkeypatch.delenv("FAKE_CUDA_DIRTY", raising=False)  # fresh memory holds garbage
+    monkeypatch.delenv("FAKE_CUDA_FAIL", raising=False)
+    # this test's GPU, shared with the processes it starts (a second tenant's memory)
+    monkeypatch.setenv("FAKE_CUDA_SHARED", str(tmp_path / "fake-gpu"))
     return FakeGpu(native, tmp_path)
