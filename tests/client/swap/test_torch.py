@@ -367,26 +367,21 @@ def test_a_discardable_tensors_freed_storage_is_not_dropped_under_the_next_one(b
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
 def test_vllm_style_sleep_mode_memory_is_counted_and_swapped_on_the_gpu(backend):
     # vLLM's allocator is not here: one following it (fake_vllm: the driver's own
-    # cuMemCreate and cuMemMap beside gpushare's allocator, as vLLM's C extension calls
-    # them) in this process, under the session's backend.
-    import ctypes
-
+    # cuMemCreate and cuMemMap beside gpushare's allocator, called as vLLM's C extension
+    # calls them) in this process, under the session's backend.
     from gpushare.client.swap.vllm_sleep import SleepModeFinder
 
     from . import fake_vllm
 
-    mods, alloc = fake_vllm.modules(backend.driver)
+    mods, alloc = fake_vllm.modules("libcuda.so.1")  # vLLM's extension: the driver's own
     finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
     saved, backend.foreign = backend.foreign, finder
     n = 256 * 2**20
     try:
         vas = {tag: alloc.allocate(n, tag) for tag in ("weights", "kv_cache")}
         datas = {tag: os.urandom(n) for tag in vas}
-        drv = backend.driver
-        with drv.context():
-            for tag, va in vas.items():
-                drv.copy_htod(va, ctypes.cast(datas[tag], ctypes.c_void_p).value, n, alloc.stream)
-            drv.synchronize()
+        for tag, va in vas.items():
+            alloc.write(va, datas[tag])
         held = backend.resident_bytes
         assert held >= 2 * n  # vLLM's memory counted with the session's
         free0, _ = torch.cuda.mem_get_info(backend.device)
@@ -396,12 +391,8 @@ def test_vllm_style_sleep_mode_memory_is_counted_and_swapped_on_the_gpu(backend)
         assert free1 - free0 >= held * 0.99  # vLLM's memory really given back too
         backend.swap_in()
         assert backend.resident_bytes == held
-        out = ctypes.create_string_buffer(n)
-        with drv.context():
-            for tag, va in vas.items():
-                drv.copy_dtoh(ctypes.addressof(out), va, n, alloc.stream)
-                drv.synchronize()
-                assert out.raw == datas[tag], f"{tag} changed"
+        for tag, va in vas.items():
+            assert alloc.read(va, n) == datas[tag], f"{tag} changed"
     finally:
         finder.close()
         backend.foreign = saved
