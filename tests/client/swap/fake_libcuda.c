@@ -44,6 +44,7 @@
  * fake_cuda_alive(what) counts what was made and not given back ("streams", "events",
  * "contexts", "handles": physical allocations not yet freed, "mappings",
  * "reservations", "host": pinned host allocations) and "faults" (illegal addresses);
+ * fake_cuda_mapped() the bytes mapped now;
  * fake_cuda_access(ids, max) the devices the last cuMemSetAccess granted;
  * fake_cuda_hold(on) stops every stream's worker until released.
  * Built by the tests with: cc -shared -fPIC -o X.so this.c -lpthread
@@ -356,8 +357,9 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
 
 /* --- virtual memory ------------------------------------------------------------------- */
 
-/* Physical allocations: freed when released and no longer mapped. */
-struct handle { int fd; size_t size; int released, maps; struct handle *next; };
+/* Physical allocations: freed when no reference (cuMemCreate's, each
+   cuMemRetainAllocationHandle's) and no mapping is left. */
+struct handle { int fd; size_t size; int refs, maps; struct handle *next; };
 static struct handle *handles;
 static int handles_alive;
 /* Reservations, and the ranges mapped now (with whether access was granted). */
@@ -382,7 +384,7 @@ static struct handle *find_handle(CUmemGenericAllocationHandle v) { /* under mu 
     return NULL;
 }
 static void maybe_free(struct handle *h) { /* under mu: the last reference gone */
-    if (!h->released || h->maps) return;
+    if (h->refs || h->maps) return;
     for (struct handle **pp = &handles; *pp; pp = &(*pp)->next)
         if (*pp == h) {
             *pp = h->next;
@@ -487,7 +489,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size,
         memset(m, b, size);
     }
     munmap(m, size);
-    h->fd = fd, h->size = size;
+    h->fd = fd, h->size = size, h->refs = 1;
     pthread_mutex_lock(&mu);
     h->next = handles, handles = h;
     handles_alive++;
@@ -499,9 +501,9 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle v) {
     CALLED("cuMemRelease");
     pthread_mutex_lock(&mu);
     struct handle *h = find_handle(v);
-    int ok = h && !h->released;
+    int ok = h && h->refs > 0;
     if (ok) {
-        h->released = 1;
+        h->refs--;
         maybe_free(h); /* mapped: freed at its last unmap */
     }
     pthread_mutex_unlock(&mu);
@@ -515,7 +517,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     pthread_mutex_lock(&mu);
     struct handle *h = find_handle(v);
     CUresult rc = OK;
-    if (!h || h->released || offset + size > h->size || !reservation_of(ptr, size))
+    if (!h || !h->refs || offset + size > h->size || !reservation_of(ptr, size))
         rc = INVALID_VALUE;
     for (size_t i = 0; !rc && i < nspans; i++)
         if (overlaps(ptr, size, spans[i].p, spans[i].n)) rc = INVALID_VALUE;
@@ -531,6 +533,21 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     }
     pthread_mutex_unlock(&mu);
     return rc;
+}
+/* The handle mapped at addr (anywhere in its mapping), one more reference to it; fails
+   where nothing is mapped. */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *out, void *addr) {
+    CALLED("cuMemRetainAllocationHandle");
+    CUdeviceptr p = (CUdeviceptr)(uintptr_t)addr;
+    pthread_mutex_lock(&mu);
+    struct handle *h = NULL;
+    for (size_t i = 0; i < nspans && !h; i++)
+        if (p >= spans[i].p && p < spans[i].p + spans[i].n) h = spans[i].h;
+    if (h) h->refs++;
+    pthread_mutex_unlock(&mu);
+    if (!h || !out) return INVALID_VALUE;
+    *out = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     CALLED("cuMemUnmap");
@@ -917,6 +934,14 @@ CUresult cuEventDestroy_v2(CUevent v) {
     return e ? OK : INVALID_HANDLE;
 }
 
+/* Bytes mapped now. */
+size_t fake_cuda_mapped(void) {
+    size_t n = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nspans; i++) n += spans[i].n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
 /* What was made and not given back. */
 int fake_cuda_alive(const char *what) {
     int n = -1;

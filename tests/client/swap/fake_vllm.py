@@ -115,6 +115,7 @@ class CumemExtension:
         self.prop = _Prop(type=1, location=_Location(1, device))  # pinned, on the device
         self.access = (_AccessDesc * 1)(_AccessDesc(_Location(1, device), 3))  # read-write
         self._handles: dict[int, Any] = {}  # where each handle is kept, by that address
+        self._pinned_cache: dict[int, list[int]] = {}
 
     def _check(self, call: str, rc: int) -> None:
         if rc:
@@ -189,15 +190,26 @@ class CumemExtension:
 
     # PyTorch's calls in vLLM's Python code, on the same driver
     def pinned(self, size: int) -> int:
-        """``torch.empty(size, pin_memory=True)``."""
+        """``torch.empty(size, pin_memory=True)``: from PyTorch's cache of pinned
+        blocks, else pinned now."""
+        cached = self._pinned_cache.get(size)
+        if cached:
+            return cached.pop()
         p = _vp()
         rc = self.cu.cuMemHostAlloc(ctypes.byref(p), size, 0)
         if rc:
             raise RuntimeError("CUDA error: out of memory")  # what PyTorch says
         return int(p.value or 0)
 
-    def unpin(self, ptr: int) -> None:
-        self.cu.cuMemFreeHost(ptr)
+    def unpin(self, ptr: int, size: int) -> None:
+        """The tensor let go: its block back to PyTorch's cache (not to the driver)."""
+        self._pinned_cache.setdefault(size, []).append(ptr)
+
+    def empty_pinned_cache(self) -> None:
+        for blocks in self._pinned_cache.values():
+            for ptr in blocks:
+                self.cu.cuMemFreeHost(ptr)
+        self._pinned_cache.clear()
 
     def memcpy(self, dst: int, src: int, size: int, to_host: bool) -> None:
         """vLLM's ``libcudart.cudaMemcpy`` (synchronous)."""
@@ -205,8 +217,10 @@ class CumemExtension:
             rc = self.cu.cuMemcpyDtoH_v2(dst, src, size)
         else:
             rc = self.cu.cuMemcpyHtoD_v2(dst, src, size)
-        if rc:
-            raise RuntimeError(f"CUDA error {rc} in cudaMemcpy")
+        if rc:  # as vLLM's CudaRTLibrary says it
+            s = ctypes.c_char_p()
+            self.cu.cuGetErrorString(rc, ctypes.byref(s))
+            raise RuntimeError(f"CUDART error: {(s.value or b'unknown error').decode()}")
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize``."""
@@ -227,7 +241,9 @@ class CuMemAllocator:
 
     def _python_free_callback(self, ptr: int) -> tuple[int, int, int, int]:
         data = self.pointer_to_data.pop(ptr)
-        data.cpu_backup_tensor = None
+        if data.cpu_backup_tensor is not None:
+            self.ext.unpin(data.cpu_backup_tensor.ptr, data.cpu_backup_tensor.size)
+            data.cpu_backup_tensor = None
         self.ext.synchronize()  # vLLM drains the GPU's work before the unmap
         return data.handle
 
@@ -255,7 +271,11 @@ class CuMemAllocator:
             size = data.handle[1]
             if data.tag in offload_tags:
                 backup = HostCopy(self.ext.pinned(size), size)
-                self.ext.memcpy(backup.ptr, va, size, to_host=True)
+                try:
+                    self.ext.memcpy(backup.ptr, va, size, to_host=True)
+                except BaseException:  # the tensor goes: its block back to PyTorch's cache
+                    self.ext.unpin(backup.ptr, size)
+                    raise
                 data.cpu_backup_tensor = backup
             self.ext.unmap_and_release(data.handle)
 
@@ -269,7 +289,7 @@ class CuMemAllocator:
                     backup = data.cpu_backup_tensor
                     if backup is not None:
                         self.ext.memcpy(va, backup.ptr, backup.size, to_host=False)
-                        self.ext.unpin(backup.ptr)  # back to PyTorch's pinned cache
+                        self.ext.unpin(backup.ptr, backup.size)
                         data.cpu_backup_tensor = None
         except Exception:
             for va in mapped:
@@ -281,6 +301,7 @@ class CuMemAllocator:
         """Every tensor of the pool freed (those mapped; as vLLM's engine ends)."""
         for va in list(self.pointer_to_data):
             self.free(va)
+        self.ext.empty_pinned_cache()
 
     def write(self, va: int, data: bytes) -> None:
         """A model's bytes into an allocation (a synchronous copy)."""

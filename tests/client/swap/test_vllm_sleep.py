@@ -61,7 +61,9 @@ def engine(
     does after the session attached), holding weights and a KV cache."""
     told = Told(gpu)
     mods, alloc = fake_vllm.modules(str(gpu.libcuda))
-    finder = SleepModeFinder(told.on_change, told.grow, modules=mods, hold=told.hold)
+    finder = SleepModeFinder(
+        told.on_change, told.grow, modules=mods, hold=told.hold, mapped=gpu.driver.mapped
+    )
     hooks = SwapHooks(on_change=told.on_change, wait_room=told.wait_room)
     b = gpu.backend(limit=limit, hooks=hooks, foreign=finder)
     return b, alloc, told
@@ -480,7 +482,7 @@ def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monke
 # --- failures and races (a second review) ---------------------------------------------------
 
 
-def test_a_failed_wake_of_vllms_leaves_nothing_counted_resident_that_is_not(gpu: FakeGpu):
+def test_a_failed_wake_of_vllms_loses_no_copy_and_counts_what_it_left(gpu: FakeGpu):
     b, alloc, _ = engine(gpu)
     w_va = alloc.allocate(4 * PIECE, "weights")
     kv_va = alloc.allocate(6 * PIECE, "kv_cache")
@@ -490,29 +492,50 @@ def test_a_failed_wake_of_vllms_leaves_nothing_counted_resident_that_is_not(gpu:
     gpu.fail("cuMemCreate", skip=1)  # the KV cache's memory cannot be made
     with pytest.raises(RuntimeError, match=r"CUDA Error: .* at cuMemCreate"):  # vLLM's own
         alloc.wake_up()
-    assert b.resident_bytes == gpu.physical_bytes == 0  # vLLM unmapped what it had mapped
-    assert (b.swapped_bytes, b.discarded_bytes) == (0, 10 * PIECE)  # the copy: let go, lost
-    alloc.wake_up()  # vLLM tries again: both mapped
+    # Woken one allocation a call, vLLM's rollback undid the KV cache's alone: the
+    # weights, whose copy vLLM let go once restored, stay mapped and counted.
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    assert (b.swapped_bytes, b.discarded_bytes) == (0, 6 * PIECE)
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    alloc.wake_up()  # vLLM tries again: the KV cache mapped, the weights not twice
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
-    assert ctypes.string_at(w_va, 4 * PIECE) != weights  # lost, as the log said
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
     assert kv_va in alloc.pointer_to_data
+    b.close()
+
+
+def test_a_sleep_failing_after_an_unmap_counts_that_allocation_out(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")
+    weights, kv = put(w_va, 4 * PIECE, 14), put(kv_va, 6 * PIECE, 15)
+    gpu.fail("cuMemRelease", skip=1)  # the KV cache's, once vLLM unmapped it
+    with pytest.raises(SwapError, match="could not sleep"):
+        b.swap_out(b.resident_bytes)
+    # the driver says it is no longer mapped: out (its copy kept), not resident
+    assert b.resident_bytes == 0 and b.swapped_bytes == 10 * PIECE
+    b.swap_in()  # so it is woken, not read where nothing is mapped
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    assert ctypes.string_at(kv_va, 6 * PIECE) == kv
     b.close()
 
 
 def test_a_failed_swap_in_is_counted_as_vllms_rollback_left_it(gpu: FakeGpu):
     b, alloc, _ = engine(gpu)
-    alloc.allocate(4 * PIECE, "weights")
+    w_va = alloc.allocate(4 * PIECE, "weights")
     kv_va = alloc.allocate(6 * PIECE, "kv_cache")
-    kv = put(kv_va, 6 * PIECE, 12)
+    weights, kv = put(w_va, 4 * PIECE, 13), put(kv_va, 6 * PIECE, 12)
     b.swap_out(b.resident_bytes)
     gpu.fail("cuMemCreate", skip=1)  # the second allocation's memory cannot be made
     with pytest.raises(SwapError, match="could not wake"):
         b.swap_in()
-    assert b.resident_bytes == gpu.physical_bytes == 0
-    assert (b.swapped_bytes, b.discarded_bytes) == (6 * PIECE, 4 * PIECE)
+    # vLLM woken one allocation a call: the first back, the second's copy still kept
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    assert (b.swapped_bytes, b.discarded_bytes) == (6 * PIECE, 0)
     b.swap_out(b.resident_bytes)  # the next revoke: nothing unmapped twice
-    b.swap_in()  # the next grant: the copy kept comes back, the lost one empty
+    b.swap_in()  # the next grant: every copy comes back
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
     assert ctypes.string_at(kv_va, 6 * PIECE) == kv
     b.close()
 
@@ -613,7 +636,7 @@ def test_vllms_wake_asks_again_when_the_lease_went_during_its_wait(gpu: FakeGpu)
 
     pool._wake = noting  # type: ignore[method-assign]
     alloc.wake_up()
-    assert held_at_wake == [True]  # mapped only once the lease was held again
+    assert held_at_wake == [True, True]  # each mapped only once the lease was held again
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
     b.close()
 

@@ -181,6 +181,9 @@ class Shim:
             ("gs_claim_in", ctypes.c_int, [ctypes.POINTER(_Piece), ctypes.c_int]),
             ("gs_settle", None, [ctypes.c_uint64, _u64, ctypes.c_uint64]),
             ("gs_returned", ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
+            ("gs_defer_release", None, [_u64, _u64]),
+            ("gs_retry", ctypes.c_int, []),
+            ("gs_pending", _u64, []),
         ):
             fn = getattr(lib, name)
             fn.restype = res
@@ -284,6 +287,22 @@ class Shim:
         """A claimed piece's step is over: its physical memory now (0: none) and host copy."""
         piece.handle, piece.host = handle, host
         self.lib.gs_settle(piece.id, handle, host)
+
+    def defer_release(self, handle: int, size: int) -> None:
+        """A handle (unmapped) whose release failed: kept, counted resident, and released
+        at a later :meth:`retry`."""
+        self.lib.gs_defer_release(handle, size)
+
+    @property
+    def pending(self) -> int:
+        """Physical bytes whose unmap or release failed and waits for :meth:`retry`
+        (counted in :attr:`resident`: still the GPU's)."""
+        return int(self.lib.gs_pending())
+
+    def retry(self) -> int:
+        """Try again the unmaps, releases and address frees that failed; how many are
+        still pending."""
+        return int(self.lib.gs_retry())
 
     def returned(self) -> list[int]:
         """Host copies of pieces freed while swapped out (their buffers are free again)."""
