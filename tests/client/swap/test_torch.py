@@ -188,6 +188,28 @@ def test_the_memory_limit_raises_out_of_memory_in_the_workload(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
+def test_an_allocation_asks_for_room_before_the_memory_is_made_on_the_gpu(backend):
+    # What a session past its grant's bound does (yields, asks the node again): here a
+    # hook noting the bytes asked for and the memory the GPU had meanwhile.
+    from gpushare.client.swap.base import NO_HOOKS
+
+    asked: list[tuple[int, int]] = []
+    before = backend.resident_bytes
+    backend.set_grow(lambda total: asked.append((total, backend.resident_bytes)))
+    try:
+        x = torch.empty(512 * 2**20, dtype=torch.uint8, device=backend.device)
+    finally:
+        backend.set_grow(NO_HOOKS.grow)
+    assert asked, "the allocator library did not ask before allocating"
+    total, had = asked[-1]
+    assert total >= had + 512 * 2**20  # asked with the bytes to come, before they came
+    assert backend.resident_bytes - before >= 512 * 2**20
+    del x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run 'pytest -m gpu' on one")
 def test_swapped_tensors_come_back_intact_at_the_same_addresses(backend):
     dev = backend.device
     xs = [torch.randn(n, device=dev) for n in (1, 1000, 2**20, 300 * 2**20)]

@@ -129,6 +129,11 @@ static struct seg *head, *tail;
 static uint64_t *returned;
 static int nreturned, capreturned, npieces;
 static volatile int routing, paused, notify_fd = -1;
+/* Called before an allocation with its bytes (outside every lock of this library):
+ * blocks while the session, past its grant's bound, yields and asks the node again for
+ * room (a safe point: the session's GPU work is waited for before the lease goes). */
+typedef void (*grow_fn)(unsigned long long);
+static grow_fn volatile grow_cb;
 static unsigned long long mallocs_seen, frees_seen;
 static __thread char err[512];
 static time_t last_limit_note;
@@ -357,6 +362,7 @@ void gs_set_limit(unsigned long long lim) { limit = lim; }
 void gs_route(int on) { routing = on; }
 void gs_pause(int on) { __atomic_add_fetch(&paused, on ? 1 : -1, __ATOMIC_SEQ_CST); }
 void gs_notify(int fd) { notify_fd = fd; }
+void gs_on_grow(grow_fn f) { grow_cb = f; }
 unsigned long long gs_resident(void) { return resident + pending(); }
 unsigned long long gs_pending(void) { return pending(); }
 unsigned long long gs_swapped(void) { return swapped; }
@@ -388,6 +394,13 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
     }
     size_t rounded = round_up(size ? size : 1, gran);
     gs_retry();
+    grow_fn grow = grow_cb;
+    if (grow) {
+        pthread_mutex_lock(&mu);
+        int within = resident + pending() + swapped + discarded + rounded <= limit;
+        pthread_mutex_unlock(&mu);
+        if (within) grow(rounded); /* past the limit: refused below, without a wait */
+    }
     pthread_mutex_lock(&mu);
     /* dropped pieces count: they come back (empty) at the next swap-in */
     size_t held = resident + pending() + swapped + discarded;

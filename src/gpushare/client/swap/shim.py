@@ -23,8 +23,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpushare.errors import GpushareError, OutOfMemoryError, SwapError
 
@@ -145,6 +147,7 @@ class Piece:
     dropped: bool = False
 
 
+GROW_FN = ctypes.CFUNCTYPE(None, ctypes.c_ulonglong)
 _u64 = ctypes.c_ulonglong
 
 
@@ -184,6 +187,7 @@ class Shim:
             ("gs_defer_release", None, [_u64, _u64]),
             ("gs_retry", ctypes.c_int, []),
             ("gs_pending", _u64, []),
+            ("gs_on_grow", None, [GROW_FN]),
         ):
             fn = getattr(lib, name)
             fn.restype = res
@@ -287,6 +291,15 @@ class Shim:
         """A claimed piece's step is over: its physical memory now (0: none) and host copy."""
         piece.handle, piece.host = handle, host
         self.lib.gs_settle(piece.id, handle, host)
+
+    def on_grow(self, fn: Callable[[int], None] | None) -> Any:
+        """Call ``fn(bytes)`` before each allocation (None: no more), from the allocating
+        thread, outside the library's locks: it may block (the session yields for room
+        past its grant's bound). ``fn`` must not raise. Returns the C callback, which the
+        caller keeps alive while it is set."""
+        cb = GROW_FN(fn) if fn is not None else GROW_FN()
+        self.lib.gs_on_grow(cb)
+        return cb
 
     def defer_release(self, handle: int, size: int) -> None:
         """A handle (unmapped) whose release failed: kept, counted resident, and released

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpushare.client.swap.base import (
     NO_HOOKS,
@@ -80,6 +80,7 @@ class Store(Protocol):
     def notify(self, fd: int) -> None: ...
     def defer_release(self, handle: int, size: int) -> None: ...
     def retry(self) -> int: ...
+    def on_grow(self, fn: Callable[[int], None] | None) -> Any: ...
 
 
 # --- how much host memory to pin ---------------------------------------------------------
@@ -415,6 +416,8 @@ class VmmBackend(SwapBackend):
         self._notify_w = notify_w
         store.notify(notify_w)
         threading.Thread(target=self._watch, name="gpushare-alloc", daemon=True).start()
+        self._grow_cb: Any = None
+        self.set_grow(hooks.grow)
 
     def figures(self) -> tuple[int, int, int]:
         """Resident, swapped and discarded bytes: gpushare's own and the foreign pool's
@@ -477,6 +480,31 @@ class VmmBackend(SwapBackend):
                 self.store.mark(d.va, d.size, False)
                 for other in self._marks:  # a piece it shared with another mark stays his
                     self.store.mark(other.va, other.size, True)
+
+    def set_grow(self, grow: Callable[[int], None]) -> None:
+        """The session's grow hook (:class:`SwapHooks`): an allocation past the grant's
+        bound is a safe point, as on a simulated GPU, so the library asks before it
+        allocates; with none (a backend alone), it asks nobody."""
+        self.grow = grow
+        if grow is NO_HOOKS.grow:
+            if self._grow_cb is not None:
+                self.store.on_grow(None)
+            self._grow_cb = None
+        elif self._grow_cb is None:
+            self._grow_cb = self.store.on_grow(self._before_alloc)
+
+    def _before_alloc(self, nbytes: int) -> None:
+        """From the allocator library, on the allocating thread, before ``nbytes`` more:
+        past the grant's bound the session yields (its GPU work waited for) and asks the
+        node again, and the allocation goes on once that fits. Never raises into C: a
+        failure to ask is logged, and the allocation goes on within the limit."""
+        try:
+            f = self.foreign()
+            theirs = sum(f.figures()) if f is not None else 0
+            own = self.store.resident + self.store.swapped + self.store.discarded
+            self.grow(own + theirs + nbytes)
+        except BaseException as e:  # nothing may reach the C caller
+            log.warning("gpushare: asking for room before an allocation failed: %s", e)
 
     def _watch(self) -> None:
         while True:
@@ -739,6 +767,7 @@ class VmmBackend(SwapBackend):
     def close(self) -> None:
         """Detach: the host buffers, the stream and the events go back to the driver
         (a workload that attaches again, or keeps running, holds none of them)."""
+        self.set_grow(NO_HOOKS.grow)
         close = getattr(self.foreign, "close", None)  # a finder's: vLLM's calls its own again
         if close is not None:
             close()
