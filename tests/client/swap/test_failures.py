@@ -163,48 +163,71 @@ VLLM_LEAKS = {("vLLM wake", "cuMemMap", 3), ("vLLM sleep", "cuMemRelease", 3)}
 VLLM_BROKEN = {("vLLM wake", "cuMemSetAccess", 3)}
 
 
-def _check(  # noqa: C901
-    w: World, place: str, call: str, nth: int, raised: BaseException | None
-) -> list[str]:
-    gpu, b = w.gpu, w.b
-    bad: list[str] = []
-    if raised is not None:
-        if not isinstance(raised, SwapError | OutOfMemoryError):
-            bad.append(f"raised {type(raised).__name__}: {raised}")
-        elif not NAMES_A_CALL.search(str(raised)) and "vLLM's allocator" not in str(raised):
-            bad.append(f"error names no driver call: {raised}")
+def _check(w: World, place: str, call: str, nth: int, raised: BaseException | None) -> list[str]:
     if (place, call, nth) in VLLM_BROKEN:
-        return bad
+        return []
     vllm_leak = (place, call, nth) in VLLM_LEAKS
-    if b is not None:
-        resident = b.resident_bytes
-        pending = b.store.pending  # type: ignore[attr-defined]  # unmapped, release pending
-        if gpu.mapped_bytes != resident - pending:
-            bad.append(f"mapped {gpu.mapped_bytes} bytes, counted resident {resident}")
-        if gpu.physical_bytes != resident and not vllm_leak:
-            bad.append(f"physical {gpu.physical_bytes} bytes, counted resident {resident}")
-        try:
-            b.swap_in()
-        except SwapError as e:
-            bad.append(f"the next swap-in failed: {e}")
-        for va, data in w.own.items():
-            if ctypes.string_at(va, len(data)) != data:
-                bad.append(f"bytes at {va:#x} changed")
-        for va, data in w.cache.items():
-            got = ctypes.string_at(va, len(data))
-            if got != data and not (got == bytes(len(data)) and all(m.drops for m in w.marks)):
-                bad.append(f"discardable bytes at {va:#x} neither kept nor dropped")
-        if w.alloc is not None:
-            for va, data in w.vllm.items():
-                if w.alloc.read(va, len(data)) != data:
-                    bad.append(f"vLLM's bytes at {va:#x} changed")
+    bad = _error(raised)
+    if w.b is not None:
+        bad += _counts(w, vllm_leak) + _back(w)
         for va in [*w.own, *w.cache]:
-            b.free(va)
+            w.b.free(va)
         if w.alloc is not None:
             w.alloc.free_all()
-        b.close()
-    if gpu.alive("faults"):
-        bad.append("an illegal address on the GPU")
+        w.b.close()
+    return bad + _left(w.gpu, vllm_leak)
+
+
+def _error(raised: BaseException | None) -> list[str]:
+    """The failure, if it reached the workload: a SwapError naming what failed."""
+    if raised is None:
+        return []
+    if not isinstance(raised, SwapError | OutOfMemoryError):
+        return [f"raised {type(raised).__name__}: {raised}"]
+    if not NAMES_A_CALL.search(str(raised)) and "vLLM's allocator" not in str(raised):
+        return [f"error names no driver call: {raised}"]
+    return []
+
+
+def _counts(w: World, vllm_leak: bool) -> list[str]:
+    """What is mapped is what is counted resident (less releases pending), and the GPU's
+    memory no more than that."""
+    assert w.b is not None
+    gpu, bad = w.gpu, []
+    resident = w.b.resident_bytes
+    pending = w.b.store.pending  # type: ignore[attr-defined]  # unmapped, release pending
+    if gpu.mapped_bytes != resident - pending:
+        bad.append(f"mapped {gpu.mapped_bytes} bytes, counted resident {resident}")
+    if gpu.physical_bytes != resident and not vllm_leak:
+        bad.append(f"physical {gpu.physical_bytes} bytes, counted resident {resident}")
+    return bad
+
+
+def _back(w: World) -> list[str]:
+    """The next swap-in, nothing failing: every byte back at its address."""
+    assert w.b is not None
+    bad = []
+    try:
+        w.b.swap_in()
+    except SwapError as e:
+        bad.append(f"the next swap-in failed: {e}")
+    for va, data in w.own.items():
+        if ctypes.string_at(va, len(data)) != data:
+            bad.append(f"bytes at {va:#x} changed")
+    for va, data in w.cache.items():
+        got = ctypes.string_at(va, len(data))
+        if got != data and not (got == bytes(len(data)) and all(m.drops for m in w.marks)):
+            bad.append(f"discardable bytes at {va:#x} neither kept nor dropped")
+    if w.alloc is not None:
+        for va, data in w.vllm.items():
+            if w.alloc.read(va, len(data)) != data:
+                bad.append(f"vLLM's bytes at {va:#x} changed")
+    return bad
+
+
+def _left(gpu: FakeGpu, vllm_leak: bool) -> list[str]:
+    """Once everything is freed and detached: nothing left on the GPU, no fault seen."""
+    bad = ["an illegal address on the GPU"] if gpu.alive("faults") else []
     for what in ("handles", "mappings", "reservations", "streams", "events", "host"):
         left = gpu.alive(what) - (vllm_leak and what == "handles")
         if left:

@@ -407,7 +407,7 @@ def self_test(driver: Driver) -> None:  # noqa: C901
         ) from None
 
 
-def _give_back(  # noqa: C901
+def _give_back(
     driver: Driver,
     made: dict[str, int],
     mapped: list[tuple[int, int]],
@@ -420,10 +420,7 @@ def _give_back(  # noqa: C901
     nothing they touch goes), each call on its own, a failed one tried once more (a
     driver busy for a moment leaks nothing)."""
     stream = made["stream"]
-    drained = True
-    if stream:
-        drained = _quietly(driver.sync_stream, stream) or _quietly(driver.synchronize)
-    if not drained:
+    if stream and not (_quietly(driver.sync_stream, stream) or _quietly(driver.synchronize)):
         return  # a copy may still run: its memory stays, as safer than a fault
     for _ in range(2):
         for v, h in list(mapped):
@@ -435,13 +432,16 @@ def _give_back(  # noqa: C901
                 unreleased.remove(h)
         if made["va"] and not mapped and _quietly(driver.unreserve, made["va"], size):
             made["va"] = 0
-        for buf in list(host):
-            if _quietly(driver.host_free, buf):
-                host.remove(buf)
-        if made["event"] and _quietly(driver.destroy_event, made["event"]):
-            made["event"] = 0
-        if made["stream"] and _quietly(driver.destroy_stream, made["stream"]):
-            made["stream"] = 0
+        _free_host_and_stream(driver, made, host)
+
+
+def _free_host_and_stream(driver: Driver, made: dict[str, int], host: list[int]) -> None:
+    for buf in list(host):
+        if _quietly(driver.host_free, buf):
+            host.remove(buf)
+    for what, fn in (("event", driver.destroy_event), ("stream", driver.destroy_stream)):
+        if made[what] and _quietly(fn, made[what]):
+            made[what] = 0
 
 
 def _quietly(fn: Callable[..., None], *args: int) -> bool:
