@@ -75,6 +75,8 @@ class FakeGpu:
         self.cu.fake_cuda_log.restype = ctypes.c_char_p
         self.cu.fake_cuda_calls.argtypes = [ctypes.c_char_p]
         self.cu.fake_cuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        self.cu.fake_cuda_alive.argtypes = [ctypes.c_char_p]
+        self.cu.fake_cuda_mapped.restype = ctypes.c_size_t
         self.shim = Shim(str(shim_copy))
         self._driver: CudaDriver | None = None
 
@@ -87,6 +89,15 @@ class FakeGpu:
     @property
     def physical_bytes(self) -> int:
         return int(self.cu.fake_cuda_created())
+
+    @property
+    def mapped_bytes(self) -> int:
+        return int(self.cu.fake_cuda_mapped())
+
+    def alive(self, what: str) -> int:
+        """What was made and not given back: "handles", "mappings", "reservations",
+        "streams", "events", "host" (pinned allocations), "contexts"; or "faults"."""
+        return int(self.cu.fake_cuda_alive(what.encode()))
 
     def calls(self, name: str) -> int:
         return int(self.cu.fake_cuda_calls(name.encode()))
@@ -127,4 +138,8 @@ def gpu(native: Native, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fake
     monkeypatch.setenv("FAKE_CUDA_GRANULARITY", str(GRANULE))
     monkeypatch.delenv("FAKE_CUDA_CAPACITY", raising=False)
     monkeypatch.delenv("FAKE_CUDA_CORRUPT", raising=False)
+    monkeypatch.delenv("FAKE_CUDA_DIRTY", raising=False)  # fresh memory holds garbage
+    monkeypatch.delenv("FAKE_CUDA_FAIL", raising=False)
+    # this test's GPU, shared with the processes it starts (a second tenant's memory)
+    monkeypatch.setenv("FAKE_CUDA_SHARED", str(tmp_path / "fake-gpu"))
     return FakeGpu(native, tmp_path)

@@ -60,8 +60,10 @@ def engine(
     """A session's backend whose process then made vLLM's allocator (as vLLM's worker
     does after the session attached), holding weights and a KV cache."""
     told = Told(gpu)
-    mods, alloc = fake_vllm.modules(gpu.driver)
-    finder = SleepModeFinder(told.on_change, told.grow, modules=mods, hold=told.hold)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
+    finder = SleepModeFinder(
+        told.on_change, told.grow, modules=mods, hold=told.hold, mapped=gpu.driver.mapped
+    )
     hooks = SwapHooks(on_change=told.on_change, wait_room=told.wait_room)
     b = gpu.backend(limit=limit, hooks=hooks, foreign=finder)
     return b, alloc, told
@@ -71,14 +73,28 @@ def bare(
     gpu: FakeGpu, prepin: Callable[[list[int]], None] | None = None, **backend: Any
 ) -> tuple[VmmBackend, fake_vllm.CuMemAllocator, SleepModeFinder]:
     """A backend whose process made vLLM's allocator, with nothing listening to it."""
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
     finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=prepin)
     return gpu.backend(foreign=finder, **backend), alloc, finder
 
 
+def test_vllms_allocator_calls_the_driver_as_vllms_extension_does(gpu: FakeGpu):
+    _, alloc = fake_vllm.modules(str(gpu.libcuda))
+    gpu.cu.fake_cuda_log_clear()
+    va = alloc.allocate(PIECE + 1, "weights")  # aligned up to the minimum granularity
+    assert alloc.pointer_to_data[va].handle[1] == 2 * PIECE
+    calls = ["cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    assert [c for c in gpu.log() if c in calls] == calls  # its own, past gpushare's wrapper
+    alloc.free(va)
+    assert gpu.log()[-4:] == ["cuCtxSynchronize", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"]
+    alive = gpu.cu.fake_cuda_alive
+    alive.argtypes = [ctypes.c_char_p]
+    assert [alive(w) for w in (b"handles", b"mappings", b"reservations")] == [0, 0, 0]
+
+
 def test_vllms_allocator_is_found_once_it_holds_memory(gpu: FakeGpu):
     assert find_allocator({}) is None  # vLLM not loaded
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
     assert find_allocator(mods) is None  # made, nothing allocated yet
     alloc.allocate(2 * PIECE, "weights")
     assert find_allocator(mods) is alloc
@@ -234,7 +250,7 @@ def test_closing_gives_vllm_its_allocators_calls_back(gpu: FakeGpu):
 
 
 def test_host_memory_for_vllms_sleep_is_pinned_ahead_once_per_allocation(gpu: FakeGpu):
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
     asked: list[list[int]] = []
     done = threading.Event()  # set on the pinning thread
 
@@ -265,7 +281,7 @@ def test_readers_on_many_threads_pin_each_allocation_once(gpu: FakeGpu, monkeypa
         return size(d)
 
     monkeypatch.setattr(vllm_sleep, "_size", slow_size)
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
     asked: list[int] = []
     finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods, prepin=asked.extend)
     b = gpu.backend(limit=256 * PIECE, foreign=finder)
@@ -358,7 +374,7 @@ def test_any_error_of_vllms_allocator_is_a_swap_error(gpu: FakeGpu, monkeypatch)
     def no_pinned(size: int) -> int:
         raise RuntimeError("CUDA error: out of memory")  # what torch.empty(pin_memory) says
 
-    monkeypatch.setattr(alloc.driver, "host_alloc", no_pinned)
+    monkeypatch.setattr(alloc.ext, "pinned", no_pinned)
     with pytest.raises(SwapError):  # what the session's swap paths catch
         b.swap_out(b.resident_bytes)
     assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
@@ -442,7 +458,7 @@ def test_pinning_ahead_follows_the_addresses_not_their_count(gpu: FakeGpu):
 
 
 def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monkeypatch):
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
     alloc.allocate(2 * PIECE, "weights")
     finder = SleepModeFinder(lambda: None, lambda n: None, modules=mods)
     made: list[object] = []
@@ -466,7 +482,7 @@ def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monke
 # --- failures and races (a second review) ---------------------------------------------------
 
 
-def test_a_failed_wake_of_vllms_leaves_nothing_counted_resident_that_is_not(gpu: FakeGpu):
+def test_a_failed_wake_of_vllms_loses_no_copy_and_counts_what_it_left(gpu: FakeGpu):
     b, alloc, _ = engine(gpu)
     w_va = alloc.allocate(4 * PIECE, "weights")
     kv_va = alloc.allocate(6 * PIECE, "kv_cache")
@@ -474,31 +490,52 @@ def test_a_failed_wake_of_vllms_leaves_nothing_counted_resident_that_is_not(gpu:
     assert b.resident_bytes == 10 * PIECE
     alloc.sleep(offload_tags=("weights",))  # level 1: weights kept, KV cache dropped
     gpu.fail("cuMemCreate", skip=1)  # the KV cache's memory cannot be made
-    with pytest.raises(SwapError):  # the fake's CudaError
+    with pytest.raises(RuntimeError, match=r"CUDA Error: .* at cuMemCreate"):  # vLLM's own
         alloc.wake_up()
-    assert b.resident_bytes == gpu.physical_bytes == 0  # vLLM unmapped what it had mapped
-    assert (b.swapped_bytes, b.discarded_bytes) == (0, 10 * PIECE)  # the copy: let go, lost
-    alloc.wake_up()  # vLLM tries again: both mapped
+    # Woken one allocation a call, vLLM's rollback undid the KV cache's alone: the
+    # weights, whose copy vLLM let go once restored, stay mapped and counted.
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    assert (b.swapped_bytes, b.discarded_bytes) == (0, 6 * PIECE)
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    alloc.wake_up()  # vLLM tries again: the KV cache mapped, the weights not twice
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
-    assert ctypes.string_at(w_va, 4 * PIECE) != weights  # lost, as the log said
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
     assert kv_va in alloc.pointer_to_data
+    b.close()
+
+
+def test_a_sleep_failing_after_an_unmap_counts_that_allocation_out(gpu: FakeGpu):
+    b, alloc, _ = engine(gpu)
+    w_va = alloc.allocate(4 * PIECE, "weights")
+    kv_va = alloc.allocate(6 * PIECE, "kv_cache")
+    weights, kv = put(w_va, 4 * PIECE, 14), put(kv_va, 6 * PIECE, 15)
+    gpu.fail("cuMemRelease", skip=1)  # the KV cache's, once vLLM unmapped it
+    with pytest.raises(SwapError, match="could not sleep"):
+        b.swap_out(b.resident_bytes)
+    # the driver says it is no longer mapped: out (its copy kept), not resident
+    assert b.resident_bytes == 0 and b.swapped_bytes == 10 * PIECE
+    b.swap_in()  # so it is woken, not read where nothing is mapped
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
+    assert ctypes.string_at(kv_va, 6 * PIECE) == kv
     b.close()
 
 
 def test_a_failed_swap_in_is_counted_as_vllms_rollback_left_it(gpu: FakeGpu):
     b, alloc, _ = engine(gpu)
-    alloc.allocate(4 * PIECE, "weights")
+    w_va = alloc.allocate(4 * PIECE, "weights")
     kv_va = alloc.allocate(6 * PIECE, "kv_cache")
-    kv = put(kv_va, 6 * PIECE, 12)
+    weights, kv = put(w_va, 4 * PIECE, 13), put(kv_va, 6 * PIECE, 12)
     b.swap_out(b.resident_bytes)
     gpu.fail("cuMemCreate", skip=1)  # the second allocation's memory cannot be made
     with pytest.raises(SwapError, match="could not wake"):
         b.swap_in()
-    assert b.resident_bytes == gpu.physical_bytes == 0
-    assert (b.swapped_bytes, b.discarded_bytes) == (6 * PIECE, 4 * PIECE)
+    # vLLM woken one allocation a call: the first back, the second's copy still kept
+    assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE
+    assert (b.swapped_bytes, b.discarded_bytes) == (6 * PIECE, 0)
     b.swap_out(b.resident_bytes)  # the next revoke: nothing unmapped twice
-    b.swap_in()  # the next grant: the copy kept comes back, the lost one empty
+    b.swap_in()  # the next grant: every copy comes back
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
+    assert ctypes.string_at(w_va, 4 * PIECE) == weights
     assert ctypes.string_at(kv_va, 6 * PIECE) == kv
     b.close()
 
@@ -540,10 +577,7 @@ def test_vllms_allocations_and_frees_during_a_swap_neither_break_it_nor_linger(
     assert b.resident_bytes == gpu.physical_bytes == 2 * PIECE  # the new one untouched
 
     def wake_with_a_free(*a: object, **k: object) -> None:
-        d = alloc.pointer_to_data.pop(made[0])  # vLLM's free callback
-        with gpu.driver.context():
-            gpu.driver.unmap(made[0], 2 * PIECE)  # and its C extension
-            gpu.driver.release(d.handle[3])
+        alloc.free(made[0])  # vLLM's free callback and its C extension's my_free
         wake(*a, **k)  # type: ignore[arg-type]
 
     pool._wake = wake_with_a_free  # type: ignore[method-assign]
@@ -571,7 +605,7 @@ def test_the_limit_counts_gpushares_swapped_memory_as_the_node_does(gpu: FakeGpu
 
 def test_vllms_wake_asks_again_when_the_lease_went_during_its_wait(gpu: FakeGpu):
     lease = {"held": False}
-    mods, alloc = fake_vllm.modules(gpu.driver)
+    mods, alloc = fake_vllm.modules(str(gpu.libcuda))
 
     def hold() -> None:
         lease["held"] = True
@@ -602,7 +636,7 @@ def test_vllms_wake_asks_again_when_the_lease_went_during_its_wait(gpu: FakeGpu)
 
     pool._wake = noting  # type: ignore[method-assign]
     alloc.wake_up()
-    assert held_at_wake == [True]  # mapped only once the lease was held again
+    assert held_at_wake == [True, True]  # each mapped only once the lease was held again
     assert b.resident_bytes == gpu.physical_bytes == 10 * PIECE
     b.close()
 
@@ -615,7 +649,7 @@ def test_a_level_one_sleep_that_fails_after_dropping_counts_the_dropped_as_dropp
     alloc.allocate(4 * PIECE, "weights")
     assert b.resident_bytes == 10 * PIECE
     gpu.fail("cuMemHostAlloc")  # the weights' host copy cannot be made
-    with pytest.raises(SwapError):
+    with pytest.raises(RuntimeError, match="out of memory"):  # PyTorch's, through vLLM
         alloc.sleep(offload_tags=("weights",))
     assert b.resident_bytes == gpu.physical_bytes == 4 * PIECE  # the KV cache went
     assert b.discarded_bytes == 6 * PIECE

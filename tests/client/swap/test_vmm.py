@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from gpushare.client.swap.base import SwapHooks
 from gpushare.client.swap.vmm import (
     IdleWaiter,
     VmmBackend,
@@ -193,6 +196,22 @@ def test_a_gpu_full_at_swap_in_is_an_error_and_nothing_is_lost(gpu: FakeGpu, mon
     monkeypatch.delenv("FAKE_CUDA_CAPACITY")
     b.swap_in()
     assert intact(ranges)
+
+
+def test_a_failed_access_grant_at_swap_in_leaves_the_piece_swapped_and_unmapped(gpu: FakeGpu):
+    b = gpu.backend()
+    ranges = fill(b, [4 * PIECE])
+    b.swap_out(4 * PIECE)
+    gpu.fail("cuMemSetAccess", 999, skip=1)  # the second piece's, mapped by then
+    with pytest.raises(SwapError, match="cuMemSetAccess failed"):
+        b.swap_in()
+    assert (b.resident_bytes, b.swapped_bytes) == (PIECE, 3 * PIECE)
+    assert gpu.physical_bytes == PIECE
+    va = ranges[0][0]
+    assert perms(va + PIECE) == "---p"  # a reservation again, not a mapping
+    b.swap_in()  # maps there again
+    assert intact(ranges) and b.swapped_bytes == 0
+    b.close()
 
 
 def test_freeing_swapped_memory_returns_its_host_buffers(gpu: FakeGpu):
@@ -533,3 +552,40 @@ def test_a_mark_whose_check_fails_is_copied_not_dropped(gpu: FakeGpu):
     b.discardable(va, 2 * PIECE, still=lambda: 1 / 0 > 0)
     copied_back(b, va, data)  # the swap goes on
     b.close()
+
+
+def test_an_allocation_past_the_grants_bound_waits_for_the_node_first(gpu: FakeGpu):
+    """As on a simulated GPU: the allocator library asks (the session's grow: past the
+    bound it yields with the bytes it needs) before it allocates, and the allocation
+    goes on once the node's grant allows it."""
+    bound = [2 * PIECE]
+    asked: list[tuple[int, int]] = []  # (bytes in all, physical bytes when asked)
+    granted = threading.Event()
+
+    def grow(total: int) -> None:
+        asked.append((total, gpu.physical_bytes))
+        if total > bound[0]:  # the session yields; the node's grant comes later
+            assert granted.wait(10)
+            bound[0] = total
+
+    b = gpu.backend(limit=4 * PIECE, hooks=SwapHooks(grow=grow))
+    b.allocate(2 * PIECE)  # within the bound: asked, no wait
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(b.allocate(PIECE)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert t.is_alive() and gpu.physical_bytes == 2 * PIECE  # nothing made while it waits
+    granted.set()
+    t.join(10)
+    assert got and gpu.physical_bytes == 3 * PIECE
+    assert asked == [(2 * PIECE, 0), (3 * PIECE, 2 * PIECE)]
+    with pytest.raises(OutOfMemoryError):  # past the limit: refused, nothing asked
+        b.allocate(2 * PIECE)
+    assert len(asked) == 2
+    b.close()
+    b2_asked = len(asked)
+    gpu.shim.alloc(PIECE)  # after detach the library asks nobody
+    assert len(asked) == b2_asked

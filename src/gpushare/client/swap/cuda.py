@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from gpushare.errors import SwapError
@@ -52,6 +52,8 @@ class Driver(Protocol):
     def zero(self, dst: int, size: int, stream: int) -> None: ...
     def record(self, event: int, stream: int) -> None: ...
     def wait(self, event: int) -> None: ...
+    def sync_stream(self, stream: int) -> None: ...
+    def synchronize(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -162,6 +164,7 @@ class CudaDriver:
             "cuMemMap": [_u64, _size, _size, _u64, _u64],
             "cuMemUnmap": [_u64, _size],
             "cuMemSetAccess": [_u64, _size, ctypes.POINTER(_AccessDesc), _size],
+            "cuMemRetainAllocationHandle": [ctypes.POINTER(_u64), _ptr],
             "cuMemHostAlloc": [ctypes.POINTER(_ptr), _size, ctypes.c_uint],
             "cuMemFreeHost": [_ptr],
             "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
@@ -171,6 +174,7 @@ class CudaDriver:
             "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
             "cuEventRecord": [_ptr, _ptr],
             "cuEventSynchronize": [_ptr],
+            "cuStreamSynchronize": [_ptr],
             "cuEventDestroy_v2": [_ptr],
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
         }.items():
@@ -251,12 +255,27 @@ class CudaDriver:
         self._check("cuMemRelease", self._cu.cuMemRelease(handle))
 
     def map(self, va: int, size: int, handle: int) -> None:
+        """``handle`` mapped at ``va`` and accessible, or, on an error, nothing mapped
+        there (the caller still owns ``handle``): a range left mapped behind a failed
+        grant would make every later map there fail."""
         self._check("cuMemMap", self._cu.cuMemMap(va, size, 0, handle, 0))
         rc = self._cu.cuMemSetAccess(va, size, self._access, len(self._access))
-        self._check("cuMemSetAccess", rc)
+        if rc:
+            self._cu.cuMemUnmap(va, size)
+            self._check("cuMemSetAccess", rc)
 
     def unmap(self, va: int, size: int) -> None:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(va, size))
+
+    def mapped(self, va: int) -> bool:
+        """Whether memory is mapped at ``va`` now (another allocator's, say: vLLM's,
+        after one of its calls failed part way)."""
+        h = _u64()
+        with self.context():
+            if self._cu.cuMemRetainAllocationHandle(ctypes.byref(h), va):
+                return False
+            self._cu.cuMemRelease(h)  # the reference just taken
+        return True
 
     def host_alloc(self, size: int) -> int:
         p = _ptr()
@@ -311,6 +330,9 @@ class CudaDriver:
     def wait(self, event: int) -> None:
         self._check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
 
+    def sync_stream(self, stream: int) -> None:
+        self._check("cuStreamSynchronize", self._cu.cuStreamSynchronize(stream))
+
     def synchronize(self) -> None:
         self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
 
@@ -324,64 +346,114 @@ def self_test(driver: Driver) -> None:  # noqa: C901
     size = 2 * g
     pattern = os.urandom(size)
     mapped: list[tuple[int, int]] = []  # (va, handle)
+    unreleased: list[int] = []  # handles unmapped, not yet released
     host: list[int] = []
-    va = stream = event = 0
+    made = {"va": 0, "stream": 0, "event": 0}
+
+    def back() -> None:  # new physical memory under the whole range
+        for off in (0, g):
+            h = driver.create(g)
+            try:
+                driver.map(made["va"] + off, g, h)  # on an error: nothing mapped
+            except BaseException:
+                unreleased.append(h)
+                raise
+            mapped.append((made["va"] + off, h))
+
+    def copy(to_host: bool, buf: int) -> bytes:
+        if to_host:
+            driver.copy_dtoh(buf, made["va"], size, made["stream"])
+        else:
+            driver.copy_htod(made["va"], buf, size, made["stream"])
+        driver.record(made["event"], made["stream"])
+        driver.wait(made["event"])
+        return ctypes.string_at(buf, size)
+
+    def out() -> None:  # a swap-out: each piece unmapped, then released
+        while mapped:
+            v, h = mapped[-1]
+            driver.unmap(v, g)
+            mapped.pop()
+            unreleased.append(h)
+            driver.release(h)
+            unreleased.remove(h)
+
     try:
         with driver.context():
-            va = driver.reserve(size)
-            stream, event = driver.new_stream(), driver.new_event()
-            host += [driver.host_alloc(size)]
-            host += [driver.host_alloc(size)]
-
-            def back() -> None:  # new physical memory under the whole range
-                for off in (0, g):
-                    h = driver.create(g)
-                    try:
-                        driver.map(va + off, g, h)
-                    except BaseException:
-                        driver.release(h)
-                        raise
-                    mapped.append((va + off, h))
-
-            def copy(to_host: bool, buf: int) -> bytes:
-                if to_host:
-                    driver.copy_dtoh(buf, va, size, stream)
-                else:
-                    driver.copy_htod(va, buf, size, stream)
-                driver.record(event, stream)
-                driver.wait(event)
-                return ctypes.string_at(buf, size)
-
-            back()
-            ctypes.memmove(host[0], pattern, size)
-            copy(False, host[0])
-            if copy(True, host[1]) != pattern:
-                raise SwapError("the bytes read back differ from those written")
-            while mapped:  # a swap-out
-                v, h = mapped.pop()
-                driver.unmap(v, g)
-                driver.release(h)
-            back()  # a swap-in, at the same address
-            ctypes.memset(host[0], 0, size)
-            copy(False, host[1])
-            if copy(True, host[0]) != pattern:
-                raise SwapError("the bytes differ after unmapping and mapping again")
+            try:
+                made["va"] = driver.reserve(size)
+                made["stream"] = driver.new_stream()
+                made["event"] = driver.new_event()
+                host.append(driver.host_alloc(size))
+                host.append(driver.host_alloc(size))
+                back()
+                ctypes.memmove(host[0], pattern, size)
+                copy(False, host[0])
+                if copy(True, host[1]) != pattern:
+                    raise SwapError("the bytes read back differ from those written")
+                out()
+                back()  # a swap-in, at the same address
+                ctypes.memset(host[0], 0, size)
+                copy(False, host[1])
+                if copy(True, host[0]) != pattern:
+                    raise SwapError("the bytes differ after unmapping and mapping again")
+            finally:
+                _give_back(driver, made, mapped, unreleased, host, size, g)
     except SwapError as e:
         raise SwapError(
             f"gpushare's self-test of CUDA virtual memory failed ({e}); no memory of this"
             " workload was touched: check the NVIDIA driver (virtual memory management,"
             " CUDA >= 11.2), or run the workload without gpushare"
         ) from None
-    finally:
-        with contextlib.suppress(SwapError), driver.context():
-            for v, h in mapped:
-                driver.unmap(v, g)
-                driver.release(h)
-            if va:
-                driver.unreserve(va, size)
-            for buf in host:
-                driver.host_free(buf)
-            if event:
-                driver.destroy_event(event)
-            if stream:
-                driver.destroy_stream(stream)
+
+
+def _give_back(
+    driver: Driver,
+    made: dict[str, int],
+    mapped: list[tuple[int, int]],
+    unreleased: list[int],
+    host: list[int],
+    size: int,
+    g: int,
+) -> None:
+    """What the self-test made, back to the driver: once its copies are done (else
+    nothing they touch goes), each call on its own, a failed one tried once more (a
+    driver busy for a moment leaks nothing)."""
+    stream = made["stream"]
+    if stream and not (_quietly(driver.sync_stream, stream) or _quietly(driver.synchronize)):
+        return  # a copy may still run: its memory stays, as safer than a fault
+    for _ in range(2):
+        for v, h in list(mapped):
+            if _quietly(driver.unmap, v, g):
+                mapped.remove((v, h))
+                unreleased.append(h)
+        for h in list(unreleased):
+            if _quietly(driver.release, h):
+                unreleased.remove(h)
+        if made["va"] and not mapped and _quietly(driver.unreserve, made["va"], size):
+            made["va"] = 0
+        _free_host_and_stream(driver, made, host)
+
+
+def _free_host_and_stream(driver: Driver, made: dict[str, int], host: list[int]) -> None:
+    for buf in list(host):
+        if _quietly(driver.host_free, buf):
+            host.remove(buf)
+    for what, fn in (("event", driver.destroy_event), ("stream", driver.destroy_stream)):
+        if made[what] and _quietly(fn, made[what]):
+            made[what] = 0
+
+
+def _quietly(fn: Callable[..., None], *args: int) -> bool:
+    """``fn(*args)``; whether it did not fail."""
+    try:
+        fn(*args)
+    except SwapError:
+        return False
+    return True
+
+
+def give_back(fn: Callable[..., None], *args: int) -> bool:
+    """A call giving something back to the driver (a destroy, a free), tried once more
+    if it fails (a driver busy for a moment leaks nothing); whether it was done."""
+    return _quietly(fn, *args) or _quietly(fn, *args)

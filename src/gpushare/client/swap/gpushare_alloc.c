@@ -129,11 +129,43 @@ static struct seg *head, *tail;
 static uint64_t *returned;
 static int nreturned, capreturned, npieces;
 static volatile int routing, paused, notify_fd = -1;
+/* Called before an allocation with its bytes (outside every lock of this library):
+ * blocks while the session, past its grant's bound, yields and asks the node again for
+ * room (a safe point: the session's GPU work is waited for before the lease goes). */
+typedef void (*grow_fn)(unsigned long long);
+static grow_fn volatile grow_cb;
 static unsigned long long mallocs_seen, frees_seen;
 static __thread char err[512];
 static time_t last_limit_note;
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* Driver calls that give memory back and failed: kept and tried again (at each
+ * allocation, free and swap: gs_retry), so that a failed unmap, release or address free
+ * leaks nothing for good. An unmap done is followed by its release. Under `dmu`. */
+enum { D_UNMAP, D_RELEASE, D_ADDRESS };
+struct deferred { int kind; CUdeviceptr va; size_t size; CUmemGenericAllocationHandle h; };
+static struct deferred *deferred;
+static int ndeferred, capdeferred;
+static size_t deferred_bytes; /* physical memory still held by them */
+static pthread_mutex_t dmu = PTHREAD_MUTEX_INITIALIZER;
+
+static void defer(int kind, CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h) {
+    pthread_mutex_lock(&dmu);
+    if (ndeferred == capdeferred) {
+        int cap = capdeferred ? 2 * capdeferred : 16;
+        struct deferred *d = realloc(deferred, (size_t)cap * sizeof *d);
+        if (!d) { /* lost, and said */
+            pthread_mutex_unlock(&dmu);
+            fprintf(stderr, "gpushare: out of host memory: %zu bytes of GPU memory leak\n", size);
+            return;
+        }
+        deferred = d, capdeferred = cap;
+    }
+    deferred[ndeferred++] = (struct deferred){kind, va, size, h};
+    if (kind != D_ADDRESS) deferred_bytes += size;
+    pthread_mutex_unlock(&dmu);
+}
 
 static void fail(const char *call, CUresult rc) {
     const char *s = NULL;
@@ -142,6 +174,7 @@ static void fail(const char *call, CUresult rc) {
 }
 
 const char *gs_error(void) { return err; }
+
 int gs_abi(void) { return 2; }
 
 /* The session's context current on this thread, pushed if another was (and popped
@@ -155,6 +188,60 @@ static int enter(void) {
 static void leave(int pushed) {
     CUcontext c;
     if (pushed) cu.CtxPopCurrent(&c);
+}
+
+/* A piece's physical memory given back (unmapped first if `mapped`), the context
+ * current; a call that fails is deferred (gs_retry), so nothing leaks for good. */
+static void give_back(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h, int mapped) {
+    if (mapped && cu.MemUnmap(va, size)) {
+        defer(D_UNMAP, va, size, h);
+        return;
+    }
+    if (cu.MemRelease(h)) defer(D_RELEASE, va, size, h);
+}
+static void free_address(CUdeviceptr va, size_t size) {
+    if (cu.MemAddressFree(va, size)) defer(D_ADDRESS, va, size, 0);
+}
+/* A handle whose release failed in Python's swap-out (unmapped already): kept here. */
+void gs_defer_release(unsigned long long h, unsigned long long size) {
+    defer(D_RELEASE, 0, size, h);
+}
+/* Try the deferred calls again, in order (a range's unmaps before its address free);
+ * how many are still pending. */
+int gs_retry(void) {
+    pthread_mutex_lock(&dmu);
+    if (!ndeferred) {
+        pthread_mutex_unlock(&dmu);
+        return 0;
+    }
+    int pushed = enter(), j = 0;
+    for (int i = 0; i < ndeferred; i++) {
+        struct deferred d = deferred[i];
+        if (d.kind == D_UNMAP) {
+            if (cu.MemUnmap(d.va, d.size)) {
+                deferred[j++] = d;
+                continue;
+            }
+            d.kind = D_RELEASE;
+        }
+        if (d.kind == D_RELEASE) {
+            if (cu.MemRelease(d.h)) deferred[j++] = d;
+            else deferred_bytes -= d.size;
+        } else if (cu.MemAddressFree(d.va, d.size)) {
+            deferred[j++] = d;
+        }
+    }
+    ndeferred = j;
+    leave(pushed);
+    pthread_mutex_unlock(&dmu);
+    return j;
+}
+/* Physical memory held by deferred calls: still the GPU's, so counted resident. */
+static size_t pending(void) {
+    pthread_mutex_lock(&dmu);
+    size_t n = deferred_bytes;
+    pthread_mutex_unlock(&dmu);
+    return n;
 }
 
 static void notify(void) {
@@ -275,7 +362,9 @@ void gs_set_limit(unsigned long long lim) { limit = lim; }
 void gs_route(int on) { routing = on; }
 void gs_pause(int on) { __atomic_add_fetch(&paused, on ? 1 : -1, __ATOMIC_SEQ_CST); }
 void gs_notify(int fd) { notify_fd = fd; }
-unsigned long long gs_resident(void) { return resident; }
+void gs_on_grow(grow_fn f) { grow_cb = f; }
+unsigned long long gs_resident(void) { return resident + pending(); }
+unsigned long long gs_pending(void) { return pending(); }
 unsigned long long gs_swapped(void) { return swapped; }
 unsigned long long gs_discarded(void) { return discarded; }
 int gs_npieces(void) { return npieces; }
@@ -293,10 +382,7 @@ int gs_interposing(void) {
 }
 
 static void release_pieces(struct piece *p, int n) {
-    for (int i = 0; i < n; i++) {
-        cu.MemUnmap(p[i].va, p[i].size);
-        cu.MemRelease(p[i].handle);
-    }
+    for (int i = 0; i < n; i++) give_back(p[i].va, p[i].size, p[i].handle, 1);
 }
 
 /* A new range of at least size bytes at *out; GS_LIMIT past the session's limit,
@@ -307,9 +393,17 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
         return GS_UNCONFIGURED;
     }
     size_t rounded = round_up(size ? size : 1, gran);
+    gs_retry();
+    grow_fn grow = grow_cb;
+    if (grow) {
+        pthread_mutex_lock(&mu);
+        int within = resident + pending() + swapped + discarded + rounded <= limit;
+        pthread_mutex_unlock(&mu);
+        if (within) grow(rounded); /* past the limit: refused below, without a wait */
+    }
     pthread_mutex_lock(&mu);
     /* dropped pieces count: they come back (empty) at the next swap-in */
-    size_t held = resident + swapped + discarded;
+    size_t held = resident + pending() + swapped + discarded;
     if (held + rounded > limit) {
         snprintf(err, sizeof err,
                  "allocating %zu bytes would take this session past its memory limit of %zu"
@@ -346,7 +440,7 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
         }
         if ((rc = cu.MemMap(p->va, p->size, 0, p->handle, 0))) {
             fail("cuMemMap", rc);
-            cu.MemRelease(p->handle);
+            give_back(p->va, p->size, p->handle, 0);
             break;
         }
         if ((rc = cu.MemSetAccess(p->va, p->size, access_desc, (size_t)naccess))) {
@@ -357,7 +451,7 @@ int gs_alloc(unsigned long long size, unsigned long long *out) {
     }
     if (rc) {
         release_pieces(s->p, made);
-        cu.MemAddressFree(s->va, rounded);
+        free_address(s->va, rounded);
         leave(pushed);
         goto undo;
     }
@@ -406,7 +500,7 @@ static void give_back_host(uint64_t host) { /* under mu */
 }
 
 static void drop_segment(struct seg *s) { /* under mu, no piece busy */
-    cu.MemAddressFree(s->va, s->size);
+    free_address(s->va, s->size);
     free(s);
 }
 
@@ -414,6 +508,7 @@ static void drop_segment(struct seg *s) { /* under mu, no piece busy */
  * does (unmapping does not wait). 0, or 1 when the range is not ours. */
 int gs_free(unsigned long long va) {
     if (!configured || !gs_owns(va)) return 1;
+    gs_retry();
     int pushed = enter();
     cu.CtxSynchronize();
     pthread_mutex_lock(&mu);
@@ -431,8 +526,7 @@ int gs_free(unsigned long long va) {
         struct piece *p = &s->p[i];
         if (p->busy) continue; /* its swap's gs_settle finishes it */
         if (p->handle) {
-            cu.MemUnmap(p->va, p->size);
-            cu.MemRelease(p->handle);
+            give_back(p->va, p->size, p->handle, 1);
             resident -= p->size;
         } else if (p->dropped) {
             discarded -= p->size;
@@ -536,8 +630,7 @@ void gs_settle(uint64_t id, unsigned long long handle, uint64_t host) {
         else swapped -= p->size;
         if (handle) {
             int pushed = enter();
-            cu.MemUnmap(p->va, p->size);
-            cu.MemRelease(handle);
+            give_back(p->va, p->size, handle, 1);
             leave(pushed);
         }
         if (host) give_back_host(host);

@@ -23,8 +23,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpushare.errors import GpushareError, OutOfMemoryError, SwapError
 
@@ -145,6 +147,7 @@ class Piece:
     dropped: bool = False
 
 
+GROW_FN = ctypes.CFUNCTYPE(None, ctypes.c_ulonglong)
 _u64 = ctypes.c_ulonglong
 
 
@@ -181,6 +184,10 @@ class Shim:
             ("gs_claim_in", ctypes.c_int, [ctypes.POINTER(_Piece), ctypes.c_int]),
             ("gs_settle", None, [ctypes.c_uint64, _u64, ctypes.c_uint64]),
             ("gs_returned", ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
+            ("gs_defer_release", None, [_u64, _u64]),
+            ("gs_retry", ctypes.c_int, []),
+            ("gs_pending", _u64, []),
+            ("gs_on_grow", None, [GROW_FN]),
         ):
             fn = getattr(lib, name)
             fn.restype = res
@@ -284,6 +291,31 @@ class Shim:
         """A claimed piece's step is over: its physical memory now (0: none) and host copy."""
         piece.handle, piece.host = handle, host
         self.lib.gs_settle(piece.id, handle, host)
+
+    def on_grow(self, fn: Callable[[int], None] | None) -> Any:
+        """Call ``fn(bytes)`` before each allocation (None: no more), from the allocating
+        thread, outside the library's locks: it may block (the session yields for room
+        past its grant's bound). ``fn`` must not raise. Returns the C callback, which the
+        caller keeps alive while it is set."""
+        cb = GROW_FN(fn) if fn is not None else GROW_FN()
+        self.lib.gs_on_grow(cb)
+        return cb
+
+    def defer_release(self, handle: int, size: int) -> None:
+        """A handle (unmapped) whose release failed: kept, counted resident, and released
+        at a later :meth:`retry`."""
+        self.lib.gs_defer_release(handle, size)
+
+    @property
+    def pending(self) -> int:
+        """Physical bytes whose unmap or release failed and waits for :meth:`retry`
+        (counted in :attr:`resident`: still the GPU's)."""
+        return int(self.lib.gs_pending())
+
+    def retry(self) -> int:
+        """Try again the unmaps, releases and address frees that failed; how many are
+        still pending."""
+        return int(self.lib.gs_retry())
 
     def returned(self) -> list[int]:
         """Host copies of pieces freed while swapped out (their buffers are free again)."""

@@ -252,6 +252,7 @@ class TorchBackend(VmmBackend):
             prepin=self._pin_for_vllm,
             hold=lambda: self.hold(),
             holding=lambda: self.holding(),
+            mapped=driver.mapped,
         )
         super().__init__(
             driver,

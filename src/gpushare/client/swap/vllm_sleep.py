@@ -135,8 +135,11 @@ class SleepModePool:
         prepin: Callable[[list[int]], None] | None = None,
         hold: Callable[[], None] = lambda: None,
         holding: Callable[[], bool] = lambda: True,
+        mapped: Callable[[int], bool] | None = None,
     ) -> None:
         self.allocator = allocator
+        # Asks the driver whether an address is mapped: where vLLM failed part way.
+        self.mapped = mapped
         self.holding = holding
         self.on_change = on_change
         self.grow = grow
@@ -236,10 +239,27 @@ class SleepModePool:
         host copy of it, dropped if not; if it failed, the one it was at is still mapped
         (vLLM copies, then unmaps), as are those it did not reach."""
         finished = shown.handed if done else shown.handed[:-1]
+        if not done and shown.handed and self.mapped is not None:
+            with contextlib.suppress(Exception):  # unknown: taken as still mapped
+                if not self.mapped(shown.handed[-1]):  # it failed after its unmap
+                    finished = shown.handed
         for a in finished:
             d = self.allocator.pointer_to_data.get(a)
             if d is not None:
                 self._out[a] = d.cpu_backup_tensor is not None
+
+    def _wake_each(self, addresses: set[int], *args: Any, **kwargs: Any) -> None:
+        """vLLM's wake, called for one allocation at a time (in vLLM's order): on a
+        failure vLLM unmaps what that call mapped, and a call that mapped one only
+        loses no copy it had already let go of (one call over all of them would lose
+        every copy restored before the failure). Each judged as it ends."""
+        for a in [a for a, _ in self._items() if a in addresses]:
+            try:
+                self._call(self._wake, self._shown({a}), *args, **kwargs)
+            except BaseException:
+                self._woken({a}, done=False)
+                raise
+            self._woken({a}, done=True)
 
     def _woken(self, tried: set[int], done: bool) -> None:
         """After a wake over ``tried``: all mapped if it finished; if it failed, vLLM
@@ -301,11 +321,9 @@ class SleepModePool:
                 if back <= allowed:
                     t0 = time.perf_counter()
                     try:
-                        self._call(self._wake, self._shown(set(mine)), tags=None)
+                        self._wake_each(set(mine), tags=None)
                     except Exception as e:
-                        self._woken(set(mine), done=False)
                         raise SwapError(f"vLLM's allocator could not wake: {e}") from e
-                    self._woken(set(mine), done=True)
                     return SwapResult(back, time.perf_counter() - t0)
             room(back)
             allowed = back
@@ -345,13 +363,8 @@ class SleepModePool:
                 need = self.resident_bytes + sum(back.values())
                 # The lease may have gone since the wait (a revoke, the idle release).
                 if not back or (need <= allowed and self.holding()):
-                    try:
-                        # Never a mapped one: vLLM would map it again.
-                        self._call(self._wake, self._shown(set(back)), *args, **kwargs)
-                    except BaseException:
-                        self._woken(set(back), done=False)
-                        raise
-                    self._woken(set(back), done=True)
+                    # Never a mapped one: vLLM would map it again.
+                    self._wake_each(set(back), *args, **kwargs)
                     break
             # Memory back on the GPU, and copies to it, are GPU work: within a lease, and
             # within its bound. Outside the lock: the wait may see a revoke, whose
@@ -382,8 +395,9 @@ class SleepModeFinder:
         prepin: Callable[[list[int]], None] | None = None,
         hold: Callable[[], None] = lambda: None,
         holding: Callable[[], bool] = lambda: True,
+        mapped: Callable[[int], bool] | None = None,
     ) -> None:
-        self._args = on_change, grow, prepin, hold, holding
+        self._args = on_change, grow, prepin, hold, holding, mapped
         self._modules = modules
         self._lock = threading.Lock()
         self.pool: SleepModePool | None = None

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpushare.client.swap.base import (
     NO_HOOKS,
@@ -45,7 +45,7 @@ from gpushare.client.swap.base import (
     SwapResult,
     no_pool,
 )
-from gpushare.client.swap.cuda import Driver
+from gpushare.client.swap.cuda import Driver, give_back
 from gpushare.client.swap.shim import Piece
 from gpushare.errors import SwapError
 
@@ -78,6 +78,9 @@ class Store(Protocol):
     def settle(self, piece: Piece, handle: int, host: int) -> None: ...
     def returned(self) -> list[int]: ...
     def notify(self, fd: int) -> None: ...
+    def defer_release(self, handle: int, size: int) -> None: ...
+    def retry(self) -> int: ...
+    def on_grow(self, fn: Callable[[int], None] | None) -> Any: ...
 
 
 # --- how much host memory to pin ---------------------------------------------------------
@@ -321,8 +324,7 @@ class HostBuffers:
                 self._free.append(self._cur)
                 self._cur = 0
             for ptr in self._free:
-                with contextlib.suppress(SwapError):
-                    self._driver.host_free(ptr)
+                give_back(self._driver.host_free, ptr)
                 self._all.remove(ptr)
             self._free = []
 
@@ -391,10 +393,17 @@ class VmmBackend(SwapBackend):
         self.limit = limit
         self.piece_bytes = store.piece_bytes
         self._lock = threading.RLock()  # one swap at a time
-        with driver.context():
-            self._stream = driver.new_stream()
-            self._events = [driver.new_event() for _ in range(DEPTH + 1)]
+        self._stream = 0
+        self._events: list[int] = []
         self._next_event = 0
+        with driver.context():
+            try:
+                self._stream = driver.new_stream()
+                for _ in range(DEPTH + 1):
+                    self._events.append(driver.new_event())
+            except BaseException:  # what was made goes back: nothing of a failed attach stays
+                self._destroy_stream_and_events()
+                raise
         self._marks: list[Discardable] = []
         self._dropped = 0  # by the swap-out in progress
         self._dropping: list[Discardable] = []  # the marks as it began
@@ -407,6 +416,8 @@ class VmmBackend(SwapBackend):
         self._notify_w = notify_w
         store.notify(notify_w)
         threading.Thread(target=self._watch, name="gpushare-alloc", daemon=True).start()
+        self._grow_cb: Any = None
+        self.set_grow(hooks.grow)
 
     def figures(self) -> tuple[int, int, int]:
         """Resident, swapped and discarded bytes: gpushare's own and the foreign pool's
@@ -470,6 +481,31 @@ class VmmBackend(SwapBackend):
                 for other in self._marks:  # a piece it shared with another mark stays his
                     self.store.mark(other.va, other.size, True)
 
+    def set_grow(self, grow: Callable[[int], None]) -> None:
+        """The session's grow hook (:class:`SwapHooks`): an allocation past the grant's
+        bound is a safe point, as on a simulated GPU, so the library asks before it
+        allocates; with none (a backend alone), it asks nobody."""
+        self.grow = grow
+        if grow is NO_HOOKS.grow:
+            if self._grow_cb is not None:
+                self.store.on_grow(None)
+            self._grow_cb = None
+        elif self._grow_cb is None:
+            self._grow_cb = self.store.on_grow(self._before_alloc)
+
+    def _before_alloc(self, nbytes: int) -> None:
+        """From the allocator library, on the allocating thread, before ``nbytes`` more:
+        past the grant's bound the session yields (its GPU work waited for) and asks the
+        node again, and the allocation goes on once that fits. Never raises into C: a
+        failure to ask is logged, and the allocation goes on within the limit."""
+        try:
+            f = self.foreign()
+            theirs = sum(f.figures()) if f is not None else 0
+            own = self.store.resident + self.store.swapped + self.store.discarded
+            self.grow(own + theirs + nbytes)
+        except BaseException as e:  # nothing may reach the C caller
+            log.warning("gpushare: asking for room before an allocation failed: %s", e)
+
     def _watch(self) -> None:
         while True:
             try:
@@ -505,11 +541,35 @@ class VmmBackend(SwapBackend):
         for addr in self.store.returned():
             self.host.give(addr)
 
-    def _drain_stream(self) -> None:
+    def _drain_stream(self) -> bool:
+        """Wait for every copy queued on the stream (before memory or buffers they touch
+        go back): an event, else the stream, else the whole context. Whether it did."""
         with contextlib.suppress(SwapError):
-            ev = self._event()
-            self.driver.record(ev, self._stream)
-            self.driver.wait(ev)
+            if self._events:
+                ev = self._event()
+                self.driver.record(ev, self._stream)
+                self.driver.wait(ev)
+                return True
+        with contextlib.suppress(SwapError):
+            self.driver.sync_stream(self._stream)
+            return True
+        with contextlib.suppress(SwapError):
+            self.driver.synchronize()
+            return True
+        log.error("waiting for gpushare's copies failed: their memory stays mapped")
+        return False
+
+    def _destroy_stream_and_events(self) -> None:
+        """Each given back on its own (one failing leaves the others to go); the caller's
+        context current."""
+        if self._stream:
+            self._drain_stream()  # nothing of ours still runs on it
+        for ev in self._events:
+            give_back(self.driver.destroy_event, ev)
+        self._events = []
+        if self._stream:
+            give_back(self.driver.destroy_stream, self._stream)
+            self._stream = 0
 
     def synchronize(self) -> None:
         """The caller's GPU work is waited for by the torch backend; here, nothing."""
@@ -563,10 +623,15 @@ class VmmBackend(SwapBackend):
                 batch.append((p, 0))
                 return
             buf = self.host.take(p.size)
+            try:
+                self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
+            except BaseException:  # not queued: p stays in todo, its buffer goes back
+                self.host.give(buf)
+                raise
             batch.append((p, buf))
-            self.driver.copy_dtoh(buf, p.va, p.size, self._stream)
 
         with self._lock, self.driver.context():
+            self.store.retry()
             self._take_back_host()
             for d in [d for d in self._marks if not _still(d)]:
                 self.keep(d)  # no longer the memory marked: copied like the rest
@@ -578,10 +643,12 @@ class VmmBackend(SwapBackend):
             try:
                 moved = self._pipeline(todo, inflight, issue, self._retire_out)
             except BaseException:
-                self._drain_stream()  # copies issued are done before their buffers go back
+                # copies issued are done before their buffers go back (if not known
+                # done, the buffers are kept out of use)
+                drained = self._drain_stream()
                 for batch, _ in inflight:  # not freed: they stay resident
                     for p, buf in batch:
-                        if buf:
+                        if buf and drained:
                             self.host.give(buf)
                         self.store.settle(p, p.handle, p.host)
                 for p in todo:
@@ -598,8 +665,9 @@ class VmmBackend(SwapBackend):
             batch.popleft()
             try:
                 self.driver.release(p.handle)
-            except SwapError as e:  # unmapped, its bytes on the host: out, the handle lost
-                log.error("releasing swapped-out GPU memory failed: %s", e)
+            except SwapError as e:  # unmapped, its bytes on the host: out, released later
+                log.error("releasing swapped-out GPU memory failed (tried again later): %s", e)
+                self.store.defer_release(p.handle, p.size)
             self.store.settle(p, 0, buf)
             if buf:
                 moved += p.size
@@ -636,15 +704,24 @@ class VmmBackend(SwapBackend):
             try:
                 self.driver.map(p.va, p.size, h)
             except BaseException:
-                self.driver.release(h)
+                with contextlib.suppress(SwapError):
+                    self.driver.release(h)  # never mapped
+                raise
+            try:
+                if p.dropped:  # made again, empty (new memory holds what was there before)
+                    self.driver.zero(p.va, p.size, self._stream)
+                else:
+                    self.driver.copy_htod(p.va, p.host, p.size, self._stream)
+            except BaseException:  # not queued: unmapped again, p stays in todo
+                with contextlib.suppress(SwapError):
+                    self.driver.unmap(p.va, p.size)
+                with contextlib.suppress(SwapError):
+                    self.driver.release(h)
                 raise
             batch.append((p, h))
-            if p.dropped:  # made again, empty (new memory holds what was there before)
-                self.driver.zero(p.va, p.size, self._stream)
-            else:
-                self.driver.copy_htod(p.va, p.host, p.size, self._stream)
 
         with self._lock, self.driver.context():
+            self.store.retry()
             self._take_back_host()
             t0 = time.perf_counter()
             todo = deque(self.store.claim_in())
@@ -658,22 +735,14 @@ class VmmBackend(SwapBackend):
     def _undo_in(
         self, inflight: deque[tuple[deque[tuple[Piece, int]], list[int]]], todo: deque[Piece]
     ) -> None:
-        """A swap-in failed: copies done are kept; the others go back to being only on
-        the host."""
-        self._drain_stream()
-        for batch, ev in inflight:
-            done = False
-            if ev:
-                with contextlib.suppress(SwapError):
-                    self.driver.wait(ev[0])
-                    done = True
+        """A swap-in failed: the pieces mapped are kept, once their copies are done; those
+        not begun stay on the host."""
+        drained = self._drain_stream()
+        for batch, _ in inflight:
             for p, h in batch:
-                if done:
-                    if p.host:
-                        self.host.give(p.host)
-                    self.store.settle(p, h, 0)
-                else:
-                    self._unback(p, h)
+                if drained and p.host:  # else a copy may still read it: kept out of use
+                    self.host.give(p.host)
+                self.store.settle(p, h, 0)
         for p in todo:
             self.store.settle(p, 0, p.host)
         self.on_change()
@@ -691,14 +760,6 @@ class VmmBackend(SwapBackend):
             self.progress()
         return moved
 
-    def _unback(self, p: Piece, h: int) -> None:
-        """Undo a piece's swap-in: its bytes are still in its host buffer."""
-        with contextlib.suppress(SwapError):
-            self.driver.unmap(p.va, p.size)
-        with contextlib.suppress(SwapError):
-            self.driver.release(h)
-        self.store.settle(p, 0, p.host)
-
     def wait_for_host_buffers(self, timeout: float | None = None) -> bool:
         """Block until the background pinning is done (benchmarks, tests)."""
         return self.host.ready.wait(timeout)
@@ -706,6 +767,7 @@ class VmmBackend(SwapBackend):
     def close(self) -> None:
         """Detach: the host buffers, the stream and the events go back to the driver
         (a workload that attaches again, or keeps running, holds none of them)."""
+        self.set_grow(NO_HOOKS.grow)
         close = getattr(self.foreign, "close", None)  # a finder's: vLLM's calls its own again
         if close is not None:
             close()
@@ -714,11 +776,5 @@ class VmmBackend(SwapBackend):
             os.close(self._notify_w)  # the watching thread ends
         self.host.close()
         with self._lock, contextlib.suppress(SwapError), self.driver.context():
-            if self._stream:
-                self._drain_stream()  # nothing of ours still runs on it
-            for ev in self._events:
-                self.driver.destroy_event(ev)
-            self._events = []
-            if self._stream:
-                self.driver.destroy_stream(self._stream)
-                self._stream = 0
+            self._destroy_stream_and_events()
+            self.store.retry()
