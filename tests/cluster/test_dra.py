@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import K8S, unique
+from tests.cluster.conftest import K8S, Kube, unique
 from tests.cluster.controlplane import Cluster
 from tests.cluster.test_scheduling import make_node
 from tests.support import wait_until
@@ -109,7 +109,7 @@ def test_dra_deviceclass_manifest_is_served(dra: Cluster):
     assert DRIVER in dc["spec"]["selectors"][0]["cel"]["expression"]
 
 
-def test_dra_scheduler_shares_one_gpu_by_memory_and_refuses_past_it(dra: Cluster, kube):
+def test_dra_scheduler_shares_one_gpu_by_memory_and_refuses_past_it(dra: Cluster, kube: Kube):
     c, node, ns = dra, unique("gpu-node"), "dra"
     make_node(c, node, gpus=0)
     kube.namespace(ns)
