@@ -18,7 +18,6 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Literal, overload
 
 from gpushare import protocol as p
-from gpushare.core import families
 from gpushare.core.actions import Action
 from gpushare.core.arbiter import Arbiter, ArbiterError
 from gpushare.core.attribution import Attribution
@@ -26,12 +25,20 @@ from gpushare.core.gangs import across_gpus
 from gpushare.node.decide.decisions import Decisions
 from gpushare.node.guard import Conn, Guard, Refused
 from gpushare.node.host.gpus import GpuInfo
-from gpushare.node.host.identity import CgroupIdentity, read_identity
+from gpushare.node.host.identity import read_identity
 from gpushare.node.host.procs import descends
 from gpushare.node.host.sockets import read_frame
 from gpushare.node.keep.config import NodeConfig
 from gpushare.node.keep.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.kube.k8s import PodCache, PodInfo
+from gpushare.node.serve.hello_figures import (
+    family_of,
+    gang_of,
+    limit_of,
+    record_of,
+    request_of,
+    who_of,
+)
 from gpushare.settings import SHARING_MODES
 from gpushare.status import Claimed
 from gpushare.units import is_fraction
@@ -319,7 +326,7 @@ class WorkloadServer:
         part of its session's, split by the arbiter)."""
         if head is not None:
             return limit, None
-        request = _request_of(h, arb.capacity, limit)
+        request = request_of(h, arb.capacity, limit)
         bounded = self._bounded_limit(conn, limit, arb.capacity)
         if bounded < limit and request is not None:  # within the pod's, as its limit
             request = min(request, bounded)
@@ -440,7 +447,7 @@ class WorkloadServer:
         arb, g = self.arbiters[gpu], self.gpus[gpu]
         # A member asks for its part of its session's limit (all it has free, unless it
         # names less), at its session's weight.
-        limit = _limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
+        limit = limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
         limit, request = self._memory_of(conn, h, head, arb, limit)
@@ -462,7 +469,7 @@ class WorkloadServer:
         # A new member's gang is its session's, never its hello's word (which would put
         # that session in a gang of its choosing).
         gang, spans_nodes = gang_of(h, conn.uid, identity) if head is None else ("", False)
-        family, gang = _family_of(arb, head, rec, gang, _who(conn.uid, identity))
+        family, gang = family_of(arb, head, rec, gang, who_of(conn.uid, identity))
         if gang:
             elsewhere = {
                 a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
@@ -471,7 +478,7 @@ class WorkloadServer:
             if why:
                 raise Refused("attach", why)
         if dry:
-            return _record(conn, sid, gpu, identity, limit, name, family)
+            return record_of(conn, sid, gpu, identity, limit, name, family)
         # Memory a session says it has on the GPU counts only where the node can check
         # it: on record from before a restart, or as NVML counts its process's (then no
         # more than that). A new session with neither has nothing resident. (What it
@@ -499,7 +506,9 @@ class WorkloadServer:
                 sharing=sharing,
                 compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
                 # its bucket is its workload's, whichever session of it attaches
-                workload=_who(conn.uid, identity) if identity.pod_uid else f"uid:{conn.uid}/{name}",
+                workload=who_of(conn.uid, identity)
+                if identity.pod_uid
+                else f"uid:{conn.uid}/{name}",
                 weight=weight,
                 resident=resident,
                 swapped=swapped,
@@ -528,7 +537,7 @@ class WorkloadServer:
             pod=h.pod, namespace=h.namespace, container=h.container, sharing=h.sharing
         )
         conn.sharing_source = sharing_source
-        conn.record = _record(conn, sid, gpu, identity, limit, name, family)
+        conn.record = record_of(conn, sid, gpu, identity, limit, name, family)
         self.conns[sid] = conn
         self.guard.joined(conn)
         self.guard.join_budget(
@@ -665,68 +674,3 @@ def _claims_memory(msg: p.Message, conn: Conn) -> bool:
         return False
     limit = conn.record.limit if conn.record is not None else 0
     return 0 < msg.resident <= limit
-
-
-def _family_of(
-    arb: Arbiter, head: Conn | None, rec: SessionRecord | None, gang: str, who: str
-) -> tuple[int, str]:
-    """A session's family (a new member's session, checked; else what its record says;
-    0: none) and the gang it is in: its job's, else its family's."""
-    family = head.session if head is not None else (rec.family if rec is not None else 0)
-    if family and not gang:  # a rank's processes are in its job's gang already
-        gang = families.key(family, who)
-    if head is not None:  # the session's own gang (its job's if it is a rank of one)
-        gang = arb.sessions[head.session].rank.gang or gang
-    return family, gang
-
-
-def _who(uid: int, identity: CgroupIdentity) -> str:
-    """Whose a job or family is, as the kernel says: the pod, else the uid."""
-    return f"pod:{identity.pod_uid}" if identity.pod_uid else f"uid:{uid}"
-
-
-def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
-    """The node's key of the job a hello says it is a rank of ("" for none), and whether
-    the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
-    job's id to what the kernel says (the pod, else the uid): a rank can join only a job
-    of its own pod or user, whatever id it claims."""
-    if not h.gang:
-        return "", False
-    return f"{h.gang}@{_who(uid, identity)}", 0 < h.gang_size < h.world_size
-
-
-def _limit_of(h: p.Hello, capacity: int) -> int:
-    """The memory limit a hello asks for: its own, its pod's portion limit or portion,
-    or the whole GPU."""
-    if h.memory_limit is not None:
-        return h.memory_limit
-    if h.portion is not None:
-        return max(1, int(capacity * (h.portion_limit or h.portion)))
-    return capacity
-
-
-def _request_of(h: p.Hello, capacity: int, limit: int) -> int | None:
-    """The memory request a hello asks for: its own, its pod's portion (when a portion
-    limit makes the limit larger), else none (the limit). The arbiter checks it."""
-    if h.memory_request is not None:
-        return h.memory_request
-    if h.portion is not None and h.portion_limit is not None and h.memory_limit is None:
-        return max(1, int(capacity * h.portion))
-    return None
-
-
-def _record(
-    conn: Conn, sid: int, gpu: int, identity: CgroupIdentity, limit: int, name: str, family: int
-) -> SessionRecord:
-    return SessionRecord(
-        id=sid,
-        gpu=gpu,
-        pid=conn.pid,
-        start_time=conn.proc.start_time if conn.proc else 0,
-        uid=conn.uid,
-        pod_uid=identity.pod_uid,
-        container_id=identity.container_id,
-        limit=limit,
-        name=name,
-        family=family,
-    )
