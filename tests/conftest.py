@@ -13,6 +13,38 @@ from tests import profiles  # noqa: F401  (the hypothesis profile: dev here, ci 
 from tests.support import NodeProcess
 
 
+# What the client reads from its environment: a workload's identity, its figures, its
+# node. The machine the suite runs on may set any of them (a CI runner in a container sets
+# CONTAINER_NAME): the suite is its own environment, each test sets what it means.
+INHERITED = (
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "POD_UID",
+    "CONTAINER_NAME",
+    "NVIDIA_VISIBLE_DEVICES",
+    "GPU_PORTION",
+    "GPU_MEMORY_LIMIT",
+    "CUDA_DEVICE_MEMORY_LIMIT",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    *(
+        f"GPUSHARE_{k}"
+        for k in (
+            "SOCKET ADMIN_SOCKET NAME GPU MEMORY MEMORY_LIMIT HOST_MEMORY COMPUTE_LIMIT"
+            " WEIGHT FAMILY GANG PODINFO AUTOATTACH RECONNECT_TIMEOUT UNGATED_SAID"
+        ).split()
+    ),
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any fixture (module-scoped ones start workloads too): none inherited."""
+    for k in INHERITED:
+        os.environ.pop(k, None)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every property test is ``slow`` (``-m "not slow"`` leaves them out); they run by
     default, with the dev profile's few examples outside CI."""
@@ -47,12 +79,6 @@ def node_factory(short_tmp):
 
 @pytest.fixture(autouse=True)
 def _no_inherited_gpushare_env(monkeypatch):
-    for k in (
-        "GPUSHARE_SOCKET",
-        "GPUSHARE_MEMORY",
-        "GPU_PORTION",
-        "NVIDIA_VISIBLE_DEVICES",
-        "GPUSHARE_ADMIN_SOCKET",
-    ):
-        monkeypatch.delenv(k, raising=False)
+    for k in INHERITED:
+        monkeypatch.delenv(k, raising=False)  # what an earlier test left set
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

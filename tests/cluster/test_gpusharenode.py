@@ -133,9 +133,13 @@ def two(deployed: Cluster) -> Iterator[Two]:
             k.workloads.append(w.start(uid, cid, t.ns, pod))
         for k in t.nodes:
             wait_until(
-                lambda k=k: any(s.get("pod") for s in status_of(t, k.name).get("sessions", [])),
+                # the API's container name: the pod's, verified (a claim names none)
+                lambda k=k: any(
+                    s.get("container") == "trainer"
+                    for s in status_of(t, k.name).get("sessions", [])
+                ),
                 timeout=60,
-                what=f"{k.name}'s status with its pod's session",
+                what=f"{k.name}'s status with its pod's session, named by the API",
             )
         yield t
     finally:

@@ -87,7 +87,10 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
             "the node's list and watch are not in the audit log:\n"
             + "\n".join(f"{e['verb']} {e['requestURI']}" for e in deployed.audit(SA_USER))
         ) from None
-    denied = [e for e in mine() if e["responseStatus"]["code"] >= 400]
+    # 429 is the server's priority and fairness shedding load (a busy test machine), not
+    # a refusal of the role: the node tries again, as client-go does
+    codes = [(e, e["responseStatus"]["code"]) for e in mine()]
+    denied = [e for e, code in codes if code >= 400 and code != 429]
     assert not denied, [
         (
             e["verb"],
