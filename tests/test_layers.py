@@ -281,7 +281,6 @@ GRANDFATHERED_RADON = {
     "src/gpushare/core/prefetch.py::plan_prefetch",
     "src/gpushare/node/keep/config.py::_explain",
     "src/gpushare/node/observe/snapshot.py::session",
-    "src/gpushare/tools/ctl.py::show_status",
     "src/gpushare/tools/timeline.py::lanes",
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
