@@ -242,7 +242,6 @@ GRANDFATHERED = {
     "src/gpushare/node/kube/gpusharenode.py::_publish",
     "src/gpushare/node/observe/metrics.py::_gpu_text",
     "src/gpushare/node/serve/workload_server.py::handle",
-    "src/gpushare/tools/timeline.py::lanes",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
     "tests/core/model.py::apply",
@@ -281,7 +280,6 @@ GRANDFATHERED_RADON = {
     "src/gpushare/core/prefetch.py::plan_prefetch",
     "src/gpushare/node/keep/config.py::_explain",
     "src/gpushare/node/observe/snapshot.py::session",
-    "src/gpushare/tools/timeline.py::lanes",
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
     "tests/node/observe/exporter_before.py::NodeCollector.collect",
