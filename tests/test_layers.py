@@ -278,7 +278,6 @@ GRANDFATHERED_RADON = {
     "src/gpushare/node/serve/workload_server.py::WorkloadServer._attach",
     "src/gpushare/tools/kubectl_gpushare.py::cmd_set",
     "src/gpushare/core/prefetch.py::plan_prefetch",
-    "src/gpushare/node/keep/config.py::_explain",
     "src/gpushare/node/observe/snapshot.py::session",
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
