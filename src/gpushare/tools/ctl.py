@@ -11,7 +11,7 @@ import msgspec
 from gpushare import protocol as p
 from gpushare.errors import GpushareError
 from gpushare.settings import Change
-from gpushare.status import NodeStatus, to_json_object
+from gpushare.status import GangStatus, NodeStatus, to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.units import format_size
 
@@ -59,17 +59,21 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
                 " frame: holders and the queue are shown first)\n"
             )
-        for gang in g.gangs:  # the ranks of one job, or a session's processes: one holder
-            spans = "  spans nodes" if gang.spans_nodes else ""
-            who = ", ".join(map(str, gang.sessions))
-            if not gang.size and gang.gang.startswith("session:"):  # a family: no ranks
-                head = gang.gang.removeprefix("session:").split("@")[0]
-                out.write(f"  family of session {head}: sessions {who} {gang.state}\n")
-                continue
-            out.write(
-                f"  gang {gang.gang}: sessions {who}"
-                f" ({len(gang.sessions)} of {gang.size or '?'} ranks) {gang.state}{spans}\n"
-            )
+        _show_gangs(g.gangs, out)
+
+
+def _show_gangs(gangs: list[GangStatus], out: TextIO) -> None:
+    for gang in gangs:  # the ranks of one job, or a session's processes: one holder
+        spans = "  spans nodes" if gang.spans_nodes else ""
+        who = ", ".join(map(str, gang.sessions))
+        if not gang.size and gang.gang.startswith("session:"):  # a family: no ranks
+            head = gang.gang.removeprefix("session:").split("@")[0]
+            out.write(f"  family of session {head}: sessions {who} {gang.state}\n")
+            continue
+        out.write(
+            f"  gang {gang.gang}: sessions {who}"
+            f" ({len(gang.sessions)} of {gang.size or '?'} ranks) {gang.state}{spans}\n"
+        )
 
 
 def status(path: str | None, as_json: bool) -> int:

@@ -37,7 +37,7 @@ class Lane:
         return f"GPU {self.gpu}  {self.name} #{self.session}"
 
 
-def lanes(  # noqa: C901
+def lanes(
     events: Iterable[dict[str, Any]], window_s: float = 0.0
 ) -> tuple[list[Lane], float, float]:
     """Leases and swaps per session, from events sorted by time; with ``window_s``, only
@@ -68,11 +68,16 @@ def lanes(  # noqa: C901
     rows = sorted(out.values(), key=lambda ln: (ln.gpu, ln.session))
     if window_s > 0 and t1 - t0 > window_s:
         t0 = t1 - window_s
-        for ln in rows:
-            ln.leases = [(max(a, t0), b) for a, b in ln.leases if b >= t0]
-            ln.swaps = [s for s in ln.swaps if s[0] + s[1] >= t0]
-        rows = [ln for ln in rows if ln.leases or ln.swaps]
+        rows = _cut(rows, t0)
     return rows, t0, t1
+
+
+def _cut(rows: list[Lane], t0: float) -> list[Lane]:
+    """The lanes from ``t0`` on: leases cut at it, those with nothing left after it gone."""
+    for ln in rows:
+        ln.leases = [(max(a, t0), b) for a, b in ln.leases if b >= t0]
+        ln.swaps = [s for s in ln.swaps if s[0] + s[1] >= t0]
+    return [ln for ln in rows if ln.leases or ln.swaps]
 
 
 def bars(spans: Iterable[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:

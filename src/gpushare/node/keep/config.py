@@ -191,25 +191,30 @@ def _explain(message: str, raw: dict[str, Any]) -> str:
         )
     typed = re.match(r"Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)`", what)
     if typed and key:
-        if key == "gpu":
-            return "gpu must be tables, one per GPU: [gpu.0] then its keys"
-        want = typed.group("want").removesuffix(" | null")
-        value = (table_raw if table else raw).get(key)
-        got = (
-            json.dumps(value)
-            if isinstance(value, str | int | float | bool)
-            else _GOT.get(typed.group("got"), typed.group("got"))
-        )
-        if key in DURATION_KEYS:
-            return (
-                f"{table}{key} takes a number of seconds or a duration in quotes, not {got}:"
-                f' write it like {key} = 30 or {key} = "30s"'
-            )
-        example = _EXAMPLES.get(want, "").format(key=key)
-        return f"{table}{key} takes {_TAKES.get(want, want)}, not {got}" + (
-            f": write it like {example}" if example else ""
-        )
+        return _explain_type(typed, table, key, table_raw if table else raw)
     return f"{table}{key}: {what}" if key else what
+
+
+def _explain_type(typed: re.Match[str], table: str, key: str, raw: dict[str, Any]) -> str:
+    """A value of the wrong type (msgspec's `want` and `got`) at ``key`` of ``raw``."""
+    if key == "gpu":
+        return "gpu must be tables, one per GPU: [gpu.0] then its keys"
+    want = typed.group("want").removesuffix(" | null")
+    value = raw.get(key)
+    got = (
+        json.dumps(value)
+        if isinstance(value, str | int | float | bool)
+        else _GOT.get(typed.group("got"), typed.group("got"))
+    )
+    if key in DURATION_KEYS:
+        return (
+            f"{table}{key} takes a number of seconds or a duration in quotes, not {got}:"
+            f' write it like {key} = 30 or {key} = "30s"'
+        )
+    example = _EXAMPLES.get(want, "").format(key=key)
+    return f"{table}{key} takes {_TAKES.get(want, want)}, not {got}" + (
+        f": write it like {example}" if example else ""
+    )
 
 
 def read_raw(path: str | os.PathLike[str] | None, *, named: bool = False) -> dict[str, Any]:
