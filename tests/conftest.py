@@ -12,31 +12,19 @@ from hypothesis import is_hypothesis_test
 from tests import profiles  # noqa: F401  (the hypothesis profile: dev here, ci in CI)
 from tests.support import NodeProcess
 
-
 # What the client reads from its environment: a workload's identity, its figures, its
 # node. The machine the suite runs on may set any of them (a CI runner in a container sets
 # CONTAINER_NAME): the suite is its own environment, each test sets what it means.
 INHERITED = (
-    "POD_NAME",
-    "POD_NAMESPACE",
-    "POD_UID",
-    "CONTAINER_NAME",
-    "NVIDIA_VISIBLE_DEVICES",
-    "GPU_PORTION",
-    "GPU_MEMORY_LIMIT",
-    "CUDA_DEVICE_MEMORY_LIMIT",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    *(
-        f"GPUSHARE_{k}"
-        for k in (
-            "SOCKET ADMIN_SOCKET NAME GPU MEMORY MEMORY_LIMIT HOST_MEMORY COMPUTE_LIMIT"
-            " WEIGHT FAMILY GANG PODINFO AUTOATTACH RECONNECT_TIMEOUT UNGATED_SAID"
-        ).split()
-    ),
-)
+    "POD_NAME", "POD_NAMESPACE", "POD_UID", "CONTAINER_NAME", "NVIDIA_VISIBLE_DEVICES",
+    "GPU_PORTION", "GPU_MEMORY_LIMIT", "CUDA_DEVICE_MEMORY_LIMIT",
+    "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "GPUSHARE_SOCKET", "GPUSHARE_ADMIN_SOCKET", "GPUSHARE_NAME", "GPUSHARE_GPU",
+    "GPUSHARE_MEMORY", "GPUSHARE_MEMORY_LIMIT", "GPUSHARE_HOST_MEMORY",
+    "GPUSHARE_COMPUTE_LIMIT", "GPUSHARE_WEIGHT", "GPUSHARE_FAMILY", "GPUSHARE_GANG",
+    "GPUSHARE_PODINFO", "GPUSHARE_AUTOATTACH", "GPUSHARE_RECONNECT_TIMEOUT",
+    "GPUSHARE_UNGATED_SAID",
+)  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
