@@ -57,6 +57,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gpushare.core.attach import AttachRecord
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 G = 2**30
@@ -75,7 +77,7 @@ def arbiter_part(sizes: list[int], handoffs: int) -> dict[str, float]:
         clock = ManualClock()
         a = Arbiter(0, 80 * G, clock, GpuSettings(mode="exclusive", tq_s=30))
         for sid in range(1, n + 1):
-            a.attach(sid, name=f"s{sid}", memory_limit=2**20)
+            a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=2**20))
         a.acquire(1)
         a.acquire(2)
         holder = 1
@@ -135,7 +137,7 @@ def render_part(sizes: list[int]) -> dict[str, Any]:
         node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
         a = node.arbiters[0]
         for sid in range(1, n + 1):  # each with a burst behind it: every figure set
-            a.attach(sid, name=f"s{sid}", memory_limit=2**20)
+            a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=2**20))
             a.acquire(sid)
             clock.advance(0.002)
             a.release(sid, resident=2**19, swapped=0)

@@ -44,6 +44,7 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
 
@@ -239,12 +240,14 @@ class Model:
         self.apply(
             self.arb.attach(
                 c.sid,
-                name=f"s{c.sid}",
-                memory_limit=c.limit,
-                weight=c.weight,
-                fills=c.fills,
-                prefetch=c.prefetch,
-                gang=c.job if c.job and c.send_gang else "",
+                AttachRecord(
+                    name=f"s{c.sid}",
+                    memory_limit=c.limit,
+                    weight=c.weight,
+                    fills=c.fills,
+                    prefetch=c.prefetch,
+                    gang=c.job if c.job and c.send_gang else "",
+                ),
             )
         )
         if c.kind == "server":

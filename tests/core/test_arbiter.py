@@ -14,6 +14,7 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attach import AttachRecord
 from gpushare.core.deadlines import SWAP_RETRY_S
 from gpushare.core.sessions import State
 from gpushare.core.window import ANTICIPATE_FLOOR_S
@@ -29,8 +30,8 @@ def arb(clock, capacity=80 * GiB, **kw):
 def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
     """Session 1 holds ``limit`` bytes resident, session 2 (``swapped`` of its bytes in
     host memory) waits, and the quantum ends: what the tick did (the revoke)."""
-    a.attach(1, name="a", memory_limit=limit, fills=fills[0])
-    a.attach(2, name="b", memory_limit=limit, swapped=swapped, fills=fills[1])
+    a.attach(1, AttachRecord(name="a", memory_limit=limit, fills=fills[0]))
+    a.attach(2, AttachRecord(name="b", memory_limit=limit, swapped=swapped, fills=fills[1]))
     a.acquire(1)
     a.report(1, resident=limit, swapped=0)
     a.acquire(2)
@@ -41,7 +42,7 @@ def quantum_over(a, clock, limit, swapped=0, fills=(False, False)):
 def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=10 * GiB)
+        a.attach(i, AttachRecord(name=f"s{i}", memory_limit=10 * GiB))
     g = actions_of(a.acquire(1), GrantAction)
     assert [x.session for x in g] == [1]
     assert actions_of(a.acquire(2), GrantAction) == []
@@ -62,7 +63,7 @@ def test_fifo_exclusive_grant_and_revoke_at_quantum_end(clock):
 
 def test_renewal_when_nobody_waits(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
-    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
     a.acquire(1)
     lease = a.sessions[1].lease.number
     clock.advance(12)
@@ -74,8 +75,8 @@ def test_renewal_when_nobody_waits(clock):
 
 def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
     a = arb(clock, tq_s=30, mode="exclusive")
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -95,8 +96,8 @@ def test_release_at_burst_end_grants_next_after_the_anticipation_window(clock):
 
 def test_detach_of_holder_frees_lease_and_memory(clock):
     a = arb(clock, capacity=10 * GiB, tq_s=30, mode="exclusive")
-    a.attach(1, name="a", memory_limit=8 * GiB)
-    a.attach(2, name="b", memory_limit=8 * GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=8 * GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=8 * GiB))
     a.acquire(1)
     a.report(1, resident=8 * GiB, swapped=0)
     assert actions_of(a.acquire(2), GrantAction) == []
@@ -109,7 +110,7 @@ def test_detach_of_holder_frees_lease_and_memory(clock):
 def test_planner_swaps_least_recently_served_only_what_is_needed(clock):
     a = arb(clock, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=30 * GiB)
+        a.attach(i, AttachRecord(name=f"s{i}", memory_limit=30 * GiB))
     # 1 and 2 run in turn and fill their memory; 2 is served last
     for i in (1, 2):
         a.acquire(i)
@@ -140,8 +141,8 @@ def test_revoke_carries_the_holders_share_of_swap_out(clock):
 
 def test_grace_expiry_escalates_once(clock):
     a = arb(clock, tq_s=1, grace_s=2, mode="exclusive", escalation="kill")
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -157,8 +158,8 @@ def test_grace_expiry_escalates_once(clock):
 
 def test_a_longer_tq_applies_at_the_next_quantum(clock):
     a = arb(clock, tq_s=10, mode="exclusive")
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     clock.advance(1)
@@ -178,8 +179,8 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
     # a day later (issue 16).
     a = arb(clock, tq_s=10, mode="exclusive")
     a.set_config({"tq_s": 86400})
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     start = clock.monotonic()
@@ -200,7 +201,7 @@ def test_a_shorter_tq_cuts_the_running_quantum(clock):
 def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
     a = arb(clock, capacity=80 * GiB, tq_s=5, mode="auto")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=30 * GiB)
+        a.attach(i, AttachRecord(name=f"s{i}", memory_limit=30 * GiB))
     assert actions_of(a.acquire(1), GrantAction)
     (g,) = actions_of(a.acquire(2), GrantAction)
     assert g.shared and sorted(a.holders) == [1, 2]
@@ -212,8 +213,8 @@ def test_auto_mode_shares_while_memory_fits_then_goes_exclusive(clock):
 
 def test_weighted_policy_scales_quantum(clock):
     a = arb(clock, tq_s=10, policy="weighted", mode="exclusive")
-    a.attach(1, name="half", memory_limit=GiB, weight=0.5)
-    a.attach(2, name="quarter", memory_limit=GiB, weight=0.25)
+    a.attach(1, AttachRecord(name="half", memory_limit=GiB, weight=0.5))
+    a.attach(2, AttachRecord(name="quarter", memory_limit=GiB, weight=0.25))
     assert a.quantum(a.sessions[1]) == 10
     assert a.quantum(a.sessions[2]) == 5
 
@@ -221,9 +222,9 @@ def test_weighted_policy_scales_quantum(clock):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda a: a.attach(9, name="big", memory_limit=81 * GiB),
-        lambda a: a.attach(9, name="zero", memory_limit=0),
-        lambda a: a.attach(9, name="w", memory_limit=GiB, weight=0),
+        lambda a: a.attach(9, AttachRecord(name="big", memory_limit=81 * GiB)),
+        lambda a: a.attach(9, AttachRecord(name="zero", memory_limit=0)),
+        lambda a: a.attach(9, AttachRecord(name="w", memory_limit=GiB, weight=0)),
         lambda a: a.acquire(42),
         lambda a: a.release(1, resident=0, swapped=0),
         lambda a: a.set_config({"tq_s": 0}),
@@ -233,7 +234,7 @@ def test_weighted_policy_scales_quantum(clock):
 )
 def test_bad_inputs_are_refused_with_a_reason(clock, call):
     a = arb(clock)
-    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
     with pytest.raises(ArbiterError) as e:
         call(a)
     assert str(e.value)
@@ -266,7 +267,7 @@ def test_inputs_beyond_the_session_are_keyword_only(clock):
     a = arb(clock)
     with pytest.raises(TypeError):
         a.attach(1, "a", GiB)  # type: ignore[misc]
-    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
     with pytest.raises(TypeError):
         a.report(1, GiB, 0)  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -275,7 +276,7 @@ def test_inputs_beyond_the_session_are_keyword_only(clock):
 
 def test_double_acquire_is_refused(clock):
     a = arb(clock)
-    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
     a.acquire(1)
     with pytest.raises(ArbiterError, match="already has a burst"):
         a.acquire(1)
@@ -420,13 +421,15 @@ def test_resumed_session_keeps_memory_and_lease(clock):
     a = arb(clock, tq_s=5, mode="exclusive")
     out = a.attach(
         1,
-        name="survivor",
-        memory_limit=10 * GiB,
-        resident=6 * GiB,
-        swapped=4 * GiB,
-        holding=True,
-        lease=7,
-        verified=True,
+        AttachRecord(
+            name="survivor",
+            memory_limit=10 * GiB,
+            resident=6 * GiB,
+            swapped=4 * GiB,
+            holding=True,
+            lease=7,
+            verified=True,
+        ),
     )
     (g,) = actions_of(out, GrantAction)
     assert g.session == 1 and a.holders == [1]
@@ -437,7 +440,7 @@ def test_resumed_session_keeps_memory_and_lease(clock):
 def test_failed_swap_out_picks_another_victim_or_waits(clock):
     a = arb(clock, capacity=20 * GiB, tq_s=1, mode="exclusive")
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=10 * GiB)
+        a.attach(i, AttachRecord(name=f"s{i}", memory_limit=10 * GiB))
     for i in (1, 2):
         a.acquire(i)
         a.report(i, resident=10 * GiB, swapped=0)
@@ -467,7 +470,7 @@ def test_failed_swap_out_picks_another_victim_or_waits(clock):
 
 def test_over_limit_seen_by_the_gpu_escalates_once(clock):
     a = arb(clock, escalation="kill")
-    a.attach(1, name="greedy", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="greedy", memory_limit=GiB))
     out = a.over_limit(1, used=2 * GiB)
     assert actions_of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
     assert actions_of(a.over_limit(1, used=3 * GiB), EscalateAction) == []

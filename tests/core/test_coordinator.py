@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.core.coordinator import Coordinator
 from gpushare.settings import GpuSettings
@@ -35,6 +36,8 @@ class Node:
         self.revoked: list[int] = []
 
     def do(self, gpu: int, call: str, *args, **kw) -> None:
+        if call == "attach":
+            args, kw = (*args, AttachRecord(**kw)), {}
         todo, ticks = [(gpu, getattr(self.arbs[gpu], call)(*args, **kw))], 0
         while todo:
             g, out = todo.pop(0)
@@ -195,7 +198,9 @@ class MultiModel:
     def add(self, r: Rank) -> None:
         self.ranks[r.sid] = r
         a = self.arbs[r.gpu]
-        self.apply(r.gpu, a.attach(r.sid, name=f"s{r.sid}", memory_limit=GiB, gang=r.job))
+        self.apply(
+            r.gpu, a.attach(r.sid, AttachRecord(name=f"s{r.sid}", memory_limit=GiB, gang=r.job))
+        )
         self.at(0.001 * r.sid, lambda: self.apply(r.gpu, a.acquire(r.sid)))
 
     def seen(self, r: Rank, lease: int) -> None:

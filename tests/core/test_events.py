@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpushare.core.actions import EventAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.core.events import KINDS, Grant, Release, record
 from gpushare.settings import GpuSettings
@@ -58,8 +59,8 @@ def test_what_the_arbiter_emits_is_what_the_contract_names(clock: ManualClock) -
     # row, and each of its fields is named there.
     rows = contract_rows()
     a = Arbiter(0, 10 * GiB, clock, GpuSettings(tq_s=1, mode="exclusive"))
-    out = a.attach(1, name="a", memory_limit=6 * GiB)
-    out += a.attach(2, name="b", memory_limit=6 * GiB)
+    out = a.attach(1, AttachRecord(name="a", memory_limit=6 * GiB))
+    out += a.attach(2, AttachRecord(name="b", memory_limit=6 * GiB))
     out += a.acquire(1) + a.report(1, resident=6 * GiB, swapped=0) + a.acquire(2)
     clock.advance(1.5)
     out += a.tick()

@@ -7,6 +7,7 @@ import pytest
 
 from gpushare.core.actions import GrantAction, LimitsAction, RevokeAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.checks import ArbiterError
 from gpushare.core.families import Holding
 from gpushare.settings import GpuSettings
@@ -21,13 +22,16 @@ def arb(clock, mode="exclusive", capacity=80 * GiB, tq_s=10.0):
 
 def member(a, sid, head=1, asked=80 * GiB, **kw):
     return a.attach(
-        sid, name=f"m{sid}", memory_limit=asked, gang=KEY, family=head, joins_family=True, **kw
+        sid,
+        AttachRecord(
+            name=f"m{sid}", memory_limit=asked, gang=KEY, family=head, joins_family=True, **kw
+        ),
     )
 
 
 def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=30 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB, memory_request=30 * GiB))
     a.acquire(1)
     a.release(1, resident=2 * GiB, swapped=0)
     out = member(a, 2)  # asks for the whole GPU: gets what session 1 does not have
@@ -46,7 +50,9 @@ def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(c
 
 def test_a_member_of_a_session_with_more_than_its_request_is_guaranteed_a_byte(clock):
     a = arb(clock, mode="auto")
-    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=4 * GiB, grows=True)
+    a.attach(
+        1, AttachRecord(name="server", memory_limit=40 * GiB, memory_request=4 * GiB, grows=True)
+    )
     a.acquire(1)
     a.release(1, resident=6 * GiB, swapped=0)  # lent above its request, now idle
     member(a, 2)
@@ -58,7 +64,7 @@ def test_a_member_of_a_session_with_more_than_its_request_is_guaranteed_a_byte(c
 
 def test_a_member_asking_less_leaves_the_rest_to_its_session(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     member(a, 2, asked=10 * GiB)
     assert a.sessions[2].memory.limit == 10 * GiB
     assert a.sessions[1].memory.limit == 30 * GiB
@@ -67,7 +73,7 @@ def test_a_member_asking_less_leaves_the_rest_to_its_session(clock):
 
 def test_what_a_member_took_goes_back_when_it_detaches(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=30 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB, memory_request=30 * GiB))
     member(a, 2, asked=10 * GiB)
     assert (a.sessions[1].memory.limit, a.sessions[1].memory.guaranteed) == (30 * GiB, 20 * GiB)
     out = a.detach(2)
@@ -77,7 +83,7 @@ def test_what_a_member_took_goes_back_when_it_detaches(clock):
 
 def test_a_member_left_by_its_session_keeps_its_memory(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     member(a, 2)
     out = a.detach(1)
     assert not actions_of(out, LimitsAction) and a.sessions[2].memory.limit == 40 * GiB
@@ -87,7 +93,7 @@ def test_a_member_left_by_its_session_keeps_its_memory(clock):
 
 def test_a_session_with_its_whole_limit_in_use_refuses_a_member_and_nothing_changes(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=8 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=8 * GiB))
     a.acquire(1)
     a.release(1, resident=8 * GiB, swapped=0)
     with pytest.raises(ArbiterError, match=r"all of its memory limit .* in use"):
@@ -98,9 +104,9 @@ def test_a_session_with_its_whole_limit_in_use_refuses_a_member_and_nothing_chan
 
 def test_a_family_is_granted_and_revoked_as_one_holder(clock):
     a = arb(clock, tq_s=1.0)
-    a.attach(1, name="server", memory_limit=30 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=30 * GiB))
     member(a, 2, asked=20 * GiB)  # the engine: 20 of the server's 30
-    a.attach(3, name="trainer", memory_limit=40 * GiB)
+    a.attach(3, AttachRecord(name="trainer", memory_limit=40 * GiB))
     a.acquire(2)
     assert list(a.holders) == [2]
     a.acquire(3)
@@ -117,8 +123,8 @@ def test_a_family_is_granted_and_revoked_as_one_holder(clock):
 
 def test_the_gpu_total_never_grows_with_members(clock):
     a = arb(clock, mode="auto")
-    a.attach(1, name="server", memory_limit=40 * GiB)
-    a.attach(9, name="other", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
+    a.attach(9, AttachRecord(name="other", memory_limit=40 * GiB))
     member(a, 2, asked=25 * GiB)
     member(a, 3, asked=10 * GiB)
     assert [a.sessions[i].memory.limit for i in (1, 2, 3)] == [5 * GiB, 25 * GiB, 10 * GiB]
@@ -131,7 +137,7 @@ def test_a_member_of_a_member_is_refused_and_nothing_changes(clock):
     # A process names a member as its family: what it took would go back to the member,
     # which may have left (and given back only its own part): lost to the family.
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     member(a, 2, asked=20 * GiB)
     with pytest.raises(ArbiterError, match="is a process of session 1's"):
         member(a, 3, head=2, asked=10 * GiB)
@@ -143,11 +149,13 @@ def test_a_member_of_a_member_is_refused_and_nothing_changes(clock):
 
 def test_a_member_joins_its_sessions_gang_or_none_other(clock):
     a = arb(clock, mode="auto")
-    a.attach(1, name="rank0", memory_limit=20 * GiB, gang="job")
+    a.attach(1, AttachRecord(name="rank0", memory_limit=20 * GiB, gang="job"))
     with pytest.raises(ArbiterError, match=r"joins its gang \(job\), not other"):
-        a.attach(2, name="m", memory_limit=GiB, gang="other", family=1, joins_family=True)
+        a.attach(
+            2, AttachRecord(name="m", memory_limit=GiB, gang="other", family=1, joins_family=True)
+        )
     with pytest.raises(ArbiterError, match="not none"):
-        a.attach(2, name="m", memory_limit=GiB, family=1, joins_family=True)
+        a.attach(2, AttachRecord(name="m", memory_limit=GiB, family=1, joins_family=True))
     assert 2 not in a.sessions and a.sessions[1].memory.limit == 20 * GiB
 
 
@@ -155,18 +163,20 @@ def test_a_session_put_in_a_gang_by_its_member_is_checked_at_its_whole_limit(clo
     # Were the session's limit not counted, the gang's limits together would be more
     # than the GPU, and the gang, granted as one, never granted at all.
     a = arb(clock, mode="auto")
-    a.attach(3, name="r0", memory_limit=30 * GiB, gang="J")
-    a.attach(4, name="r1", memory_limit=30 * GiB, gang="J")
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(3, AttachRecord(name="r0", memory_limit=30 * GiB, gang="J"))
+    a.attach(4, AttachRecord(name="r1", memory_limit=30 * GiB, gang="J"))
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     with pytest.raises(ArbiterError, match="would need"):
-        a.attach(2, name="m", memory_limit=20 * GiB, gang="J", family=1, joins_family=True)
+        a.attach(
+            2, AttachRecord(name="m", memory_limit=20 * GiB, gang="J", family=1, joins_family=True)
+        )
     assert a.sessions[1].memory.limit == 40 * GiB and not a.sessions[1].rank.gang
     assert a.gangs["J"].members == {3, 4}
 
 
 def test_a_member_asking_a_negative_limit_is_refused_and_nothing_changes(clock):
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     with pytest.raises(ArbiterError, match="memory_limit must be a positive number"):
         member(a, 2, asked=-5)
     assert a.sessions[1].memory.limit == 40 * GiB and not a.gangs
@@ -174,8 +184,8 @@ def test_a_member_asking_a_negative_limit_is_refused_and_nothing_changes(clock):
 
 def test_members_joining_while_the_session_yields_with_a_swap_out_asked(clock):
     a = arb(clock, tq_s=1.0, capacity=40 * GiB)
-    a.attach(1, name="server", memory_limit=30 * GiB)
-    a.attach(9, name="other", memory_limit=30 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=30 * GiB))
+    a.attach(9, AttachRecord(name="other", memory_limit=30 * GiB))
     a.acquire(1)
     a.report(1, resident=20 * GiB, swapped=0)
     a.acquire(9)
@@ -199,7 +209,7 @@ def test_a_member_waits_while_its_session_holds_all_its_grant_lets_it_have(clock
     # given the "free" part would have memory the holder uses (the GPU over, uncounted;
     # the holder over its new limit, escalated for it). Busy: the member tries again.
     a = arb(clock)
-    a.attach(1, name="server", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="server", memory_limit=40 * GiB))
     a.acquire(1)
     a.report(1, resident=2 * GiB, swapped=0)  # and may have allocated 30 more since
     with pytest.raises(Holding, match="holds the GPU") as e:
@@ -213,7 +223,9 @@ def test_a_member_waits_while_its_session_holds_all_its_grant_lets_it_have(clock
 
 def test_a_member_of_a_holder_with_a_bound_gets_only_what_is_past_the_bound(clock):
     a = arb(clock, mode="auto")
-    a.attach(1, name="server", memory_limit=40 * GiB, memory_request=10 * GiB, grows=True)
+    a.attach(
+        1, AttachRecord(name="server", memory_limit=40 * GiB, memory_request=10 * GiB, grows=True)
+    )
     a.acquire(1)
     bound = a.sessions[1].memory.bound
     assert 0 < bound < 40 * GiB

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attach import AttachRecord
 from gpushare.core.gangs import REGROUP_S
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
@@ -33,7 +34,7 @@ def two_jobs(clock, **kw):
     A holds, B waits."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1, grace_s=2, **kw))
     for sid, job in ((1, "A"), (2, "A"), (3, "B"), (4, "B")):
-        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang=job, gang_size=2)
+        a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=10 * GiB, gang=job, gang_size=2))
     assert granted(a.acquire(1)) == [1]
     a.acquire(3)
     assert granted(a.acquire(2)) == [2]  # joins its gang's lease, ahead of B
@@ -96,7 +97,7 @@ def test_escalation_applies_to_the_gang_once_at_its_deadline(clock):
 def test_a_member_that_asks_while_its_gang_yields_is_granted_and_revoked(clock):
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1))
     for sid, job in ((1, "A"), (2, "A"), (3, "B")):
-        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang=job)
+        a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=10 * GiB, gang=job))
     a.acquire(1)
     a.acquire(3)
     clock.advance(1)
@@ -112,7 +113,7 @@ def test_a_member_that_asks_while_its_gang_yields_is_granted_and_revoked(clock):
 def test_a_joining_member_gets_what_is_left_of_its_gangs_quantum(clock):
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=4))
     for sid in (1, 2):
-        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang="A")
+        a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=10 * GiB, gang="A"))
     a.acquire(1)
     clock.advance(3)
     assert of(a.acquire(2), GrantAction)[0].quantum_s == pytest.approx(1)
@@ -123,8 +124,8 @@ def test_members_never_waited_for_do_not_hold_the_gpu(clock):
     usual (the members present are the gang; the size is shown, not waited for)."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", tq_s=1))
     for sid in (1, 2):
-        a.attach(sid, name=f"s{sid}", memory_limit=10 * GiB, gang="A", gang_size=8)
-    a.attach(3, name="s3", memory_limit=10 * GiB)
+        a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=10 * GiB, gang="A", gang_size=8))
+    a.attach(3, AttachRecord(name="s3", memory_limit=10 * GiB))
     a.acquire(1)
     a.acquire(3)
     clock.advance(1)
@@ -134,20 +135,22 @@ def test_members_never_waited_for_do_not_hold_the_gpu(clock):
 
 def test_a_gang_whose_ranks_cannot_fit_together_is_refused(clock):
     a = Arbiter(0, 16 * GiB, clock)
-    a.attach(1, name="r0", memory_limit=10 * GiB, gang="A")
+    a.attach(1, AttachRecord(name="r0", memory_limit=10 * GiB, gang="A"))
     with pytest.raises(ArbiterError, match="give each less"):
-        a.attach(2, name="r1", memory_limit=10 * GiB, gang="A")
+        a.attach(2, AttachRecord(name="r1", memory_limit=10 * GiB, gang="A"))
     assert set(a.sessions) == {1} and a.gangs["A"].members == {1}  # nothing changed
-    a.attach(2, name="r1", memory_limit=6 * GiB, gang="A")
+    a.attach(2, AttachRecord(name="r1", memory_limit=6 * GiB, gang="A"))
 
 
 def test_a_job_spanning_nodes_is_refused_in_exclusive_mode_only(clock):
     a = Arbiter(0, 16 * GiB, clock, GpuSettings(mode="exclusive"))
     with pytest.raises(ArbiterError, match=r"ranks on other nodes.*mode auto"):
-        a.attach(1, name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True)
+        a.attach(
+            1, AttachRecord(name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True)
+        )
     assert not a.sessions and not a.gangs
     b = Arbiter(0, 16 * GiB, clock, GpuSettings(mode="auto"))
-    b.attach(1, name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True)
+    b.attach(1, AttachRecord(name="r0", memory_limit=GiB, gang="A", gang_size=2, spans_nodes=True))
     assert b.gangs["A"].spans_nodes
 
 
@@ -276,9 +279,14 @@ def test_a_ranks_grant_into_a_room_leaves_room_for_its_peers(clock):
     # rank counted at its limit, and the node counted 16.75 GiB on 16.
     cap = 16 * GiB
     a = Arbiter(0, cap, clock, GpuSettings(mode="exclusive", tq_s=1, grace_s=2))
-    a.attach(3, name="solo", memory_limit=6 * GiB, fills=True)
+    a.attach(3, AttachRecord(name="solo", memory_limit=6 * GiB, fills=True))
     for sid in (1, 2):
-        a.attach(sid, name=f"r{sid}", memory_limit=6 * GiB, gang="job7", gang_size=2, fills=True)
+        a.attach(
+            sid,
+            AttachRecord(
+                name=f"r{sid}", memory_limit=6 * GiB, gang="job7", gang_size=2, fills=True
+            ),
+        )
     a.acquire(1)  # rank 1 holds and fills its 6 GiB, then yields to the solo session
     a.report(1, resident=5 * GiB, swapped=0)
     a.acquire(3)

@@ -8,6 +8,7 @@ import pytest
 
 from gpushare.core.actions import EscalateAction, GrantAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.checks import FieldError
 from gpushare.core.sessions import State
 from gpushare.settings import GpuSettings
@@ -21,7 +22,10 @@ def arb(clock, mode="auto", capacity=80 * GiB, tq_s=10.0, **kw):
 def three_at_request(a):
     """Three sessions requesting 20 GiB with a 60 GiB limit, each holding 20 GiB."""
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.attach(
+            i,
+            AttachRecord(name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True),
+        )
         a.acquire(i)
         a.report(i, resident=20 * GiB, swapped=0)
 
@@ -37,7 +41,7 @@ def test_sessions_hold_together_while_their_requests_fit(clock):
 def test_limit_only_packing_is_unchanged_without_a_request(clock):
     a = arb(clock)
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, grows=True)
+        a.attach(i, AttachRecord(name=f"s{i}", memory_limit=60 * GiB, grows=True))
         a.acquire(i)
     assert list(a.holders) == [1] and list(a.queue) == [2, 3]
     assert a.used_bytes() == 60 * GiB
@@ -45,14 +49,16 @@ def test_limit_only_packing_is_unchanged_without_a_request(clock):
 
 def test_exclusive_mode_counts_a_holder_at_its_limit(clock):
     a = arb(clock, mode="exclusive")
-    a.attach(1, name="a", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+    a.attach(1, AttachRecord(name="a", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True))
     a.acquire(1)
     assert a.sessions[1].memory.bound == 0 and a.used_bytes() == 60 * GiB
 
 
 def test_a_client_that_cannot_ask_holds_at_its_limit(clock):
     a = arb(clock)
-    a.attach(1, name="a", memory_limit=60 * GiB, memory_request=20 * GiB)  # grows=False
+    a.attach(
+        1, AttachRecord(name="a", memory_limit=60 * GiB, memory_request=20 * GiB)
+    )  # grows=False
     a.acquire(1)
     assert a.used_bytes() == 60 * GiB
 
@@ -60,7 +66,10 @@ def test_a_client_that_cannot_ask_holds_at_its_limit(clock):
 def test_a_burst_is_lent_from_free_memory_at_once(clock):
     a = arb(clock)
     for i in (1, 2):
-        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.attach(
+            i,
+            AttachRecord(name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True),
+        )
         a.acquire(i)
         a.report(i, resident=15 * GiB, swapped=0)
     out = a.release(1, resident=15 * GiB, swapped=0, again=True, need=50 * GiB)
@@ -74,7 +83,10 @@ def test_a_burst_is_lent_from_free_memory_at_once(clock):
 def test_a_lent_burst_is_given_back_when_a_request_needs_it(clock):
     a = arb(clock)
     for i in (1, 2, 3):
-        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.attach(
+            i,
+            AttachRecord(name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True),
+        )
     for i in (1, 2):
         a.acquire(i)
         a.report(i, resident=15 * GiB, swapped=0)
@@ -132,14 +144,14 @@ def test_a_burst_that_does_not_fit_waits_for_the_quanta_and_nobody_is_ended(cloc
 def test_request_checks(clock):
     a = arb(clock)
     with pytest.raises(FieldError, match="more than the memory limit"):
-        a.attach(1, name="a", memory_limit=20 * GiB, memory_request=30 * GiB)
+        a.attach(1, AttachRecord(name="a", memory_limit=20 * GiB, memory_request=30 * GiB))
     with pytest.raises(FieldError, match="positive"):
-        a.attach(1, name="a", memory_limit=20 * GiB, memory_request=0)
-    a.attach(1, name="a", memory_limit=20 * GiB, memory_request=10 * GiB)
+        a.attach(1, AttachRecord(name="a", memory_limit=20 * GiB, memory_request=0))
+    a.attach(1, AttachRecord(name="a", memory_limit=20 * GiB, memory_request=10 * GiB))
     a.acquire(1)
     with pytest.raises(FieldError, match="need"):  # its client did not say it grows
         a.release(1, resident=0, swapped=0, again=True, need=15 * GiB)
-    a.attach(2, name="b", memory_limit=20 * GiB, memory_request=10 * GiB, grows=True)
+    a.attach(2, AttachRecord(name="b", memory_limit=20 * GiB, memory_request=10 * GiB, grows=True))
     with pytest.raises(FieldError, match="need"):  # more than its limit
         a.acquire(2)
         a.release(2, resident=0, swapped=0, again=True, need=25 * GiB)
@@ -149,9 +161,9 @@ def test_a_pods_compute_sharing_mode_is_its_sessions_mode(clock):
     """KAI's gpu-compute-sharing-mode per pod: time-slicing takes exclusive quanta on a
     GPU in mode auto; sm-sharing holds beside others on a GPU in mode exclusive."""
     a = arb(clock)  # mode auto
-    a.attach(1, name="a", memory_limit=10 * GiB)
-    a.attach(2, name="ts", memory_limit=10 * GiB, sharing="time-slicing")
-    a.attach(3, name="c", memory_limit=10 * GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=10 * GiB))
+    a.attach(2, AttachRecord(name="ts", memory_limit=10 * GiB, sharing="time-slicing"))
+    a.attach(3, AttachRecord(name="c", memory_limit=10 * GiB))
     a.acquire(1)
     a.acquire(2)
     assert list(a.holders) == [1] and list(a.queue) == [2]  # it waits for a quantum of its own
@@ -167,18 +179,18 @@ def test_a_pods_compute_sharing_mode_is_its_sessions_mode(clock):
     assert list(a.holders) == [3]
     b = arb(clock, mode="exclusive")
     for i in (1, 2):
-        b.attach(i, name=f"sm{i}", memory_limit=10 * GiB, sharing="sm-sharing")
+        b.attach(i, AttachRecord(name=f"sm{i}", memory_limit=10 * GiB, sharing="sm-sharing"))
         b.acquire(i)
     assert list(b.holders) == [1, 2]
     with pytest.raises(FieldError, match="sharing must be one of"):
-        b.attach(3, name="x", memory_limit=GiB, sharing="mps")
+        b.attach(3, AttachRecord(name="x", memory_limit=GiB, sharing="mps"))
 
 
 def test_a_compute_limit_caps_the_share_even_when_the_gpu_would_idle(clock):
     from gpushare.core.caps import WINDOW_S
 
     a = arb(clock, tq_s=1)
-    a.attach(1, name="capped", memory_limit=GiB, compute_limit=0.25)
+    a.attach(1, AttachRecord(name="capped", memory_limit=GiB, compute_limit=0.25))
     a.acquire(1)
     held, t, revokes = 0.0, 0.0, 0
     while t < 120:  # alone on the GPU, always wanting it, yielding at once when revoked
@@ -196,8 +208,8 @@ def test_a_compute_limit_caps_the_share_even_when_the_gpu_would_idle(clock):
 
 def test_a_resting_capped_session_lets_the_others_go_first(clock):
     a = arb(clock, tq_s=1, mode="exclusive")
-    a.attach(1, name="capped", memory_limit=GiB, compute_limit=0.1)  # a 1 s bucket
-    a.attach(2, name="free", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="capped", memory_limit=GiB, compute_limit=0.1))  # a 1 s bucket
+    a.attach(2, AttachRecord(name="free", memory_limit=GiB))
     a.acquire(1)
     clock.advance(1.2)
     (rv,) = actions_of(a.tick(), RevokeAction)
@@ -210,7 +222,7 @@ def test_a_resting_capped_session_lets_the_others_go_first(clock):
     clock.advance(2)
     assert actions_of(a.tick(), RevokeAction) == []
     with pytest.raises(FieldError, match="compute_limit"):
-        a.attach(3, name="x", memory_limit=GiB, compute_limit=1.5)
+        a.attach(3, AttachRecord(name="x", memory_limit=GiB, compute_limit=1.5))
 
 
 def test_a_holder_past_its_bound_without_asking_is_counted_or_revoked(clock):
@@ -220,7 +232,10 @@ def test_a_holder_past_its_bound_without_asking_is_counted_or_revoked(clock):
     to escalate or end it (docs/scheduling.md 6), not even under escalation kill."""
     a = arb(clock, escalation="kill")
     for i in (1, 2):
-        a.attach(i, name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True)
+        a.attach(
+            i,
+            AttachRecord(name=f"s{i}", memory_limit=60 * GiB, memory_request=20 * GiB, grows=True),
+        )
         a.acquire(i)
         a.report(i, resident=20 * GiB, swapped=0)
     out = a.report(1, resident=40 * GiB, swapped=0)  # fits: 40 + 20 <= 80
@@ -239,7 +254,7 @@ def _held_by_reattaching(a, clock, workload: str, seconds: float, cap: float) ->
     """GPU seconds a workload holds in ``seconds`` alone on the GPU, ending each session
     at its revoke and attaching a new one at once (a bucket per session would be full)."""
     sid, held, t = 1, 0.0, 0.0
-    a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+    a.attach(sid, AttachRecord(name="w", memory_limit=GiB, compute_limit=cap, workload=workload))
     a.acquire(sid)
     while t < seconds:
         clock.advance(0.05)
@@ -249,7 +264,9 @@ def _held_by_reattaching(a, clock, workload: str, seconds: float, cap: float) ->
         if actions_of(a.tick(), RevokeAction):
             a.detach(sid)
             sid += 1
-            a.attach(sid, name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+            a.attach(
+                sid, AttachRecord(name="w", memory_limit=GiB, compute_limit=cap, workload=workload)
+            )
             a.acquire(sid)
     return held
 
@@ -269,7 +286,7 @@ def test_sessions_of_one_workload_spend_one_bucket(clock):
 
     a = arb(clock, tq_s=1, mode="exclusive")
     for i in (1, 2):  # two at once, taking turns: together no more than the one limit
-        a.attach(i, name="w", memory_limit=GiB, compute_limit=0.25, workload="pod:x")
+        a.attach(i, AttachRecord(name="w", memory_limit=GiB, compute_limit=0.25, workload="pod:x"))
         a.acquire(i)
     held, t = 0.0, 0.0
     while t < 40:
@@ -281,5 +298,5 @@ def test_sessions_of_one_workload_spend_one_bucket(clock):
     assert held <= 0.25 * 40 + 0.25 * WINDOW_S + 0.5, held
     assert a.compute_left(a.sessions[1]) == a.compute_left(a.sessions[2])
     # a session of the workload asking no limit spends from its bucket too
-    a.attach(3, name="w", memory_limit=GiB, workload="pod:x")
+    a.attach(3, AttachRecord(name="w", memory_limit=GiB, workload="pod:x"))
     assert a.sessions[3].share.cap == 0.25

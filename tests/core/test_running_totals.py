@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from gpushare.core.actions import SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
 from tests.profiles import examples
@@ -70,15 +71,17 @@ def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:  # noqa:
         half = limit // 2 if how != "new" else 0
         a.attach(
             sid + 1,
-            name=f"s{sid}",
-            memory_limit=limit,
-            weight=weight,
-            fills=fills,
-            resident=half,
-            swapped=half,
-            holding=how.startswith("resumed holding"),
-            lease=7 if how.startswith("resumed holding") else 0,
-            verified=how.endswith("verified"),
+            AttachRecord(
+                name=f"s{sid}",
+                memory_limit=limit,
+                weight=weight,
+                fills=fills,
+                resident=half,
+                swapped=half,
+                holding=how.startswith("resumed holding"),
+                lease=7 if how.startswith("resumed holding") else 0,
+                verified=how.endswith("verified"),
+            ),
         )
     elif kind == "detach":
         a.detach(args[0])
@@ -163,8 +166,8 @@ def test_running_totals_and_deadlines_equal_the_scans(first, ops, escalation):
 def test_a_failed_swap_retry_is_a_deadline_until_it_passes():
     clock = ManualClock()
     a = Arbiter(0, 4 * G, clock, GpuSettings(mode="exclusive", tq_s=10))
-    a.attach(1, name="victim", memory_limit=3 * G)
-    a.attach(2, name="next", memory_limit=3 * G)
+    a.attach(1, AttachRecord(name="victim", memory_limit=3 * G))
+    a.attach(2, AttachRecord(name="next", memory_limit=3 * G))
     a.acquire(1)
     a.report(1, resident=3 * G, swapped=0)
     a.release(1, resident=3 * G, swapped=0)
@@ -186,8 +189,8 @@ def test_a_retry_whose_time_passed_without_a_tick_is_still_due():
     # is due then (not drop it as passed), or nothing plans again and the queue waits.
     clock = ManualClock()
     a = Arbiter(0, 10 * G, clock, GpuSettings(mode="exclusive", tq_s=5))
-    a.attach(1, name="waits", memory_limit=6 * G)
-    a.attach(2, name="victim", memory_limit=6 * G)
+    a.attach(1, AttachRecord(name="waits", memory_limit=6 * G))
+    a.attach(2, AttachRecord(name="victim", memory_limit=6 * G))
     a.acquire(2)
     a.acquire(1)
     clock.advance(5.0)

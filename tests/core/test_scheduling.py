@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from gpushare.core.actions import GrantAction, PrefetchAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.core.ledger import view
 from gpushare.core.sessions import State
@@ -38,8 +39,8 @@ def burst(a, clock, sid, seconds, resident=GiB):
 
 def test_a_session_that_asks_again_within_its_window_keeps_its_quantum(clock):
     a = arb(clock, tq_s=5)
-    a.attach(1, name="short", memory_limit=GiB)
-    a.attach(2, name="other", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="short", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="other", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     end = a.sessions[1].lease.quantum_end
@@ -58,8 +59,8 @@ def test_a_session_that_asks_again_within_its_window_keeps_its_quantum(clock):
 
 def test_the_window_follows_the_sessions_gaps_and_none_when_it_stays_away(clock):
     a = arb(clock, tq_s=30, anticipate_s=0.5)
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
 
     def windows(gap, n):
@@ -85,8 +86,8 @@ def test_the_window_follows_the_sessions_gaps_and_none_when_it_stays_away(clock)
 
 def test_the_window_never_outlasts_the_quantum(clock):
     a = arb(clock, tq_s=1)
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     out = burst(a, clock, 1, 0.99)  # 10 ms of its quantum left
@@ -97,9 +98,9 @@ def test_the_window_never_outlasts_the_quantum(clock):
 
 def test_a_waiting_quantum_keeps_its_memory_and_ends_with_its_session(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=5, turn_s=0)
-    a.attach(1, name="a", memory_limit=30 * GiB)
-    a.attach(2, name="b", memory_limit=30 * GiB)
-    a.attach(3, name="idle", memory_limit=10 * GiB, resident=10 * GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=30 * GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=30 * GiB))
+    a.attach(3, AttachRecord(name="idle", memory_limit=10 * GiB, resident=10 * GiB))
     a.acquire(1)
     a.report(1, resident=20 * GiB, swapped=0)
     out = burst(a, clock, 1, 1.0, resident=20 * GiB)
@@ -128,9 +129,9 @@ def notebook_beside_batch(clock, **kw):
     """Batch session 1 holds (TQ 30); 2 waits; notebook 3 ran a first burst and has idled
     4 s since (with the credit it attached with: a turn)."""
     a = arb(clock, tq_s=30, turn_s=1.0, turn_share=0.25, **kw)
-    a.attach(1, name="batch1", memory_limit=10 * GiB)
-    a.attach(2, name="batch2", memory_limit=10 * GiB)
-    a.attach(3, name="notebook", memory_limit=10 * GiB)
+    a.attach(1, AttachRecord(name="batch1", memory_limit=10 * GiB))
+    a.attach(2, AttachRecord(name="batch2", memory_limit=10 * GiB))
+    a.attach(3, AttachRecord(name="notebook", memory_limit=10 * GiB))
     had_a_burst(a, clock, 3)  # (a first burst is never a turn: nothing is known of it)
     a.acquire(1)
     a.acquire(2)
@@ -165,9 +166,9 @@ def test_a_cell_that_asks_between_holders_takes_its_turn(clock):
     # next can swap in. A cell that asks then goes first (issue 25: it waited behind the
     # next holder's whole quantum, 20 s at TQ 30, as an ordinary waiter).
     a = arb(clock, capacity=30 * GiB, tq_s=30, turn_s=1.0, turn_share=0.25, mode="exclusive")
-    a.attach(1, name="batch1", memory_limit=20 * GiB)
-    a.attach(2, name="batch2", memory_limit=20 * GiB)
-    a.attach(3, name="notebook", memory_limit=2 * GiB)
+    a.attach(1, AttachRecord(name="batch1", memory_limit=20 * GiB))
+    a.attach(2, AttachRecord(name="batch2", memory_limit=20 * GiB))
+    a.attach(3, AttachRecord(name="notebook", memory_limit=2 * GiB))
     had_a_burst(a, clock, 3)
     a.acquire(1)
     a.report(1, resident=20 * GiB, swapped=0)
@@ -209,8 +210,8 @@ def test_a_turn_is_cut_at_its_length_and_the_cell_waits_in_line(clock):
 )
 def test_who_gets_a_turn(clock, idle, burst, turn_s, takes):
     a = arb(clock, tq_s=30, turn_s=turn_s, turn_share=0.25, anticipate_s=0.5)
-    a.attach(1, name="batch", memory_limit=GiB)
-    a.attach(3, name="cell", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=GiB))
+    a.attach(3, AttachRecord(name="cell", memory_limit=GiB))
     had_a_burst(a, clock, 3)
     a.sessions[3].share.credit = 0.0
     a.acquire(1)
@@ -229,8 +230,8 @@ def test_who_gets_a_turn(clock, idle, burst, turn_s, takes):
 
 def test_credit_follows_the_weights(clock):
     a = arb(clock, tq_s=30, policy="weighted", turn_s=1.0, turn_share=0.25)
-    a.attach(1, name="heavy", memory_limit=GiB, weight=1.0)
-    a.attach(2, name="light", memory_limit=GiB, weight=0.25)
+    a.attach(1, AttachRecord(name="heavy", memory_limit=GiB, weight=1.0))
+    a.attach(2, AttachRecord(name="light", memory_limit=GiB, weight=0.25))
     had_a_burst(a, clock, 2)
     a.sessions[2].share.credit = credit = 0.0
     a.acquire(1)
@@ -265,8 +266,8 @@ def test_a_turn_plans_the_cells_memory_with_the_revoke(clock):
     """The notebook's swapped bytes come back while the batch job winds down: the revoke
     carries the batch job's share of the swap-out."""
     a = arb(clock, capacity=40 * GiB, tq_s=30, turn_s=1.0)
-    a.attach(1, name="batch", memory_limit=30 * GiB)
-    a.attach(3, name="cell", memory_limit=20 * GiB, swapped=20 * GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=30 * GiB))
+    a.attach(3, AttachRecord(name="cell", memory_limit=20 * GiB, swapped=20 * GiB))
     had_a_burst(a, clock, 3, resident=0)
     a.acquire(1)
     a.report(1, resident=30 * GiB, swapped=0)
@@ -353,8 +354,8 @@ def test_a_backlog_or_a_slow_request_does_not_lift_the_usual_burst(clock):
     """A burst that waited for its lease (a backlog) counts at most at the turn cap; the
     usual burst is the lower median of the recent ones: one long burst changes nothing."""
     a = arb(clock, tq_s=30, turn_s=1.0)
-    a.attach(1, name="batch", memory_limit=GiB)
-    a.attach(2, name="server", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)  # its first burst: never a turn; it waits for the quantum
     clock.advance(30.0)
@@ -389,8 +390,8 @@ def test_a_server_short_of_credit_takes_its_turn_once_its_wait_has_earned_it(clo
     for what its credit needs (earned at its fraction u of each second waited), not for
     the batch job's quantum (30 s)."""
     a = arb(clock, tq_s=30, turn_s=1.0, turn_share=0.25)
-    a.attach(1, name="batch", memory_limit=GiB)
-    a.attach(2, name="server", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
     had_a_burst(a, clock, 2)
     a.acquire(1)
     sh = a.sessions[2].share
@@ -415,8 +416,8 @@ def test_a_session_that_joins_the_holders_is_not_given_a_turn(clock):
     """Mode auto with memory that fits: the server joins the holders (issue 28: 9 such
     grants were marked turn: true)."""
     a = arb(clock, tq_s=30, turn_s=1.0, mode="auto")
-    a.attach(1, name="batch", memory_limit=10 * GiB)
-    a.attach(2, name="server", memory_limit=10 * GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=10 * GiB))
+    a.attach(2, AttachRecord(name="server", memory_limit=10 * GiB))
     had_a_burst(a, clock, 2)
     a.acquire(1)
     clock.advance(4.0)
@@ -433,9 +434,14 @@ def three_of_30_on_80(clock, **kw):
     """A holds 30 GiB of 80; B (next) has 20 resident, 10 in host memory; C is idle with
     30 resident. All three prefetch; no turns here."""
     a = arb(clock, tq_s=5, turn_s=0, **kw)
-    a.attach(1, name="A", memory_limit=30 * GiB, prefetch=True)
-    a.attach(2, name="B", memory_limit=30 * GiB, resident=20 * GiB, swapped=10 * GiB, prefetch=True)
-    a.attach(3, name="C", memory_limit=30 * GiB, resident=30 * GiB, prefetch=True)
+    a.attach(1, AttachRecord(name="A", memory_limit=30 * GiB, prefetch=True))
+    a.attach(
+        2,
+        AttachRecord(
+            name="B", memory_limit=30 * GiB, resident=20 * GiB, swapped=10 * GiB, prefetch=True
+        ),
+    )
+    a.attach(3, AttachRecord(name="C", memory_limit=30 * GiB, resident=30 * GiB, prefetch=True))
     a.acquire(1)
     a.report(1, resident=30 * GiB, swapped=0)
     return a
@@ -476,9 +482,12 @@ def test_the_next_holder_swaps_in_during_the_quantum(clock):
 
 def test_prefetch_grows_with_what_frees_and_acks_in_order(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=5)
-    a.attach(1, name="A", memory_limit=20 * GiB)
-    a.attach(2, name="B", memory_limit=20 * GiB, resident=0, swapped=20 * GiB, prefetch=True)
-    a.attach(3, name="idle", memory_limit=20 * GiB, resident=10 * GiB)
+    a.attach(1, AttachRecord(name="A", memory_limit=20 * GiB))
+    a.attach(
+        2,
+        AttachRecord(name="B", memory_limit=20 * GiB, resident=0, swapped=20 * GiB, prefetch=True),
+    )
+    a.attach(3, AttachRecord(name="idle", memory_limit=20 * GiB, resident=10 * GiB))
     a.acquire(1)
     out = a.acquire(2)
     (pf,) = actions_of(out, PrefetchAction)
@@ -520,17 +529,17 @@ def test_no_prefetch_for_clients_that_cannot_or_when_turned_off(clock):
     for kw, cap in (({}, False), ({"prefetch": False}, True)):
         c = ManualClock()
         a = arb(c, capacity=40 * GiB, tq_s=5, **kw)
-        a.attach(1, name="A", memory_limit=20 * GiB)
-        a.attach(2, name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=cap)
+        a.attach(1, AttachRecord(name="A", memory_limit=20 * GiB))
+        a.attach(2, AttachRecord(name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=cap))
         a.acquire(1)
         assert actions_of(a.acquire(2), PrefetchAction) == []
 
 
 def test_sessions_expected_back_soon_are_not_evicted_for_a_prefetch(clock):
     a = arb(clock, capacity=40 * GiB, tq_s=30)
-    a.attach(1, name="A", memory_limit=20 * GiB)
-    a.attach(2, name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=True)
-    a.attach(3, name="cells", memory_limit=20 * GiB)
+    a.attach(1, AttachRecord(name="A", memory_limit=20 * GiB))
+    a.attach(2, AttachRecord(name="B", memory_limit=20 * GiB, swapped=20 * GiB, prefetch=True))
+    a.attach(3, AttachRecord(name="cells", memory_limit=20 * GiB))
     a.acquire(3)  # a notebook: asks about every second
     for _ in range(3):
         a.report(3, resident=20 * GiB, swapped=0)
@@ -552,8 +561,8 @@ def test_sessions_expected_back_soon_are_not_evicted_for_a_prefetch(clock):
 
 def test_gpu_time_held_past_a_quantum_comes_off_the_next(clock):
     a = arb(clock, tq_s=1)
-    a.attach(1, name="a", memory_limit=GiB)
-    a.attach(2, name="b", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=GiB))
     a.acquire(1)
     a.acquire(2)
     clock.advance(1.0)
@@ -581,9 +590,9 @@ def test_what_a_quantum_cannot_pay_back_is_owed_to_those_waiting(clock):
     lighter session's short quantum): the rest is credit to those who waited, by their
     weights, added to their next quanta (at most one quantum more each time)."""
     a = arb(clock, tq_s=0.9, policy="weighted")
-    a.attach(1, name="light", memory_limit=GiB, weight=1.0)
-    a.attach(2, name="heavy", memory_limit=GiB, weight=9.0)
-    a.attach(3, name="middle", memory_limit=GiB, weight=3.0)
+    a.attach(1, AttachRecord(name="light", memory_limit=GiB, weight=1.0))
+    a.attach(2, AttachRecord(name="heavy", memory_limit=GiB, weight=9.0))
+    a.attach(3, AttachRecord(name="middle", memory_limit=GiB, weight=3.0))
     a.acquire(1)  # quanta: light 0.1, heavy 0.9, middle 0.3
     a.acquire(2)
     clock.advance(0.1)
@@ -699,9 +708,9 @@ def test_a_joining_holder_leaves_a_filling_holder_its_room(clock):
     holder's room was to grow into; frozen, it could never give it back, the filling
     holder's quantum never started, and the queue waited forever."""
     a = Arbiter(0, 45 * GiB, clock, GpuSettings(tq_s=1, mode="auto", escalation="freeze"))
-    a.attach(1, name="idle", memory_limit=20 * GiB, resident=20 * GiB)
-    a.attach(2, name="filling", memory_limit=30 * GiB, swapped=30 * GiB, fills=True)
-    a.attach(3, name="joins", memory_limit=15 * GiB)
+    a.attach(1, AttachRecord(name="idle", memory_limit=20 * GiB, resident=20 * GiB))
+    a.attach(2, AttachRecord(name="filling", memory_limit=30 * GiB, swapped=30 * GiB, fills=True))
+    a.attach(3, AttachRecord(name="joins", memory_limit=15 * GiB))
     (g,) = actions_of(a.acquire(2), GrantAction)
     assert g.room == 25 * GiB  # beside idle's 20; more as idle's memory goes
     out = a.acquire(3)  # 30 + 15 fit together by their limits
@@ -720,7 +729,7 @@ def test_a_servers_grants_end_its_implicit_bursts_soon_after_a_request(clock):
     from gpushare.core.turns import SERVER_BURSTS, SERVER_IDLE_S
 
     a = arb(clock, tq_s=30, mode="exclusive")
-    a.attach(2, name="server", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="server", memory_limit=10 * GiB))
     idles = []
     for _ in range(SERVER_BURSTS + 2):
         (g,) = actions_of(a.acquire(2), GrantAction)
@@ -731,7 +740,7 @@ def test_a_servers_grants_end_its_implicit_bursts_soon_after_a_request(clock):
         a.tick()
     assert idles[0] == 0.0 and idles[SERVER_BURSTS - 1] == 0.0  # no history yet
     assert idles[-1] == SERVER_IDLE_S
-    a.attach(1, name="batch", memory_limit=10 * GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=10 * GiB))
     for _ in range(SERVER_BURSTS + 2):  # one long burst after another, no gaps: no server
         (g,) = actions_of(a.acquire(1), GrantAction)
         assert g.idle_release_s == 0.0

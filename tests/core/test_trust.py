@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from gpushare.core.actions import (
     ThawAction,
 )
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.checks import MAX_WEIGHT, MIN_WEIGHT, ArbiterError, FieldError
 from gpushare.core.clock import ManualClock
 from gpushare.core.ledger import bound_for
@@ -44,7 +46,7 @@ def state_of(a: Arbiter) -> bytes:
 
 
 def holding(a: Arbiter, sid: int, limit: int, **kw) -> None:
-    a.attach(sid, name=f"s{sid}", memory_limit=limit, **kw)
+    a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=limit, **kw))
     a.acquire(sid)
     a.report(sid, resident=limit, swapped=0)
 
@@ -62,20 +64,22 @@ def done(a: Arbiter, sid: int, **kw):
 def test_a_holding_claim_without_a_verified_record_is_told_to_yield():
     a = arb(mode="exclusive")
     holding(a, 1, 60 * GiB)
-    out = a.attach(2, name="liar", memory_limit=60 * GiB, holding=True, lease=99)
+    out = a.attach(2, AttachRecord(name="liar", memory_limit=60 * GiB, holding=True, lease=99))
     assert of(out, GrantAction) == [] and a.holders == [1]
     assert of(out, RevokeAction) == [RevokeAction(2, 99, 0, a.settings.grace_s)]
     assert a.used_bytes() <= a.capacity
     assert a.sessions[2].state is State.WAITING and a.sessions[2].esc.yield_due
     # verified or not, a claim never makes a second exclusive holder
-    out = a.attach(3, name="stale", memory_limit=10 * GiB, holding=True, lease=5, verified=True)
+    out = a.attach(
+        3, AttachRecord(name="stale", memory_limit=10 * GiB, holding=True, lease=5, verified=True)
+    )
     assert of(out, GrantAction) == [] and a.holders == [1]
 
 
 def test_a_refused_release_leaves_no_ghost_holder():
     a = arb(mode="exclusive")
     holding(a, 1, 10 * GiB)
-    a.attach(2, name="b", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     a.acquire(2)
     before = state_of(a)
     with pytest.raises(FieldError, match="release: resident"):
@@ -89,7 +93,7 @@ def test_a_refused_release_leaves_no_ghost_holder():
 def test_swapped_bytes_beyond_the_limit_are_refused_and_the_quantum_stays_bounded():
     clock = ManualClock()
     a = arb(clock=clock, tq_s=5, mode="exclusive")
-    a.attach(1, name="a", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="a", memory_limit=GiB))
     with pytest.raises(FieldError, match="swapped"):
         a.report(1, resident=0, swapped=2**62)
     assert len(of(a.acquire(1), GrantAction)) == 1
@@ -100,10 +104,10 @@ def test_swapped_bytes_beyond_the_limit_are_refused_and_the_quantum_stays_bounde
 def test_weights_are_bounded_and_finite(weight):
     a = arb(policy="weighted")
     with pytest.raises(FieldError, match="weight"):
-        a.attach(1, name="w", memory_limit=GiB, weight=weight)
+        a.attach(1, AttachRecord(name="w", memory_limit=GiB, weight=weight))
     assert not a.sessions
-    a.attach(1, name="w", memory_limit=GiB, weight=MAX_WEIGHT)
-    a.attach(2, name="v", memory_limit=GiB, weight=MIN_WEIGHT)
+    a.attach(1, AttachRecord(name="w", memory_limit=GiB, weight=MAX_WEIGHT))
+    a.attach(2, AttachRecord(name="v", memory_limit=GiB, weight=MIN_WEIGHT))
     assert all(math.isfinite(a.quantum(s)) for s in a.sessions.values())
 
 
@@ -111,8 +115,8 @@ def test_figures_that_do_not_fit_are_refused():
     a = arb(capacity=20 * GiB, mode="exclusive")
     holding(a, 1, 15 * GiB)
     with pytest.raises(FieldError, match="do not fit"):
-        a.attach(2, name="b", memory_limit=10 * GiB, resident=10 * GiB)
-    a.attach(2, name="b", memory_limit=10 * GiB, swapped=10 * GiB)
+        a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB, resident=10 * GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB, swapped=10 * GiB))
     with pytest.raises(FieldError, match="without a lease"):  # it cannot allocate idle
         a.report(2, resident=10 * GiB, swapped=0)
     with pytest.raises(FieldError, match="seconds"):
@@ -125,7 +129,7 @@ def test_figures_that_do_not_fit_are_refused():
 
 def test_resident_over_the_limit_escalates_and_keeps_the_figures():
     a = arb(escalation="kill")
-    a.attach(1, name="greedy", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="greedy", memory_limit=GiB))
     a.report(1, resident=GiB // 2, swapped=0)
     out = a.report(1, resident=2**62, swapped=0)
     assert of(out, EscalateAction) == [EscalateAction(1, "kill", "over_memory_limit")]
@@ -240,6 +244,8 @@ def test_any_refused_input_leaves_the_arbiter_byte_for_byte_unchanged(
                 a.end_recovery()
             elif kind in ("acquire", "detach"):
                 getattr(a, kind)(sid)
+            elif kind == "attach":
+                a.attach(sid, AttachRecord(**kw))
             else:
                 getattr(a, kind)(sid, **kw)
         except ArbiterError as e:
@@ -266,11 +272,11 @@ def test_nothing_is_granted_in_the_recovery_window_then_the_latest_lease_comes_b
     clock = ManualClock()
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="exclusive", grace_s=1), lease_base=100)
     a.begin_recovery()
-    out = a.attach(1, name="old", memory_limit=30 * GiB, resident=30 * GiB, holding=True, lease=90,
-                   verified=True)  # fmt: skip
-    out += a.attach(2, name="new", memory_limit=30 * GiB, resident=30 * GiB, holding=True, lease=95,
-                    verified=True)  # fmt: skip
-    a.attach(3, name="waits", memory_limit=10 * GiB)
+    back = AttachRecord(name="old", memory_limit=30 * GiB, resident=30 * GiB, holding=True,
+                        lease=90, verified=True)  # fmt: skip
+    out = a.attach(1, back)
+    out += a.attach(2, replace(back, name="new", lease=95))
+    a.attach(3, AttachRecord(name="waits", memory_limit=10 * GiB))
     out += a.acquire(3)
     assert of(out, GrantAction) == [] and of(out, RevokeAction) == [] and not a.holders
     assert a.next_deadline() is None
@@ -289,9 +295,11 @@ def test_a_claim_not_yielded_within_grace_is_escalated():
     a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="freeze")
     holding(a, 3, 10 * GiB)
     # a lease a node did grant (verified), but another holds the GPU now: told to yield
-    out = a.attach(1, name="stale", memory_limit=10 * GiB, holding=True, lease=3, verified=True)
+    out = a.attach(
+        1, AttachRecord(name="stale", memory_limit=10 * GiB, holding=True, lease=3, verified=True)
+    )
     assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
-    a.attach(2, name="b", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     a.acquire(2)
     out = done(a, 3, resident=0, swapped=0)
     assert of(out, GrantAction) == []  # nothing granted while it may still run
@@ -309,9 +317,9 @@ def test_an_unverified_claim_blocks_no_one():
     clock = ManualClock()
     a = arb(clock=clock, mode="exclusive", grace_s=1, escalation="log")
     holding(a, 3, 10 * GiB)
-    a.attach(2, name="b", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     a.acquire(2)
-    out = a.attach(1, name="liar", memory_limit=10 * GiB, holding=True, lease=3)
+    out = a.attach(1, AttachRecord(name="liar", memory_limit=10 * GiB, holding=True, lease=3))
     assert of(out, RevokeAction) == [RevokeAction(1, 3, 0, 1)]
     out = done(a, 3, resident=0, swapped=0)
     assert [g.session for g in of(out, GrantAction)] == [2]  # in its turn, not blocked
@@ -328,7 +336,7 @@ def parked(escalation: str):
     a = arb(capacity=20 * GiB, clock=clock, mode="exclusive", grace_s=2, escalation=escalation)
     holding(a, 1, 15 * GiB)
     done(a, 1, resident=15 * GiB, swapped=0)
-    a.attach(2, name="b", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     out = a.acquire(2)
     assert of(out, SwapOutAction) == [SwapOutAction(1, 5 * GiB)]
     return a, clock
@@ -371,7 +379,7 @@ def test_a_frozen_idle_session_is_killed_when_needed_and_else_thawed_at_a_grant(
     clock.advance(1)
     holding(b, 3, 10 * GiB)  # served later: asked second, another way out
     done(b, 3, resident=10 * GiB, swapped=0)
-    b.attach(2, name="b", memory_limit=10 * GiB)
+    b.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     assert of(b.acquire(2), SwapOutAction) == [SwapOutAction(1, 5 * GiB)]
     clock.advance(2)
     out = b.tick()
@@ -385,7 +393,7 @@ def test_a_revoked_holder_swapping_out_is_not_escalated_as_a_non_holder():
     clock = ManualClock()
     a = arb(capacity=20 * GiB, clock=clock, tq_s=1, grace_s=2, mode="exclusive")
     holding(a, 1, 15 * GiB)
-    a.attach(2, name="b", memory_limit=10 * GiB)
+    a.attach(2, AttachRecord(name="b", memory_limit=10 * GiB))
     a.acquire(2)
     clock.advance(1)
     (rev,) = of(a.tick(), RevokeAction)
@@ -399,7 +407,7 @@ def test_a_refused_release_does_not_book_discarded_bytes():
     it names are not taken (nor counted) either."""
     clock = ManualClock()
     a = arb(capacity=40 * GiB, clock=clock)
-    a.attach(1, name="idle", memory_limit=10 * GiB)
+    a.attach(1, AttachRecord(name="idle", memory_limit=10 * GiB))
     before = state_of(a)
     with pytest.raises(ArbiterError, match="holds no lease"):
         a.release(1, resident=0, swapped=0, discarded=4 * GiB)
@@ -411,15 +419,17 @@ def test_memory_a_session_dropped_before_a_restart_is_in_its_bound_and_its_limit
     """Seen: a reconnecting hello's discarded bytes were not used at attach, so the
     session's bound left out memory it makes again (empty) at its grant."""
     a = arb(capacity=40 * GiB, clock=ManualClock())
-    a.attach(1, name="back", memory_limit=20 * GiB, memory_request=8 * GiB, grows=True,
-             resident=0, swapped=4 * GiB, discarded=6 * GiB)  # fmt: skip
+    a.attach(1, AttachRecord(name="back", memory_limit=20 * GiB, memory_request=8 * GiB,
+                             grows=True, swapped=4 * GiB, discarded=6 * GiB))  # fmt: skip
     m = a.sessions[1].memory
     assert (m.swapped, m.discarded) == (4 * GiB, 6 * GiB)
     assert a.sessions[1].totals.discarded_bytes == 0  # dropped under the node before
     assert bound_for(a.sessions[1], "auto") == 10 * GiB  # all of it comes back
     before = state_of(a)
     with pytest.raises(FieldError, match="exceed the memory limit"):
-        a.attach(2, name="liar", memory_limit=10 * GiB, swapped=4 * GiB, discarded=7 * GiB)
+        a.attach(
+            2, AttachRecord(name="liar", memory_limit=10 * GiB, swapped=4 * GiB, discarded=7 * GiB)
+        )
     with pytest.raises(FieldError, match="discarded"):
-        a.attach(2, name="liar", memory_limit=10 * GiB, discarded=-1)
+        a.attach(2, AttachRecord(name="liar", memory_limit=10 * GiB, discarded=-1))
     assert state_of(a) == before

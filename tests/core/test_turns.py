@@ -10,6 +10,7 @@ import pytest
 
 from gpushare.core.actions import GrantAction, RevokeAction, SwapOutAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.turns import SERVER_BURSTS, SERVER_IDLE_S
 from gpushare.settings import GpuSettings
 from tests.core.model import Client, GiB, Model, actions_of
@@ -20,8 +21,8 @@ def light_server(clock, credit):
     client's idle release after 0.17 s of work) and gaps of about a second behind it, its
     measured use below the notebook's rate (so earned at that rate); ``credit`` left."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
-    a.attach(1, name="batch", memory_limit=GiB)
-    a.attach(2, name="server", memory_limit=GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=GiB))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
     a.acquire(1)
     s = a.sessions[2]
     sh = s.share
@@ -142,7 +143,7 @@ def test_a_server_is_taken_for_one_from_its_second_short_burst(clock, bursts, sh
     strict majority of short bursts, so a training loop's long burst after its short
     first is never taken for a request's."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
-    a.attach(2, name="s", memory_limit=GiB)
+    a.attach(2, AttachRecord(name="s", memory_limit=GiB))
     g = bursts_then_grant(a, clock, 2, bursts)
     assert (g.idle_release_s == SERVER_IDLE_S) is short
 
@@ -155,11 +156,11 @@ def test_in_mode_auto_a_server_whose_bound_is_above_its_request_takes_its_turn(c
     it took no turn, while the grant counted it at its bound (it did not fit): it waited
     the batch job's whole quantum. Now it takes its turn, as in mode exclusive."""
     a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="auto", turn_s=1.0))
-    a.attach(2, name="server", memory_limit=79 * GiB, memory_request=GiB, grows=grows)
+    a.attach(2, AttachRecord(name="server", memory_limit=79 * GiB, memory_request=GiB, grows=grows))
     if grows:  # what it has: 45 GiB, swapped out now
         a.sessions[2].memory.swapped = 45 * GiB
         a.st.ledger.recount(a.sessions[2])
-    a.attach(1, name="batch", memory_limit=40 * GiB)
+    a.attach(1, AttachRecord(name="batch", memory_limit=40 * GiB))
     a.acquire(1)
     s = a.sessions[2]
     sh = s.share

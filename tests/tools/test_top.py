@@ -11,6 +11,7 @@ import time
 import pytest
 
 import gpushare
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
@@ -28,7 +29,7 @@ def scenario():
     a = node.arbiters[0]
     a.set_config({"mode": "exclusive", "tq_s": 5})
     for i, name in enumerate(["a-very-long-session-name-indeed", "b", "c"], start=1):
-        a.attach(i, name=name, memory_limit=30 * G)
+        a.attach(i, AttachRecord(name=name, memory_limit=30 * G))
         a.acquire(i)
     return node, clock
 
@@ -291,7 +292,9 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
     a = node.arbiters[0]
     a.set_config({"mode": "exclusive", "tq_s": 1})
     for i, name, job in ((1, "r0", "job7@uid:1000"), (2, "solo", ""), (3, "r1", "job7@uid:1000")):
-        a.attach(i, name=name, memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
+        a.attach(
+            i, AttachRecord(name=name, memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
+        )
         a.acquire(i)
     st = node.status()
     line = render(st, ShareTracker().update(0.0, st), 80)[3]
@@ -313,8 +316,8 @@ def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
     a.set_config({"mode": "exclusive", "tq_s": 30, "turn_s": 1.0})
-    a.attach(1, name="batch", memory_limit=30 * G)
-    a.attach(2, name="server", memory_limit=10 * G)
+    a.attach(1, AttachRecord(name="batch", memory_limit=30 * G))
+    a.attach(2, AttachRecord(name="server", memory_limit=10 * G))
     a.acquire(2)  # its first burst, alone: 0.2 s
     clock.advance(0.2)
     a.release(2, resident=G, swapped=0)

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from gpushare.core import caps, families
 from gpushare.core.actions import Action, LimitsAction, Outbox
 from gpushare.core.admission import Admission
+from gpushare.core.attach import AttachRecord, Checked, check
 from gpushare.core.caps import Caps
 from gpushare.core.checks import (
     MAX_COUNT,
     ArbiterError,
     FieldError,
     check_error,
-    check_weight,
     count,
 )
 from gpushare.core.checks import seconds as _seconds
@@ -47,8 +48,7 @@ from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
 from gpushare.core.turns import Turns
 from gpushare.core.window import Window
-from gpushare.settings import SHARING_MODES, Change, GpuSettings, SettingsError, validate
-from gpushare.units import format_size, is_fraction
+from gpushare.settings import Change, GpuSettings, SettingsError, validate
 
 __all__ = ["Arbiter", "ArbiterError", "FieldError"]
 
@@ -166,115 +166,77 @@ class Arbiter:
 
     # --- inputs ---------------------------------------------------------------------
 
-    def attach(
-        self,
-        sid: int,
-        *,
-        name: str,
-        memory_limit: int,
-        memory_request: int | None = None,
-        grows: bool = False,
-        sharing: str = "",
-        compute_limit: float | None = None,
-        workload: str = "",
-        weight: float = 1.0,
-        resident: int = 0,
-        swapped: int = 0,
-        discarded: int = 0,
-        holding: bool = False,
-        lease: int = 0,
-        verified: bool = False,
-        fills: bool = False,
-        prefetch: bool = False,
-        gang: str = "",
-        gang_size: int = 0,
-        spans_nodes: bool = False,
-        family: int = 0,
-        joins_family: bool = False,
-    ) -> list[Action]:
-        """A new session; ``resident``/``swapped``/``discarded``/``holding`` re-register a
-        workload that outlived a node restart (it keeps its memory, made again empty at
-        its next grant where it was dropped, and, mid-burst, says it holds lease
-        ``lease``). The lease is given back only when ``verified`` (the node matched the
-        session to its record and checked the lease's token) and the rules allow it (after
-        the recovery window, if one is open); any other claim is told to yield (a revoke
-        for ``lease``), and escalated like a holder's if it does not within the grace
-        period. ``fills``: its client can swap in within a room, so its swap-in may
-        overlap another's swap-out; ``prefetch``: it swaps in ahead of its grant when
-        told. ``gang``: the node's key of the distributed job it is a rank of
-        (``gang_size`` ranks on the node, as its client says; ``spans_nodes``: it has
-        ranks elsewhere too). ``memory_request``: what the node guarantees and packs by in
-        mode auto (default: the limit); ``grows``: its client asks (a release with a need)
-        before it has more than its grant's bound. ``sharing``: its pod's compute-sharing
-        mode (``time-slicing``: exclusive quanta; ``sm-sharing``: mode auto), else the
-        GPU's mode. ``compute_limit``: the most of the GPU's time it may take over a
-        window (core/caps.py), even when the GPU would otherwise idle, from the bucket of
-        its ``workload`` (the node's key: its pod, else its user and name; "": its own),
-        shared with that workload's other sessions and kept after them. ``family``: it is a
-        process of that session's (core/families.py), in its family's gang ``gang``;
-        ``joins_family``: it joins now (not back after a restart), its memory taken out
-        of that session's limit (``memory_limit`` the most it asks)."""
+    def attach(self, sid: int, rec: AttachRecord) -> list[Action]:
+        """A new session, its figures in ``rec`` (core/attach.py says what each is). One
+        back after a node restart keeps its memory (made again empty at its next grant
+        where it was dropped) and, mid-burst, gets its lease back only when verified and
+        the rules allow it (after the recovery window, if one is open); any other claim
+        is told to yield (a revoke for its lease), and escalated like a holder's if it
+        does not within the grace period. A member joining a family takes its memory out
+        of that session's limit (core/families.py)."""
         st = self.st
-        head = st.get(family) if joins_family else None
-        cut = families.split(head, memory_limit) if head is not None else None
+        head = st.get(rec.family) if rec.joins_family else None
+        cut = families.split(head, rec.memory_limit) if head is not None else None
         if cut is not None:
-            memory_limit, memory_request = cut.limit, cut.request or cut.limit
-        limit = memory_limit
-        weight = self._check_attach(sid, limit, weight, resident, swapped, discarded, lease)
-        request = self._check_request(memory_request, limit)
-        if sharing and sharing not in SHARING_MODES:
-            raise FieldError(
-                f"sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
-                f" gpu-compute-sharing-mode), not {sharing!r}"
-            )
-        self._check_gang(head, gang, limit, spans_nodes)
-        now = self.clock.monotonic()
-        mem = Memory(limit, request if request < limit else 0, grows, fills=fills)
-        cap = self._check_compute_limit(compute_limit)
-        s = SessionState(id=sid, name=name, weight=weight, memory=mem, sharing=sharing)
-        self.caps.join(s, workload, cap, now)
-        s.attached = s.lease.idle_since = now
-        s.prefetch.enabled = prefetch
-        s.share.credit = self.turns.first_credit()
-        st.set_memory(s, resident, swapped)
-        mem.discarded = discarded  # in its bound (it comes back); dropped before: not counted
-        st.sessions[sid] = s
-        st.ledger.weigh(weight, 1)
-        s.rank.family = family if family != sid else 0
-        s.rank.took = cut.took if cut is not None else 0
+            rec = replace(rec, memory_limit=cut.limit, memory_request=cut.request or cut.limit)
+        used, attached = self.used_bytes(), sid in st.sessions
+        c = check(sid, rec, attached=attached, used=used, capacity=self.capacity, gpu=self.gpu)
+        self._check_gang(head, rec.gang, c.limit, rec.spans_nodes)
+        s = self._new_session(sid, rec, c)
         if head is not None and cut is not None:
+            s.rank.took = cut.took
             self._left_to(head, cut.head_limit, cut.head_request)
             if not head.rank.gang:
-                self.gangs.join(head, gang, 0, False)
-        if gang:
-            self.gangs.join(s, gang, gang_size, spans_nodes)
-        resumed = bool(resident or swapped or discarded or holding)
+                self.gangs.join(head, rec.gang, 0, False)
+        if rec.gang:
+            self.gangs.join(s, rec.gang, rec.gang_size, rec.spans_nodes)
         st.out.emit(
             Attach(
                 session=sid,
-                name=name,
-                limit_bytes=limit,
-                weight=weight,
-                resumed=resumed,
-                request_bytes=mem.request or None,
-                resident_bytes=resident,
-                swapped_bytes=swapped,
-                gang=gang or None,
-                gang_size=gang_size if gang else None,
-                spans_nodes=spans_nodes if gang else None,
+                name=rec.name,
+                limit_bytes=c.limit,
+                weight=c.weight,
+                resumed=rec.resumed,
+                request_bytes=s.memory.request or None,
+                resident_bytes=rec.resident,
+                swapped_bytes=rec.swapped,
+                gang=rec.gang or None,
+                gang_size=rec.gang_size if rec.gang else None,
+                spans_nodes=rec.spans_nodes if rec.gang else None,
                 family=s.rank.family or None,
             )
         )
-        if holding:  # it was working when the node went away
-            s.totals.bursts += 1
-            self.leases.enqueue(s)
-            if not (verified and lease):
-                self.claims.tell_to_yield(s, lease, verified=False)
-            elif self.claims.recovering:
-                s.esc.claim = lease  # granted back at the window's end, if the rules allow
-            else:
-                self.admission.resume_or_yield(s, lease)
+        if rec.holding:  # it was working when the node went away
+            self._claim_back(s, rec.lease, rec.verified)
         return self._decide()
+
+    def _new_session(self, sid: int, rec: AttachRecord, c: Checked) -> SessionState:
+        """The session's state, counted in the ledger and its compute bucket."""
+        st, now = self.st, self.clock.monotonic()
+        request = c.request if c.request < c.limit else 0  # Memory's 0: the limit
+        mem = Memory(c.limit, request, rec.grows, fills=rec.fills)
+        s = SessionState(id=sid, name=rec.name, weight=c.weight, memory=mem, sharing=rec.sharing)
+        self.caps.join(s, rec.workload, c.compute_limit, now)
+        s.attached = s.lease.idle_since = now
+        s.prefetch.enabled = rec.prefetch
+        s.share.credit = self.turns.first_credit()
+        st.set_memory(s, rec.resident, rec.swapped)
+        mem.discarded = rec.discarded  # in its bound (it comes back); dropped before: not counted
+        st.sessions[sid] = s
+        st.ledger.weigh(c.weight, 1)
+        s.rank.family = rec.family if rec.family != sid else 0
+        return s
+
+    def _claim_back(self, s: SessionState, lease: int, verified: bool) -> None:
+        """A session back mid-burst claims its lease: given back as the rules allow."""
+        s.totals.bursts += 1
+        self.leases.enqueue(s)
+        if not (verified and lease):
+            self.claims.tell_to_yield(s, lease, verified=False)
+        elif self.claims.recovering:
+            s.esc.claim = lease  # granted back at the window's end, if the rules allow
+        else:
+            self.admission.resume_or_yield(s, lease)
 
     def _check_gang(
         self, head: SessionState | None, gang: str, limit: int, spans_nodes: bool
@@ -294,66 +256,6 @@ class Arbiter:
         families.give(head.memory, limit, request)
         self.st.ledger.recount(head)
         self.st.out.act(LimitsAction(head.id, limit, request))
-
-    def _check_attach(
-        self,
-        sid: int,
-        limit: int,
-        weight: float,
-        resident: int,
-        swapped: int,
-        discarded: int,
-        lease: int,
-    ) -> float:
-        """An attach's figures, each bounded by what the node knows; the weight checked."""
-        if sid in self.st.sessions:
-            raise ArbiterError(f"session {sid} is already attached")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
-        if limit > self.capacity:
-            raise FieldError(
-                f"memory limit {format_size(limit)} is more than GPU {self.gpu}'s usable"
-                f" {format_size(self.capacity)}: ask for {format_size(self.capacity)} or less"
-            )
-        weight = check_weight(weight)
-        count("resident", resident, limit)
-        count("swapped", swapped, limit)
-        count("discarded", discarded, limit)
-        if resident + swapped + discarded > limit:
-            raise FieldError(
-                f"resident + swapped + discarded ({resident} + {swapped} + {discarded} bytes)"
-                f" exceed the memory limit of {limit} bytes"
-            )
-        count("lease", lease, MAX_COUNT)
-        if self.used_bytes() + resident > self.capacity:
-            raise FieldError(
-                f"resident: {resident} bytes do not fit beside the {self.used_bytes()} bytes"
-                f" in use on GPU {self.gpu} ({self.capacity} usable)"
-            )
-        return weight
-
-    def _check_request(self, request: int | None, limit: int) -> int:
-        """A memory request: bytes, at most the limit (checked after the limit)."""
-        if request is None:
-            return limit
-        if isinstance(request, bool) or not isinstance(request, int) or request <= 0:
-            raise FieldError(f"memory_request must be a positive number of bytes, not {request!r}")
-        if request > limit:
-            raise FieldError(
-                f"memory request {format_size(request)} is more than the memory limit"
-                f" {format_size(limit)}: ask for a limit at least as large as the request"
-            )
-        return request
-
-    @staticmethod
-    def _check_compute_limit(limit: float | None) -> float:
-        if limit is None:
-            return 1.0
-        if not is_fraction(limit):
-            raise FieldError(
-                f"compute_limit must be a fraction of the GPU's time in (0, 1], not {limit!r}"
-            )
-        return float(limit)
 
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it

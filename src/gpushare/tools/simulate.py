@@ -43,6 +43,7 @@ from gpushare.core.actions import (
     SwapOutAction,
 )
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.settings import GpuSettings
 from gpushare.simlink import IN, OUT, book
@@ -509,21 +510,19 @@ class Simulation:
             c.resident = min(w.memory, max(0, capacity - self.arb.used_bytes()))
             c.swapped = w.memory - c.resident
             c.dropped = min(w.discard, c.swapped)  # a cache not made yet
-            self.apply(
-                self.arb.attach(
-                    sid,
-                    name=c.fig.name,
-                    memory_limit=w.limit or w.memory,
-                    # the model holds its request and never more: it never needs to ask
-                    memory_request=w.memory if w.limit else None,
-                    grows=True,
-                    weight=w.weight,
-                    resident=c.resident,
-                    swapped=c.swapped,
-                    fills=True,
-                    prefetch=True,
-                )
+            figures = AttachRecord(
+                name=c.fig.name,
+                memory_limit=w.limit or w.memory,
+                # the model holds its request and never more: it never needs to ask
+                memory_request=w.memory if w.limit else None,
+                grows=True,
+                weight=w.weight,
+                resident=c.resident,
+                swapped=c.swapped,
+                fills=True,
+                prefetch=True,
             )
+            self.apply(self.arb.attach(sid, figures))
             # a notebook's first cell comes after its user has thought too
             self.at(0.001 * sid + (c.think() if w.kind == "interactive" else 0.0), c.ask)
 

@@ -9,6 +9,7 @@ import logging
 
 from gpushare.core.actions import Action, EventAction, GrantAction
 from gpushare.core.arbiter import Arbiter
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.core.coordinator import Coordinator
 from gpushare.node.decide.decisions import Decisions
@@ -88,7 +89,9 @@ async def gang_on_three_gpus() -> None:
         for gpu, sid in ranks.items():
             d.act(
                 arbs[gpu],
-                arbs[gpu].attach(sid, name=f"s{sid}", memory_limit=GiB, gang=job, gang_size=3),
+                arbs[gpu].attach(
+                    sid, AttachRecord(name=f"s{sid}", memory_limit=GiB, gang=job, gang_size=3)
+                ),
             )
     for gpu, sid in a_ranks.items():
         d.act(arbs[gpu], arbs[gpu].acquire(sid))

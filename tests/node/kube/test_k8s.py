@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from gpushare.core.attach import AttachRecord
 from gpushare.node.kube.k8s import PodCache, PodWatcher, pod_info
 from tests.support import FIXTURES, wait_until
 
@@ -110,7 +111,7 @@ def test_node_shows_api_names_for_the_kernels_pod_uid():
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 2**34), clock=ManualClock())
     node.pods = PodCache()
     node.pods.replace([pod("pod-kai-training")])
-    node.arbiters[0].attach(1, name="trainer", memory_limit=2**30)
+    node.arbiters[0].attach(1, AttachRecord(name="trainer", memory_limit=2**30))
     conn = Conn(
         Writer(),
         4242,

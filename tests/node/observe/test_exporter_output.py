@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
@@ -60,8 +61,8 @@ def scripted_node() -> tuple[Node, ManualClock]:
     a.set_config({"tq_s": 10, "mode": "exclusive"})
     b.set_config({"policy": "weighted"})
     for sid in range(1, 5):
-        a.attach(sid, name=f"s{sid}", memory_limit=30 * G, weight=0.25 * sid)
-    b.attach(7, name="other", memory_limit=int(1.5 * G), weight=0.5)
+        a.attach(sid, AttachRecord(name=f"s{sid}", memory_limit=30 * G, weight=0.25 * sid))
+    b.attach(7, AttachRecord(name="other", memory_limit=int(1.5 * G), weight=0.5))
     a.acquire(1)
     a.report(1, resident=30 * G, swapped=0)
     clock.advance(0.0004)
@@ -133,7 +134,7 @@ def test_the_text_is_the_one_it_replaced_for_each_snapshot():
             a.detach(rng.choice(sids))
         elif step == 1:
             sid = max([*node.arbiters[0].sessions, *node.arbiters[1].sessions, 0]) + 1
-            a.attach(sid, name=f"n{sid}", memory_limit=G)
+            a.attach(sid, AttachRecord(name=f"n{sid}", memory_limit=G))
             a.acquire(sid)
         elif step == 2 and a.holders:
             h = a.holders[0]
@@ -206,7 +207,7 @@ def test_a_session_gone_is_forgotten_and_its_id_on_another_gpu_is_its_own():
     exp = Exposition()
     exp.render(node.status())
     node.arbiters[0].detach(1)
-    node.arbiters[1].attach(1, name="again", memory_limit=G)  # the same id, elsewhere
+    node.arbiters[1].attach(1, AttachRecord(name="again", memory_limit=G))  # the same id, elsewhere
     check_against_before(exp, node.status())
     kept = exp._last[id(_SESSIONS)]
     assert {k[2] for k in kept} == {1, 2, 3, 4, 7}

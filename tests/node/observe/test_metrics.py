@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import protocol as p
+from gpushare.core.attach import AttachRecord
 from gpushare.core.attribution import Attribution
 from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
@@ -40,8 +41,8 @@ def scripted():
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
     a.set_config({"tq_s": 10, "mode": "exclusive"})
-    a.attach(1, name="train", memory_limit=50 * G)
-    a.attach(2, name="infer", memory_limit=50 * G)
+    a.attach(1, AttachRecord(name="train", memory_limit=50 * G))
+    a.attach(2, AttachRecord(name="infer", memory_limit=50 * G))
     a.acquire(1)
     a.report(1, resident=50 * G, swapped=0)
     clock.advance(1.0)
@@ -330,7 +331,10 @@ def test_the_ranks_of_a_job_carry_their_gang_and_rank_and_the_gang_its_regroups(
     a = node.arbiters[0]
     a.set_config({"tq_s": 1, "mode": "exclusive"})
     for sid, job in ((1, "job7@uid:1000"), (2, "job7@uid:1000"), (3, "")):
-        a.attach(sid, name=f"s{sid}", memory_limit=10 * G, gang=job, gang_size=2 if job else 0)
+        a.attach(
+            sid,
+            AttachRecord(name=f"s{sid}", memory_limit=10 * G, gang=job, gang_size=2 if job else 0),
+        )
         a.acquire(sid)
     clock.advance(1)
     a.tick()  # the gang is revoked; rank 1 parks, rank 2 is blocked in a collective

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 import gpushare
+from gpushare.core.attach import AttachRecord
 from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
@@ -51,7 +52,7 @@ def concrete(expr: str) -> str:
 
 def exported_names() -> set[str]:
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 2**30), clock=ManualClock())
-    node.arbiters[0].attach(1, name="x", memory_limit=2**20)
+    node.arbiters[0].attach(1, AttachRecord(name="x", memory_limit=2**20))
     names = set()
     for fam in registry_for(node.status).collect():
         names |= {s.name for s in fam.samples}

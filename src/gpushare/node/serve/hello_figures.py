@@ -40,6 +40,12 @@ def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     return f"{h.gang}@{who_of(uid, identity)}", 0 < h.gang_size < h.world_size
 
 
+def bucket_of(uid: int, identity: CgroupIdentity, name: str) -> str:
+    """The compute bucket of a session: its workload's, whichever session of it attaches
+    (the pod, else the user's session of that name)."""
+    return who_of(uid, identity) if identity.pod_uid else f"uid:{uid}/{name}"
+
+
 def limit_of(h: p.Hello, capacity: int) -> int:
     """The memory limit a hello asks for: its own, its pod's portion limit or portion,
     or the whole GPU."""

@@ -20,6 +20,7 @@ from typing import Literal, overload
 from gpushare import protocol as p
 from gpushare.core.actions import Action
 from gpushare.core.arbiter import Arbiter, ArbiterError
+from gpushare.core.attach import AttachRecord
 from gpushare.core.attribution import Attribution
 from gpushare.core.gangs import across_gpus
 from gpushare.node.decide.decisions import Decisions
@@ -32,6 +33,7 @@ from gpushare.node.keep.config import NodeConfig
 from gpushare.node.keep.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.kube.k8s import PodCache, PodInfo
 from gpushare.node.serve.hello_figures import (
+    bucket_of,
     family_of,
     gang_of,
     limit_of,
@@ -130,6 +132,15 @@ def _check_words(h: p.Hello) -> None:
             "attach",
             f"hello: sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
             f" gpu-compute-sharing-mode) or empty, not {h.sharing!r}",
+        )
+
+
+def _check_version(h: p.Hello) -> None:
+    if h.version != p.PROTOCOL_VERSION:
+        raise Refused(
+            "version",
+            f"client speaks protocol {h.version}, this node {p.PROTOCOL_VERSION}:"
+            " use the same gpushare version in workloads and node",
         )
 
 
@@ -435,12 +446,7 @@ class WorkloadServer:
         ``dry``: only checked, and the session's record (a new id, or its record's from
         before a restart); ``pending``: a new session's record, on disk."""
         self.guard.check_sessions_of_uid(conn)
-        if h.version != p.PROTOCOL_VERSION:
-            raise Refused(
-                "version",
-                f"client speaks protocol {h.version}, this node {p.PROTOCOL_VERSION}:"
-                " use the same gpushare version in workloads and node",
-            )
+        _check_version(h)
         check_hello(h)
         cfg = self._config()
         head, gpu = self._where(conn, h, cfg.proc_root)
@@ -470,13 +476,7 @@ class WorkloadServer:
         # that session in a gang of its choosing).
         gang, spans_nodes = gang_of(h, conn.uid, identity) if head is None else ("", False)
         family, gang = family_of(arb, head, rec, gang, who_of(conn.uid, identity))
-        if gang:
-            elsewhere = {
-                a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
-            }
-            why = across_gpus(gang, gpu, arb.settings.mode, elsewhere)
-            if why:
-                raise Refused("attach", why)
+        self._check_gang_across(arb, gang)
         if dry:
             return record_of(conn, sid, gpu, identity, limit, name, family)
         # Memory a session says it has on the GPU counts only where the node can check
@@ -484,46 +484,32 @@ class WorkloadServer:
         # more than that). A new session with neither has nothing resident. (What it
         # says it has swapped out, in its own host memory, only costs it swap-ins.)
         resident = self._resident(conn, gpu, h.resident, rec)
-        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
-        verified = not wrong
-        if h.holding and wrong:
-            log.warning(
-                "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
-                " to yield it",
-                conn.pid,
-                conn.uid,
-                h.lease,
-                wrong,
-            )
         link = self.sim_link(gpu, conn.uid) if g.simulated else ""  # before any change
+        figures = AttachRecord(
+            name=name,
+            memory_limit=limit,
+            memory_request=request,
+            grows=h.grows and g.simulated,
+            sharing=sharing,
+            compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
+            workload=bucket_of(conn.uid, identity, name),
+            weight=weight,
+            resident=resident,
+            swapped=swapped,
+            discarded=h.discarded,
+            holding=h.holding,
+            lease=h.lease,
+            verified=self._claim_verified(conn, h, rec),
+            fills=h.fills,
+            prefetch=h.prefetch,
+            gang=gang,
+            gang_size=h.gang_size,
+            spans_nodes=spans_nodes,
+            family=family,
+            joins_family=head is not None,
+        )
         try:
-            actions = arb.attach(
-                sid,
-                name=name,
-                memory_limit=limit,
-                memory_request=request,
-                grows=h.grows and g.simulated,
-                sharing=sharing,
-                compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
-                # its bucket is its workload's, whichever session of it attaches
-                workload=who_of(conn.uid, identity)
-                if identity.pod_uid
-                else f"uid:{conn.uid}/{name}",
-                weight=weight,
-                resident=resident,
-                swapped=swapped,
-                discarded=h.discarded,
-                holding=h.holding,
-                lease=h.lease,
-                verified=verified,
-                fills=h.fills,
-                prefetch=h.prefetch,
-                gang=gang,
-                gang_size=h.gang_size,
-                spans_nodes=spans_nodes,
-                family=family,
-                joins_family=head is not None,
-            )
+            actions = arb.attach(sid, figures)
         except ArbiterError as e:  # busy: a member whose session holds tries again
             raise Refused("busy" if e.code == "busy" else "attach", str(e)) from None
         limit = arb.sessions[sid].memory.limit  # a member's: its part of its session's
@@ -566,6 +552,32 @@ class WorkloadServer:
         if rec is not None and self.recovery.returned(sid):
             self.returned()  # the last one expected: the recovery window ends
         return arb
+
+    def _check_gang_across(self, arb: Arbiter, gang: str) -> None:
+        """A gang on several GPUs of this node only where their modes allow it."""
+        if not gang:
+            return
+        elsewhere = {
+            a.gpu: a.settings.mode for a in self.arbiters if a is not arb and gang in a.gangs
+        }
+        why = across_gpus(gang, arb.gpu, arb.settings.mode, elsewhere)
+        if why:
+            raise Refused("attach", why)
+
+    def _claim_verified(self, conn: Conn, h: p.Hello, rec: SessionRecord | None) -> bool:
+        """A lease claimed from before a restart is the session's only with its record
+        and the lease's token; else it is told to yield it."""
+        wrong = self.recovery.claim_wrong(rec, h.lease, h.token)
+        if h.holding and wrong:
+            log.warning(
+                "pid %d uid %d: hello claims lease %d from before the restart, but %s: told"
+                " to yield it",
+                conn.pid,
+                conn.uid,
+                h.lease,
+                wrong,
+            )
+        return not wrong
 
     def _no_record(self, conn: Conn, h: p.Hello, limit: int) -> None:
         """A hello the node has no record of: while the recovery window is open it waits
