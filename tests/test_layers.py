@@ -180,10 +180,10 @@ def test_each_room_of_the_node_has_its_table_in_the_architecture_doc() -> None:
 # in, with their length then; the list may only shrink, and a listed module may not grow.
 MAX_LINES = 700
 LONG_MODULES = {
-    "core/arbiter.py": 852,
+    "core/arbiter.py": 754,
     "client/lease.py": 725,
     "client/swap/vmm.py": 780,  # the swap-in failure paths of the strict fake
-    "tools/simulate.py": 789,
+    "tools/simulate.py": 788,
 }
 
 
@@ -274,11 +274,6 @@ def test_only_the_grandfathered_functions_pass_the_complexity_ceiling() -> None:
 # leaves it, and a new one past C is split instead.
 RADON_WORST_ALLOWED = 20
 GRANDFATHERED_RADON = {
-    "src/gpushare/core/arbiter.py::Arbiter.attach",
-    "src/gpushare/node/serve/workload_server.py::WorkloadServer._attach",
-    "src/gpushare/tools/kubectl_gpushare.py::cmd_set",
-    "src/gpushare/core/prefetch.py::plan_prefetch",
-    "src/gpushare/node/observe/snapshot.py::session",
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
     "tests/node/observe/exporter_before.py::NodeCollector.collect",

@@ -13,7 +13,7 @@ from gpushare.core.actions import PrefetchAction
 from gpushare.core.events import Prefetch
 from gpushare.core.ledger import view
 from gpushare.core.planner import take_from
-from gpushare.core.sessions import State
+from gpushare.core.sessions import SessionState, State
 from gpushare.core.state import GpuState
 
 PREFETCH_STEP = 2**30  # a prefetch asks for at least this much (or all that is left)
@@ -25,11 +25,9 @@ def plan_prefetch(st: GpuState, now: float, *, taken: bool) -> None:
     if not (st.settings.prefetch and st.queue) or not taken:
         return
     h = st.sessions[st.queue[0]]
+    if not _may_prefetch(h, now):
+        return
     m, p = h.memory, h.prefetch
-    if not p.enabled or not m.swapped or h.esc.frozen or m.pending_out or m.swapping_in:
-        return
-    if h.esc.swap_failed_until > now:
-        return
     want = m.resident + m.swapped
     have = max(m.resident, p.room) if p.active else m.resident
     more = min(st.capacity - st.used_bytes(), want - have)
@@ -41,8 +39,22 @@ def plan_prefetch(st: GpuState, now: float, *, taken: bool) -> None:
         st.out.emit(Prefetch(session=h.id, room_bytes=have, bytes=have - m.resident))
         st.out.act(PrefetchAction(h.id, have, p.seq))
     need = want - have - sum(v.memory.pending_out for v in st.sessions.values() if v is not h)
-    if need <= 0:
-        return
+    if need > 0:
+        _make_room(st, h, now, need)
+
+
+def _may_prefetch(h: SessionState, now: float) -> bool:
+    """The head swaps in ahead: its client does, it has memory out, and nothing it is
+    doing or has just failed stands in the way."""
+    m = h.memory
+    if not h.prefetch.enabled or not m.swapped or h.esc.frozen:
+        return False
+    return not (m.pending_out or m.swapping_in or h.esc.swap_failed_until > now)
+
+
+def _make_room(st: GpuState, h: SessionState, now: float, need: int) -> None:
+    """Swap-outs for the rest: idle sessions not expected back soon, then the waiting
+    ones behind the head, furthest first, only as much as needed."""
     idle = sorted(
         (v for v in st.sessions.values() if v.state is State.IDLE and not v.share.window),
         key=lambda v: (v.expected_back(now), v.lease.last_served, v.id),

@@ -406,15 +406,7 @@ def checked_value(a: argparse.Namespace) -> object:
 def cmd_set(api: Api, a: argparse.Namespace) -> int:
     key = a.command
     raw = checked_value(a)
-    if bool(a.pod) == bool(a.node):
-        raise PluginError(f"{key}: give --pod NAMESPACE/NAME or --node NAME (one of them)")
-    if a.pod:
-        ns, pod = pod_ref(a.pod)
-        node = api.pod_node(ns, pod)
-        where = f"node {node} (of pod {ns}/{pod})"
-    else:
-        node = a.node
-        where = f"node {node}"
+    node, where = _target(api, a, key)
     api.node(node)  # it has one: else the patch would say only "not found"
     spec: dict[str, Any] = {key: raw} if a.gpu is None else {"gpu": {str(a.gpu): {key: raw}}}
     obj = api.patch_spec(node, spec)
@@ -429,14 +421,8 @@ def cmd_set(api: Api, a: argparse.Namespace) -> int:
     st: dict[str, Any] = {}
     while time.monotonic() < deadline:
         st = api.node(node).get("status") or {}
-        cond: dict[str, Any] = next(
-            (c for c in st.get("conditions") or [] if c["type"] == CONDITION), {}
-        )
-        seen = int(cond.get("observedGeneration") or 0) >= generation
-        if seen and cond.get("status") == "False":
-            raise PluginError(f"{where} refused it: {cond.get('message', '')}")
-        gpus = [g for g in st.get("gpus") or [] if a.gpu is None or g["index"] == a.gpu]
-        if seen and gpus and all(g[key] == raw for g in gpus):
+        gpus = _applied(st, a.gpu, key, raw, generation, where)
+        if gpus:
             for g in gpus:
                 print(
                     f"{node}: GPU {g['index']}: TQ {g['tq']:g} s, mode {g['mode']}, policy"
@@ -450,6 +436,33 @@ def cmd_set(api: Api, a: argparse.Namespace) -> int:
         f" {age(st.get('updated', ''), time.time())} ago): is its gpushare node running?"
         f" kubectl -n gpushare-system get pods -o wide --field-selector spec.nodeName={node}"
     )
+
+
+def _target(api: Api, a: argparse.Namespace, key: str) -> tuple[str, str]:
+    """The node a setting goes to (``--node``, or ``--pod``'s), and how to say it."""
+    if bool(a.pod) == bool(a.node):
+        raise PluginError(f"{key}: give --pod NAMESPACE/NAME or --node NAME (one of them)")
+    if not a.pod:
+        return a.node, f"node {a.node}"
+    ns, pod = pod_ref(a.pod)
+    node = api.pod_node(ns, pod)
+    return node, f"node {node} (of pod {ns}/{pod})"
+
+
+def _applied(
+    st: dict[str, Any], gpu: int | None, key: str, raw: object, generation: int, where: str
+) -> list[dict[str, Any]]:
+    """The GPUs that show the setting applied, once the node has seen ``generation``
+    (none yet: ``[]``); a refusal the node wrote raises :class:`PluginError`."""
+    cond: dict[str, Any] = next(
+        (c for c in st.get("conditions") or [] if c["type"] == CONDITION), {}
+    )
+    if int(cond.get("observedGeneration") or 0) < generation:
+        return []
+    if cond.get("status") == "False":
+        raise PluginError(f"{where} refused it: {cond.get('message', '')}")
+    gpus = [g for g in st.get("gpus") or [] if gpu is None or g["index"] == gpu]
+    return gpus if gpus and all(g[key] == raw for g in gpus) else []
 
 
 def cmd_events(api: Api, a: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -62,16 +63,13 @@ def session(
     (not verified); any other only under ``claimed``."""
     claimed = c.claimed if c else Claimed()
     ident = c.identity if c else CgroupIdentity()
-    names = pods.resolve(ident.pod_uid, ident.container_id) if pods and ident.pod_uid else None
-    if c is not None:
-        if names and (c.names is None or names[2] or not c.names[2]):
-            c.names = names  # pinned: what the API said stays when the pod is gone from it
-        names = c.names
+    names = _names(c, ident, pods)
     consistent = bool(c and c.verified)  # the claim names the kernel's pod UID
     if names:  # the API's names for the kernel's pod
         shown = Claimed(namespace=names[0], pod=names[1], container=names[2])
     else:
         shown = claimed if consistent else Claimed()
+    with_conn = c if c is not None else _NO_CONN
     return SessionStatus(
         id=s.id,
         name=s.name,
@@ -86,7 +84,7 @@ def session(
         discarded_bytes=s.memory.discarded,
         discarded_bytes_total=s.totals.discarded_bytes,
         sharing=s.sharing,
-        sharing_source=c.sharing_source if c else "",
+        sharing_source=with_conn.sharing_source,
         compute_limit=s.share.cap,
         compute_left_s=a.compute_left(s),
         resident_bytes=s.memory.resident,
@@ -111,8 +109,8 @@ def session(
         wait_seconds_buckets=list(s.totals.wait_counts),
         wait_seconds_p95=p95(s.totals.recent_waits),
         utilization_seconds_total=att.by_session.get(s.id, 0.0),
-        pid=c.pid if c else 0,
-        uid=c.uid if c else 0,
+        pid=with_conn.pid,
+        uid=with_conn.uid,
         pod=shown.pod,
         namespace=shown.namespace,
         container=shown.container,
@@ -122,9 +120,9 @@ def session(
         pod_uid=ident.pod_uid,
         container_id=ident.container_id,
         runtime=ident.runtime,
-        weight_source=c.weight_source if c else "",
+        weight_source=with_conn.weight_source,
         gang=s.rank.gang,
-        gang_rank=c.rank if c and s.rank.gang else -1,
+        gang_rank=with_conn.rank if s.rank.gang else -1,
         parked=s.rank.parked,
         turns_total=s.totals.turns,
         turn_credit_seconds=s.share.credit,
@@ -133,6 +131,33 @@ def session(
         measured_use_ratio=a.turns.use(s),
         family=s.rank.family,
     )
+
+
+def _names(
+    c: Conn | None, ident: CgroupIdentity, pods: PodCache | None
+) -> tuple[str, str, str] | None:
+    """The API's names for the kernel's pod UID, kept once seen (a pod deleted from the
+    API while its process runs keeps them)."""
+    names = pods.resolve(ident.pod_uid, ident.container_id) if pods and ident.pod_uid else None
+    if c is None:
+        return names
+    if names and (c.names is None or names[2] or not c.names[2]):
+        c.names = names  # pinned: what the API said stays when the pod is gone from it
+    return c.names
+
+
+@dataclass(frozen=True)
+class _Unconnected:
+    """What a session with no connection (gone, or back after a restart) shows."""
+
+    pid: int = 0
+    uid: int = 0
+    weight_source: str = ""
+    sharing_source: str = ""
+    rank: int = -1
+
+
+_NO_CONN = _Unconnected()
 
 
 def gang(a: Arbiter, g: Gang) -> GangStatus:
