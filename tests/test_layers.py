@@ -181,7 +181,6 @@ def test_each_room_of_the_node_has_its_table_in_the_architecture_doc() -> None:
 MAX_LINES = 700
 LONG_MODULES = {
     "core/arbiter.py": 754,
-    "client/lease.py": 725,
     "client/swap/vmm.py": 780,  # the swap-in failure paths of the strict fake
     "tools/simulate.py": 788,
 }

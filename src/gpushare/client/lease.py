@@ -45,6 +45,7 @@ from typing import Literal
 import msgspec
 
 from gpushare import protocol as p
+from gpushare.client.lease_messages import Messages
 from gpushare.client.swap.base import SwapBackend, SwapHooks
 from gpushare.client.transport import LIVE, Link, Peer, Transport
 from gpushare.errors import DaemonUnavailableError, GpushareError, SwapError
@@ -102,7 +103,6 @@ class Lease:
         self.lease = 0  # the node's number for the lease granted (0: none)
         self.token = ""  # the node's signature of that lease: it claims it back after a restart
         self.grant: p.Grant | None = None  # the answer to our request, not taken yet
-        self.asks = 0  # asks numbered so far (Acquire, Release again): a grant names its ask
         self.revoke: p.Revoke | None = None  # pending, for self.lease
         self.rejoin = False  # yielding: the burst asks again once swapped out
         self.room = 0  # while swapping in: the most it may have on the GPU (0: no bound)
@@ -116,7 +116,7 @@ class Lease:
         self.prefetching = False
         self.resume = False  # a grant for the lease a reconnect hello claimed is due
         self.swap_gen = -1  # the connection whose grant the swap-in follows
-        self.told = (0, 0, 0)  # the resident, swapped, discarded bytes this connection heard last
+        self.msgs = Messages(lambda: self.backend.figures())  # numbers asks, keeps what was told
         self.depth = 0  # threads inside gpu()
         self._mine = threading.local()  # n: the calling thread's gpu() blocks open
         self.implicit = False  # a burst opened by checkpoint() outside gpu()
@@ -233,7 +233,7 @@ class Lease:
                 return False
             if self.phase is Phase.HOLDING and self.link.state is Link.CONNECTED:
                 # The node frees the memory at the detach that follows: no swap-out.
-                self.link.send(self._release_msg())
+                self.link.send(self.msgs.release())
             self.phase, self.grant, self.revoke, self.lease = Phase.IDLE, None, None, 0
             self.link.end(Link.CLOSED, "closed")
             self._update()
@@ -337,7 +337,7 @@ class Lease:
         self.bursts += 1
         self.phase, self.grant = Phase.ACQUIRING, None
         t0 = _now()
-        self.link.send(self._acquire_msg())
+        self.link.send(self.msgs.acquire())
         self._await(t0)
 
     def _await(self, t0: float) -> None:
@@ -413,16 +413,16 @@ class Lease:
         self.prefetch_done = max(self.prefetch_done, done)
         if self.link.state is Link.CONNECTED:
             moved = max(0, self.backend.resident_bytes - before)
-            self.link.send(self._swap_done_msg("in", moved, _now() - t0, error, prefetch=done))
+            self.link.send(self.msgs.swap_done("in", moved, _now() - t0, error, prefetch=done))
 
     def _ask_again(self) -> None:
         """A swap-in stopped because the node that granted it went away: re-register
         what the session has and ask again; if still away, the reconnect asks."""
         self.phase, self.lease, self.revoke, self.room = Phase.ACQUIRING, 0, None, 0
         if self.link.state is Link.CONNECTED:
-            if self._figures() != self.told:
-                self.link.send(self._report_msg())
-            self.link.send(self._acquire_msg())
+            if self.msgs.changed():
+                self.link.send(self.msgs.report())
+            self.link.send(self.msgs.acquire())
         self._update()
 
     def _withdraw(self) -> None:
@@ -437,7 +437,7 @@ class Lease:
                 0,
             )
             self.rejoin = False
-            self.link.send(self._release_msg())
+            self.link.send(self.msgs.release())
             self._update()
             self.cond.notify_all()
 
@@ -453,7 +453,7 @@ class Lease:
         self.phase = Phase.YIELDING if swap_out else after
         self.lease, self.room, self.bound, self.grant, self.rejoin = 0, 0, 0, None, again
         self._update()
-        self.link.send(self._release_msg(again=again, swapping_out=swap_out, need=need))
+        self.link.send(self.msgs.release(again=again, swapping_out=swap_out, need=need))
         if swap_out:
             try:
                 with self._unlocked(), self.swap_lock:
@@ -547,54 +547,7 @@ class Lease:
         # figures. Untold, the node is not kept busy with them during a switch.
         if self.phase is Phase.SWAPPING_IN or self.prefetching:
             return
-        self.link.send(self._report_msg())
-
-    # --- messages -------------------------------------------------------------------
-
-    def _figures(self) -> tuple[int, int, int]:
-        return self.backend.figures()
-
-    def _report_msg(self) -> p.Report:
-        self.told = resident, swapped, discarded = self._figures()
-        return p.Report(resident=resident, swapped=swapped, discarded=discarded)
-
-    def _acquire_msg(self) -> p.Acquire:
-        self.asks += 1
-        return p.Acquire(ask=self.asks)
-
-    def _release_msg(self, again: bool = False, swapping_out: int = 0, need: int = 0) -> p.Release:
-        self.told = resident, swapped, discarded = self._figures()
-        if again:
-            self.asks += 1
-        return p.Release(
-            resident=resident,
-            swapped=swapped,
-            discarded=discarded,
-            again=again,
-            swapping_out=swapping_out,
-            ask=self.asks if again else 0,
-            need=need,
-        )
-
-    def _swap_done_msg(
-        self,
-        direction: Literal["in", "out"],
-        nbytes: int,
-        seconds: float,
-        error: str = "",
-        prefetch: int = 0,
-    ) -> p.SwapDone:
-        self.told = resident, swapped, discarded = self._figures()
-        return p.SwapDone(
-            direction=direction,
-            bytes=nbytes,
-            seconds=seconds,
-            resident=resident,
-            swapped=swapped,
-            discarded=discarded,
-            error=error[:1000],  # the node takes no more than 1024 characters
-            prefetch=prefetch,
-        )
+        self.link.send(self.msgs.report())
 
     def _swap(self, direction: Literal["in", "out"], nbytes: int) -> None:
         """One swap (swap lock held, condition not), told to the node that asked."""
@@ -605,12 +558,12 @@ class Lease:
         except NodeLost:
             raise  # the node that asked is gone; the next hears the figures
         except SwapError as e:
-            self.link.send(self._swap_done_msg(direction, 0, 0.0, str(e)))
+            self.link.send(self.msgs.swap_done(direction, 0, 0.0, str(e)))
             raise
         if self.link.generation != gen:  # asked by a node that went away since
-            self.link.send(self._report_msg())
+            self.link.send(self.msgs.report())
             return
-        self.link.send(self._swap_done_msg(direction, r.bytes, r.seconds))
+        self.link.send(self.msgs.swap_done(direction, r.bytes, r.seconds))
 
     def on_message(self, msg: p.Message) -> None:
         if isinstance(msg, p.SwapOut):
@@ -644,8 +597,10 @@ class Lease:
                 self.lease, self.token, self.revoke = g.lease, g.token, None
             self.resume = False
             return
-        if g.ask and g.ask < self.asks:  # it answers an ask withdrawn since: not ours
-            log.debug("grant %d answers ask %d, not ask %d: not taken", g.lease, g.ask, self.asks)
+        if g.ask and g.ask < self.msgs.asks:  # it answers an ask withdrawn since: not ours
+            log.debug(
+                "grant %d answers ask %d, not ask %d: not taken", g.lease, g.ask, self.msgs.asks
+            )
             return
         if self.phase is Phase.HOLDING:  # thawed after a freeze: a new lease, same burst
             self.lease, self.token, self.revoke, self.bound = g.lease, g.token, None, g.bound
@@ -675,7 +630,7 @@ class Lease:
         with self.cond:
             granted = self.phase in (Phase.HOLDING, Phase.SWAPPING_IN) or self.grant is not None
             if granted:  # a holder's memory is not for taking: the node plans anew
-                self.link.send(self._swap_done_msg("out", 0, 0.0, "session holds the GPU"))
+                self.link.send(self.msgs.swap_done("out", 0, 0.0, "session holds the GPU"))
                 return
         with self.swap_lock, contextlib.suppress(SwapError):
             self._swap("out", msg.bytes)
@@ -713,13 +668,13 @@ class Lease:
         """Tell a new node what changed since ``hello`` and what this session asks."""
         self.resume, self.revoke, self.room = hello.holding, None, 0
         self.lease = hello.lease if hello.holding else 0  # a revoke for it means: yield
-        self.told = hello.resident, hello.swapped, hello.discarded
+        self.msgs.heard(hello)
         if hello.holding and self.phase is not Phase.HOLDING:
             # The burst ended after the hello: give back the lease the node grants for it.
-            self.link.send(self._release_msg())
-        elif self._figures() != self.told:  # memory moved after the hello
-            self.link.send(self._report_msg())
+            self.link.send(self.msgs.release())
+        elif self.msgs.changed():  # memory moved after the hello
+            self.link.send(self.msgs.report())
         if self.phase is Phase.ACQUIRING or (self.phase is Phase.YIELDING and self.rejoin):
             self.grant = None
-            self.link.send(self._acquire_msg())
+            self.link.send(self.msgs.acquire())
         self._update()
