@@ -110,6 +110,7 @@ def add_parser(sub: Subparsers) -> None:
 def command(args: argparse.Namespace) -> int:
     from gpushare.settings import GpuSettings
     from gpushare.tools import simulate as sim
+    from gpushare.tools import simulate_study as study
     from gpushare.units import format_size
 
     try:
@@ -137,9 +138,9 @@ def command(args: argparse.Namespace) -> int:
         turn_s=args.turn,
         anticipate_s=args.idle_release,
     )
-    title = sim.describe(workloads, args.gpu_memory, settings)
+    title = study.describe(workloads, args.gpu_memory, settings)
     print(
-        f"gpushare simulate: {title}; {args.seconds:g} s per run, or {sim.ROUNDS} rounds of"
+        f"gpushare simulate: {title}; {args.seconds:g} s per run, or {study.ROUNDS} rounds of"
         " every session's quantum where longer (run s)"
     )
     sys.stdout.flush()
@@ -147,7 +148,7 @@ def command(args: argparse.Namespace) -> int:
     def progress(what: str) -> None:  # seconds a run: said on stderr, the table stays clean
         print(f"gpushare simulate: {what}", file=sys.stderr, flush=True)
 
-    rows = sim.study(
+    rows = study.study(
         workloads,
         args.tq,
         args.gpu_memory,
@@ -157,13 +158,13 @@ def command(args: argparse.Namespace) -> int:
         args.seed,
         progress=progress,
     )
-    print(sim.table(rows))
+    print(study.table(rows))
     print()
-    print(sim.FOOTER)
+    print(study.FOOTER)
     if args.no_plot:
         return 0
     try:
-        sim.plot(rows, args.output, title)
+        study.plot(rows, args.output, title)
     except ImportError as e:
         print(f"gpushare simulate: error: {e} (or --no-plot)", file=sys.stderr)
         return 1
