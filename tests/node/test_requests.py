@@ -149,3 +149,29 @@ def test_a_node_killed_twice_during_a_burst_loses_no_byte_and_stays_within_capac
             pr.send_signal(signal.SIGTERM)  # each prints what it did, checked, and ends
     outs = [_out(p) for p in procs]
     assert all(o["failures"] == 0 and o["checks"] >= 1 for o in outs), outs
+
+
+def test_a_grower_does_not_take_its_neighbours_memory_inside_its_quantum(node_factory):
+    """Issue 38 item 2 scaled down: H at its request (4 of 8 GiB, short bursts) and G
+    (request 1 GiB, limit 7.5 GiB) growing by 6 GiB. H's bytes leave the GPU for G only
+    after G has waited a quantum (the rotation), never at H's burst ends inside it."""
+    node = node_factory(*sim("8GiB", mode="auto", tq="3", sim_bandwidth="1e12"))
+    h = node.workload("short", "--memory", "4GiB", "--seconds", "8", "--name", "h")
+    g = node.workload("batch", "--memory", "1GiB", "--memory-limit", "7.5GiB",
+                      "--seconds", "8", "--name", "g", "--grow", "6GiB",
+                      "--grow-at", "1", "--grow-for", "1")  # fmt: skip
+    oh, og = _out(h), _out(g)
+    assert oh["failures"] == 0 and og["failures"] == 0, (oh, og)
+    assert og["grows"] >= 1
+    ev = node.event_list()
+    hid, gid = oh["session"], og["session"]
+    grow_at = None
+    for e in ev:
+        if e["event"] == "release" and e["session"] == gid and e["reason"] == "grow":
+            grow_at = e["ts"] if grow_at is None else grow_at
+        elif e["event"] == "grant" and e["session"] == gid:
+            grow_at = None
+        elif e["event"] == "revoke" and e["session"] == hid:
+            grow_at = None  # H's quantum ended: the rotation, its bytes may go
+        elif e["event"] == "swap_out" and e["session"] == hid and grow_at is not None:
+            assert e["ts"] - grow_at >= 3.0 * 0.9, (e, grow_at)  # not inside H's quantum

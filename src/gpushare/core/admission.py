@@ -14,6 +14,7 @@ GPU is kept for a gang on several GPUs (core/coordinator.py).
 
 from __future__ import annotations
 
+from gpushare.core import growth
 from gpushare.core.caps import Caps
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
@@ -129,6 +130,7 @@ class Admission:
             granted = self._grant_head(head)
             if not granted:
                 self._reclaim_for(head)
+                self._grant_beside_grower(head)
                 return
             if head.rank.gang:  # its peers that ask join it
                 self.gangs.grant_joining(now, self.leases.grant)
@@ -143,7 +145,9 @@ class Admission:
             self.leases.grant(head, lent=True)
             return True
         peers = self.gangs.peers_to_count(head)
-        plan = plan_grant(self.st.capacity, self.gangs.views(head, peers), head.id)
+        now, tq = st.now(), st.settings.tq_s
+        views = growth.shield(self.gangs.views(head, peers), head, st.sessions, now, tq)
+        plan = plan_grant(self.st.capacity, views, head.id)
         if plan.fits:
             self.leases.grant(head)
             return True
@@ -160,6 +164,22 @@ class Admission:
         if plan.shortfall and not plan.swap_outs and not st.holders:
             self.escalation.kill_frozen_blockers()
         return False
+
+    def _grant_beside_grower(self, head: SessionState) -> None:
+        """``head`` grows and waits for the rotation of quanta: a session behind it whose
+        quantum still runs and fits as things are starts its next burst meanwhile
+        (core/growth.py), rather than idling until the grower takes its bytes."""
+        st = self.st
+        now = st.now()
+        if not growth.grower(head) or growth.rotating(head, now, st.settings.tq_s):
+            return
+        for sid in list(st.queue)[1:]:
+            s = st.sessions[sid]
+            if s.state is State.WAITING and growth.protected(s, now) and self.joins_beside(s):
+                self.leases.grant(s, lent=True)
+
+    def joins_beside(self, s: SessionState) -> bool:
+        return self._others(s) + bound_for(s, self.st.settings.mode) <= self.st.capacity
 
     def resume_or_yield(self, s: SessionState, lease: int) -> None:
         """A verified claim (``s`` is queued): its lease back if the mode and memory allow,
