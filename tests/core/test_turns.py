@@ -180,3 +180,26 @@ def test_in_mode_auto_a_server_whose_bound_is_above_its_request_takes_its_turn(c
                       swapped=so.bytes)  # fmt: skip
     assert [g.session for g in actions_of(out, GrantAction)] == [2]
     a.verify()
+
+
+FAMILY = "session:2@uid:1000"
+
+
+def test_a_server_of_several_processes_takes_turns_as_one_process_does(clock):
+    """Issue 40: a family (vLLM's engine and worker processes, one lease) was a gang, and
+    gangs never took turns: each request waited the trainer's whole quantum. A family on
+    one node is one holder, so it takes its turn as a single process does, paid from the
+    session's credit, within its share."""
+    a, s = light_server(clock, credit=0.8)
+    a.attach(3, name="worker", memory_limit=GiB // 2, gang=FAMILY, family=2, joins_family=True)
+    assert s.rank.gang == FAMILY  # the server joined its family's gang
+    clock.advance(0.95)
+    out = a.acquire(2)
+    (r,) = actions_of(out, RevokeAction)
+    assert r.session == 1 and s.share.turn
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 2 and g.quantum_s <= 1.0  # a turn, not a 30 s quantum
+    (w,) = actions_of(a.acquire(3), GrantAction)  # its worker joins the turn, as one holder
+    assert w.session == 3 and w.quantum_s == g.quantum_s
+    clock.advance(g.quantum_s + 0.2)
+    assert {r.session for r in actions_of(a.tick(), RevokeAction)} == {2, 3}  # both, at its end

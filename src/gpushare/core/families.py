@@ -49,6 +49,12 @@ def key(head: int, who: str) -> str:
     return f"session:{head}@{who}"
 
 
+def alone(gang: str) -> bool:
+    """A family's gang (not a job's): its processes are on this node, one holder, so it
+    takes turns as one process does (issue 40: else each request waited a quantum)."""
+    return gang.startswith("session:")
+
+
 def has(m: Memory) -> int:
     """What a session has now, wherever it is: what it must keep of its limit."""
     return m.resident + m.swapped + m.discarded

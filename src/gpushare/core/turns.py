@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from gpushare.core import families
 from gpushare.core.sessions import SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
@@ -202,14 +203,19 @@ class Turns:
             return False  # (no burst of its own yet: nothing says it asks briefly)
         if not self.rarely(s, idle):
             return False
-        if s.rank.gang:  # a rank's turn alone would wait in its collectives for the others
-            return False
+        if self._ranked(s):
+            return False  # a rank's turn alone would wait in its collectives for the others
         if kept or not ahead:
             return False  # kept for a gang; nothing to go ahead of
         if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual):
             self._refuse(s, now, usual)
             return False
         return self._no_one_starves(now)
+
+    @staticmethod
+    def _ranked(s: SessionState) -> bool:
+        """A rank of a job (not of its own family): no turns, its peers would not follow."""
+        return bool(s.rank.gang) and not families.alone(s.rank.gang)
 
     def _refuse(self, s: SessionState, now: float, usual: float) -> None:
         """A server short of credit waits, earning its fraction ``u`` of each second it
@@ -250,7 +256,7 @@ class Turns:
             usual = self.usual_burst(s) or 0.0
             if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
                 self._refuse(s, now, usual)
-            elif st.holders and not s.rank.gang and self._no_one_starves(now):
+            elif st.holders and not self._ranked(s) and self._no_one_starves(now):
                 sh.turn = True
                 st.queue.remove(sid)
                 i = next(
