@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import NodeConfig
+from gpushare.tools.ctl import show_status
 from gpushare.tools.top import render
 from gpushare.tools.top_model import ShareTracker
 from tests.support import sim, wait_until
@@ -334,6 +336,15 @@ def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
     st = node.status()
     shown = {s["name"]: s for s in frame_json(st, {})["gpus"][0]["sessions"]}
     assert shown["server"]["usual_burst_seconds"] == pytest.approx(0.2)
+    # and in the text views (issue 40): top --once and ctl status
+    text = "\n".join(render(st, {}, 80))
+    assert f"turns  server: credit {row.turn_credit_seconds:.2f} s, usual burst 0.20 s" in text
+    assert all(len(x) <= 80 for x in text.splitlines())
+    out = io.StringIO()
+    show_status(st, out)
+    head, srv = [x for x in out.getvalue().splitlines() if "CREDIT s" in x or " server " in x]
+    assert head.split()[-4:] == ["CREDIT", "s", "BURST", "s"]
+    assert srv.split()[-2:] == [f"{row.turn_credit_seconds:.2f}", "0.20"]
     text = Exposition().render(st).decode()
     lines = text.splitlines()
     (line,) = [x for x in lines if x.startswith("gpushare_turn_credit_seconds{") and 'n="2"' in x]
