@@ -433,3 +433,24 @@ def test_memory_a_session_dropped_before_a_restart_is_in_its_bound_and_its_limit
     with pytest.raises(FieldError, match="discarded"):
         a.attach(2, AttachRecord(name="liar", memory_limit=10 * GiB, discarded=-1))
     assert state_of(a) == before
+
+
+def test_a_swap_outs_event_counts_the_drops_reported_while_it_ran():
+    """Seen: the event log counted each discardable drop 256 MiB short (2.75 GiB where
+    status and metrics said 3 GiB): a progress report mid-swap-out took the first chunk
+    dropped, and the swap_out event counted only the drops since that report."""
+    from gpushare.core.actions import EventAction
+
+    clock = ManualClock()
+    a = arb(capacity=40 * GiB, clock=clock)
+    a.attach(1, AttachRecord(name="server", memory_limit=10 * GiB))
+    a.report(1, resident=4 * GiB, swapped=0)
+    a.report(1, resident=int(3.75 * GiB), swapped=0, discarded=GiB // 4)  # a progress report
+    out = a.swap_done(1, direction="out", nbytes=GiB, seconds=0.1, resident=0,
+                      swapped=GiB, discarded=3 * GiB)  # fmt: skip
+    (ev,) = [x.record for x in of(out, EventAction) if x.record["event"] == "swap_out"]
+    assert ev["discarded_bytes"] == 3 * GiB == a.sessions[1].totals.discarded_bytes
+    out = a.swap_done(1, direction="out", nbytes=0, seconds=0.0, resident=0,
+                      swapped=GiB, discarded=3 * GiB)  # fmt: skip
+    (ev,) = [x.record for x in of(out, EventAction) if x.record["event"] == "swap_out"]
+    assert ev.get("discarded_bytes") is None  # nothing dropped since: not counted twice

@@ -191,7 +191,12 @@ def test_a_server_of_several_processes_takes_turns_as_one_process_does(clock):
     one node is one holder, so it takes its turn as a single process does, paid from the
     session's credit, within its share."""
     a, s = light_server(clock, credit=0.8)
-    a.attach(3, name="worker", memory_limit=GiB // 2, gang=FAMILY, family=2, joins_family=True)
+    a.attach(
+        3,
+        AttachRecord(
+            name="worker", memory_limit=GiB // 2, gang=FAMILY, family=2, joins_family=True
+        ),
+    )
     assert s.rank.gang == FAMILY  # the server joined its family's gang
     clock.advance(0.95)
     out = a.acquire(2)

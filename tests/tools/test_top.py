@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from gpushare.core.clock import ManualClock
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import NodeConfig
+from gpushare.tools.ctl import show_status
 from gpushare.tools.top import render
 from gpushare.tools.top_model import ShareTracker
 from tests.support import sim, wait_until
@@ -306,12 +308,8 @@ def test_the_ranks_of_a_job_show_together_as_one_holder():
     assert "holder: job7 [r1]   queue: solo, job7 [(r0)]" in render(st, {}, 80)[3]
 
 
-def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
-    """Issue 28: an operator could not see why a server took no turns. Its credit, usual
-    burst and measured use are in its status row, top's JSON frame and the exporter."""
-    from gpushare.node.observe.metrics import Exposition
-    from gpushare.tools.top import frame_json
-
+def _a_server_after_one_turn() -> Node:
+    """A node whose server (session 2) took one turn ahead of a batch job."""
     clock = ManualClock()
     node = Node(NodeConfig(metrics_port=0), simulated_gpus(1, 80 * G), clock=clock)
     a = node.arbiters[0]
@@ -329,6 +327,17 @@ def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
     a.release(1, resident=G, swapped=0, again=True)
     clock.advance(0.3)
     a.release(2, resident=G, swapped=0)
+    return node
+
+
+def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
+    """Issue 28: an operator could not see why a server took no turns. Its credit, usual
+    burst and measured use are in its status row, top's JSON frame and the exporter."""
+    from gpushare.node.observe.metrics import Exposition
+    from gpushare.tools.top import frame_json
+
+    node = _a_server_after_one_turn()
+    a = node.arbiters[0]
     (row,) = [s for s in node.status().gpus[0].sessions if s.name == "server"]
     assert row.turns_total == 1 and row.usual_burst_seconds == pytest.approx(0.2)
     assert row.turn_credit_seconds == pytest.approx(a.sessions[2].share.credit)
@@ -342,3 +351,17 @@ def test_a_sessions_turn_figures_are_in_status_top_and_the_metrics():
     (line,) = [x for x in lines if x.startswith("gpushare_turn_credit_seconds{") and 'n="2"' in x]
     assert float(line.split()[-1]) == pytest.approx(row.turn_credit_seconds)
     assert any(x.startswith("gpushare_turns_total{") and 'n="2"' in x for x in lines)
+
+
+def test_a_sessions_turn_figures_are_in_the_text_of_top_and_ctl_status():
+    """Issue 40: credit and usual burst were in --json and the metrics only."""
+    st = _a_server_after_one_turn().status()
+    (row,) = [s for s in st.gpus[0].sessions if s.name == "server"]
+    text = "\n".join(render(st, {}, 80))
+    assert f"turns  server: credit {row.turn_credit_seconds:.2f} s, usual burst 0.20 s" in text
+    assert all(len(x) <= 80 for x in text.splitlines())
+    out = io.StringIO()
+    show_status(st, out)
+    head, srv = [x for x in out.getvalue().splitlines() if "CREDIT s" in x or " server " in x]
+    assert head.split()[-4:] == ["CREDIT", "s", "BURST", "s"]
+    assert srv.split()[-2:] == [f"{row.turn_credit_seconds:.2f}", "0.20"]

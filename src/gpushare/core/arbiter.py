@@ -433,6 +433,7 @@ class Arbiter:
         count("swap_done: discarded", discarded, s.memory.limit)
         check_error(error)
         now = self.clock.monotonic()
+        st.set_discarded(s, discarded)  # first: its swap_out event counts these drops too
         if error:
             if direction == "out" or prefetch:
                 if direction == "out":
@@ -442,9 +443,8 @@ class Arbiter:
             swap = SwapOut if direction == "out" else SwapIn
             st.out.emit(swap(session=sid, bytes=0, seconds=took, error=error))
         else:
-            dropped = max(0, discarded - s.memory.discarded) if direction == "out" else 0
+            dropped = st.take_dropped(s) if direction == "out" else 0
             st.count_swap(s, direction, nbytes, took, prefetch=bool(prefetch), dropped=dropped)
-        st.set_discarded(s, discarded)
         if prefetch:
             if prefetch == s.prefetch.seq:  # no later ask is out: counted at what it has
                 s.prefetch.moot()

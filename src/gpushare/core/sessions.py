@@ -54,6 +54,7 @@ class Memory:
     over_bound: bool = False  # escalated for this stretch over its bound, not asked for
     counted: int = 0  # its part of the ledger's running total (Ledger.recount)
     discarded: int = 0  # discardable bytes it dropped: made again, empty, at its grant
+    dropping: int = 0  # of those, dropped since its last swap_out event (counted there)
     reclaims: int = 0  # bursts given back (revoked for being above its request)
     reclaimed: int = 0  # bytes above its request it was asked to give back
 

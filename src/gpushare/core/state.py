@@ -69,7 +69,15 @@ class GpuState:
         m = s.memory
         if n > m.discarded:
             s.totals.discarded_bytes += n - m.discarded
+            m.dropping += n - m.discarded
         m.discarded = n
+
+    def take_dropped(self, s: SessionState) -> int:
+        """Drops counted since its last swap_out event, for the next one: a progress
+        report mid-swap-out takes some of them before the swap ends, and the event log
+        must add up to the totals."""
+        n, s.memory.dropping = s.memory.dropping, 0
+        return n
 
     def ask_swap_out(self, sid: int, n: int) -> None:
         s = self.sessions[sid]

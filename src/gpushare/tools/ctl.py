@@ -39,7 +39,7 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
         out.write(
             f"  {'ID':>4} {'NAME':<{w}} {'STATE':<15} {'RESIDENT':>10} {'SWAPPED':>10}"
             f" {'DISCARDED':>10} {'REQUEST':>10} {'LIMIT':>10} {'LEASE s':>8} {'WAIT s':>7}"
-            f" {'GRANTS':>6} {'RECLAIMED':>10}\n"
+            f" {'GRANTS':>6} {'RECLAIMED':>10} {'CREDIT s':>8} {'BURST s':>7}\n"
         )
         for s in g.sessions:
             state = s.state
@@ -52,7 +52,9 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f" {format_size(s.memory_request_bytes or s.memory_limit_bytes):>10}"
                 f" {format_size(s.memory_limit_bytes):>10} {s.lease_seconds_total:>8.1f}"
                 f" {s.wait_seconds_total:>7.1f} {s.grants_total:>6}"
-                f" {format_size(s.reclaimed_bytes_total):>10}\n"
+                f" {format_size(s.reclaimed_bytes_total):>10}"
+                # its interactive turns (docs/scheduling.md 3): why it takes them or not
+                f" {s.turn_credit_seconds:>8.2f} {s.usual_burst_seconds:>7.2f}\n"
             )
         if g.sessions_omitted:
             out.write(

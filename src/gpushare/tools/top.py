@@ -21,6 +21,7 @@ from gpushare.tools.admin import AdminClient
 from gpushare.tools.top_model import (
     BAR,
     NAME_W,
+    Row,
     ShareTracker,
     bar,
     cut,
@@ -62,7 +63,22 @@ def render(status: NodeStatus, shares: dict[tuple[int, int], float], width: int)
             )
         if not g.sessions:
             lines.append("  no sessions")
+        lines += turn_lines(by_gpu[g.index], width)
     return lines
+
+
+def turn_lines(gpu_rows: list[Row], width: int) -> list[str]:
+    """Its interactive turns' figures, one line per session that has any: the frame's
+    columns are full at 80, and these say why a server takes turns or does not."""
+    return [
+        cut(
+            f"  turns  {r.who}: credit {r.turn_credit_seconds:.2f} s,"
+            f" usual burst {r.usual_burst_seconds:.2f} s",
+            width,
+        )
+        for r in gpu_rows
+        if r.turn_credit_seconds or r.usual_burst_seconds
+    ]
 
 
 def frame_json(status: NodeStatus, shares: dict[tuple[int, int], float]) -> dict[str, Any]:
