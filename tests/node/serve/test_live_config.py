@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
+import types
 
 import gpushare
 from gpushare import protocol as p
@@ -181,3 +184,34 @@ async def test_an_edit_the_state_file_overrides_is_said_once(node, caplog):
     cfg.write_text("tq = 45.0\n")
     await node.until(lambda: "tq changed, not applied" in caplog.text)
     assert "(ctl --persist) wins over the file" in caplog.text and tqs(node) == [20]
+
+
+@in_process(files={"config": "tq = 30.0\n", "state": None})
+async def test_a_persist_waiting_for_the_disk_holds_up_no_other_request(node, monkeypatch):
+    # The file's fsync slowed as a disk being filled beside the node makes it: until the
+    # test lets it go, a status asked meanwhile must still be answered (it was not: the
+    # write ran on the loop, and everything waited behind it).
+    from gpushare.node.keep import config as keep_config
+
+    release, entered, left = threading.Event(), threading.Event(), threading.Event()
+    real = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        entered.set()
+        release.wait(10)  # real seconds: bounds the test if the loop is the one waiting
+        left.set()
+        real(fd)
+
+    # the config file's module only: the session records' writes keep the real one
+    monkeypatch.setattr(
+        keep_config, "os", types.SimpleNamespace(**{**vars(os), "fsync": slow_fsync})
+    )
+    setting = asyncio.ensure_future(node.ask(p.SetConfig(tq_s=20, persist=True)))
+    await node.until(entered.is_set)
+    status = await node.ask(p.StatusRequest())
+    answered_while_writing = not left.is_set()
+    release.set()
+    r = await setting
+    assert answered_while_writing and isinstance(status, p.StatusReply)
+    assert isinstance(r, p.ConfigReply) and r.persisted_to == str(node.dir / "state.toml")
+    assert "tq = 20" in (node.dir / "state.toml").read_text() and tqs(node) == [20]

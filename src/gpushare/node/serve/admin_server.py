@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from gpushare import protocol as p
 from gpushare.core.arbiter import Arbiter, ArbiterError
@@ -55,6 +58,7 @@ class AdminServer:
         self.status, self.clock = status, clock
         self.status_frames = StatusFrames(status, clock.monotonic)
         self.open = 0  # connections now
+        self._files: ThreadPoolExecutor | None = None  # one write at a time, in order
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -101,7 +105,10 @@ class AdminServer:
         if isinstance(msg, p.StatusRequest):  # bounded in cost (snapshot.py)
             conn.write(await self.status_frames.take())
         elif isinstance(msg, p.SetConfig):
-            conn.send(self.set_config(msg))
+            reply = self.set_config(msg)
+            if msg.persist and isinstance(reply, p.ConfigReply):
+                reply = await self.persist(msg, reply)
+            conn.send(reply)
         elif isinstance(msg, p.EndSession):
             conn.send(self.end_session(msg))
         elif isinstance(msg, p.Hello):
@@ -122,6 +129,7 @@ class AdminServer:
         return p.Done(message=f"session {m.session} ended")
 
     def set_config(self, m: p.SetConfig) -> p.Message:
+        """``m`` applied live; :meth:`persist` writes it to the file after."""
         if m.gpu is not None and not 0 <= m.gpu < len(self.arbiters):
             n = len(self.arbiters)
             message = f"no GPU {m.gpu} on this node (it has {n}: --gpu 0..{n - 1})"
@@ -147,12 +155,6 @@ class AdminServer:
                 s.mode,
                 s.policy,
             )
-        persisted = ""
-        if m.persist:
-            try:
-                persisted = self.live.persist(m.gpu, change)
-            except NotPersisted as e:
-                return p.Error(code="persist", message=str(e))
         return p.ConfigReply(
             gpus=[
                 p.GpuConfig(
@@ -164,8 +166,23 @@ class AdminServer:
                 )
                 for a in targets
             ],
-            persisted_to=persisted,
         )
+
+    async def persist(self, m: p.SetConfig, reply: p.ConfigReply) -> p.Message:
+        """``m``'s change (applied live already) written to the node's file: on a
+        thread of its own, one at a time (each reads, edits and writes the file), by
+        ``run_in_executor`` (which virtual time waits for, as for the records). The
+        write ends in an fsync (seconds while a checkpoint
+        fills the disk beside the node), and no grant may wait behind it."""
+        change = validate(tq_s=m.tq_s, mode=m.mode, policy=m.policy, escalation=m.escalation)
+        try:
+            if self._files is None:
+                self._files = ThreadPoolExecutor(1, thread_name_prefix="gpushare-config")
+            loop = asyncio.get_running_loop()
+            persisted = await loop.run_in_executor(self._files, self.live.persist, m.gpu, change)
+        except NotPersisted as e:
+            return p.Error(code="persist", message=str(e))
+        return msgspec.structs.replace(reply, persisted_to=persisted)
 
     async def serve_events(
         self, conn: Conn, m: p.EventsRequest, reader: asyncio.StreamReader
