@@ -153,6 +153,7 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     hung = parts.pop("swap")
     assert hung["status"] == "timeout" and 5 <= hung["seconds"] < 60, hung
     assert parts.pop("tms")["status"] == "skipped"  # needs CUDA: said, not failed
+    assert parts.pop("bounds")["status"] == "skipped"  # needs a GPU: said in one line
     bad = {n: p for n, p in parts.items() if p["status"] != "ok"}
     assert not bad, json.dumps(bad, indent=1)
     assert all(p["seconds"] > 0 for p in parts.values())

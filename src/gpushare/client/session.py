@@ -164,8 +164,8 @@ def attach_with(
         pod_uid=env.pod_uid,
         fills=True,
         prefetch=True,
-        grows=True,  # the sim backend asks before it grows past a bound (a node lends
-        # bounds only on simulated GPUs: the torch backend's allocator cannot wait yet)
+        grows=True,  # both backends ask before they grow past a bound (sim: in allocate;
+        # torch: the allocator library's gs_on_grow hook), so the node may lend bounds
         **gang_fields(),  # a rank of a distributed job: granted with the others
         family=family,
     )

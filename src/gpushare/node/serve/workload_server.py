@@ -489,7 +489,9 @@ class WorkloadServer:
             name=name,
             memory_limit=limit,
             memory_request=request,
-            grows=h.grows and g.simulated,
+            # Real GPUs too: the torch allocator asks first (gs_on_grow). One that has
+            # more without asking is revoked (docs/scheduling.md 6).
+            grows=h.grows,
             sharing=sharing,
             compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
             workload=bucket_of(conn.uid, identity, name),
