@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.tools.demo import wait_for_socket
-from handoff import start_node
+from handoff import start_node, workload_results
 
 
 def run_arm(tmp: Path, arm: str, seconds: float) -> dict[str, Any]:
@@ -43,12 +43,7 @@ def run_arm(tmp: Path, arm: str, seconds: float) -> dict[str, Any]:
             )
             for c in cmds
         ]
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=seconds * 20 + 120)
-            if p.returncode != 0:
-                raise SystemExit(f"benchmarks/growth.py: a workload failed: {err[-800:]}")
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs = workload_results(procs, seconds * 20 + 120, "benchmarks/growth.py")
     finally:
         node.terminate()
         node.wait(timeout=30)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import gpushare
 from gpushare.tools.demo import wait_for_socket
@@ -79,6 +80,20 @@ def start_node(
         ],
         env=env,
     )
+
+
+def workload_results(
+    procs: list[subprocess.Popen[str]], timeout: float, who: str
+) -> list[dict[str, Any]]:
+    """Each ``gpushare.tools.workloads`` process's figures (its last line, JSON), once it
+    ends; one that fails ends the benchmark ``who`` with its error's tail."""
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise SystemExit(f"{who}: a workload failed: {err[-800:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
 
 
 def run_handoff(n: int, active: int, total: int, tmp: Path) -> dict[str, float]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.tools.demo import wait_for_socket
-from handoff import start_node
+from handoff import start_node, workload_results
 
 GIB = 2**30
 SESSIONS = 4
@@ -71,12 +71,7 @@ def run_arm(tmp: Path, arm: str, seconds: float, tq: float, seed0: int) -> dict[
             procs.append(
                 subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=seconds * 20 + 120)
-            if p.returncode != 0:
-                raise SystemExit(f"benchmarks/requests.py: a workload failed: {err[-800:]}")
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs = workload_results(procs, seconds * 20 + 120, "benchmarks/requests.py")
     finally:
         node.terminate()
         node.wait(timeout=30)

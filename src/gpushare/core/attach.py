@@ -67,9 +67,7 @@ def check(
     on GPU ``gpu``); :class:`FieldError` names the figure and the fix."""
     if attached:
         raise ArbiterError(f"session {sid} is already attached")
-    limit = rec.memory_limit
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise FieldError(f"memory_limit must be a positive number of bytes, not {limit!r}")
+    limit = _positive_bytes("memory_limit", rec.memory_limit)
     if limit > capacity:
         raise FieldError(
             f"memory limit {format_size(limit)} is more than GPU {gpu}'s usable"
@@ -108,14 +106,19 @@ def _check_request(request: int | None, limit: int) -> int:
     """A memory request: bytes, at most the limit (checked after the limit)."""
     if request is None:
         return limit
-    if isinstance(request, bool) or not isinstance(request, int) or request <= 0:
-        raise FieldError(f"memory_request must be a positive number of bytes, not {request!r}")
+    request = _positive_bytes("memory_request", request)
     if request > limit:
         raise FieldError(
             f"memory request {format_size(request)} is more than the memory limit"
             f" {format_size(limit)}: ask for a limit at least as large as the request"
         )
     return request
+
+
+def _positive_bytes(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise FieldError(f"{what} must be a positive number of bytes, not {value!r}")
+    return value
 
 
 def _check_compute_limit(limit: float | None) -> float:
