@@ -5,8 +5,8 @@ In mode ``exclusive`` the GPU is one session's (or one gang's) at a time; in mod
 (a request is the limit unless the session gave a smaller one). A grant is made only
 when the grantee's bound (core/ledger.bound_for) fits beside everyone's count
 (core/planner.py's rule); when it does not, the planner asks for swap-outs (bytes above
-requests first), a holder that holds memory lent above its request gives it back (a
-revoke, reason ``reclaim``), and a client that can fill is granted at once into what is
+requests first), a holder that holds memory lent above its request gives it back
+(core/lending.py), and a client that can fill is granted at once into what is
 free and what those swap-outs free. Nothing is granted
 during a node's recovery window, while a verified claim has not yielded, or while the
 GPU is kept for a gang on several GPUs (core/coordinator.py).
@@ -14,11 +14,10 @@ GPU is kept for a gang on several GPUs (core/coordinator.py).
 
 from __future__ import annotations
 
-from gpushare.core import growth
+from gpushare.core import growth, lending
 from gpushare.core.caps import Caps
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
-from gpushare.core.events import Reclaim
 from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
 from gpushare.core.ledger import bound_for
@@ -128,8 +127,8 @@ class Admission:
             if head is None or head.rank.parked:  # (parked: its gang yields, not free yet)
                 return
             granted = self._grant_head(head)
-            if not granted:
-                self._reclaim_for(head)
+            if not granted:  # memory lent above requests comes back for it (rule 6)
+                lending.reclaim_for(st, head, self.leases.revoke)
                 self._grant_beside_grower(head)
                 return
             if head.rank.gang:  # its peers that ask join it
@@ -191,39 +190,3 @@ class Admission:
             self.leases.grant(s, resume=True)
         else:
             self.claims.tell_to_yield(s, lease, verified=True)
-
-    def _reclaim_for(self, head: SessionState) -> None:
-        """``head`` waits for memory while the requests fit (mode auto): holders whose
-        memory above their request was lent from what was free give it back at their
-        next safe point (a revoke; the planner then asks for those bytes first), the
-        most lent first, until the holders left fit beside the head. A holder that won
-        its memory by the quanta's rotation keeps its quantum (docs/scheduling.md)."""
-        st = self.st
-        lent = [
-            h
-            for h in map(st.sessions.__getitem__, st.holders)
-            if h.memory.lent and h.state is State.HOLDING
-        ]
-        if not lent or head.mode_of(st.settings.mode) != "auto":
-            return
-        over = st.used_bytes() - head.used + bound_for(head, st.settings.mode) - st.capacity
-        now = st.now()
-        for h in sorted(lent, key=lambda h: (h.memory.guaranteed - h.memory.held, h.id)):
-            if over <= 0:
-                break
-            m = h.memory
-            back = m.held - m.guaranteed
-            over -= back
-            m.lent = False
-            m.reclaims += 1
-            m.reclaimed += back
-            st.out.emit(
-                Reclaim(
-                    session=h.id,
-                    lent_bytes=back,
-                    request_bytes=m.guaranteed,
-                    resident_bytes=m.resident,
-                    waiting_session=head.id,
-                )
-            )
-            self.leases.revoke(h, now, reason="reclaim")

@@ -9,21 +9,21 @@ The arbiter keeps the inputs and the decision loop (:meth:`Arbiter._decide`): gr
 revokes and the queue. Each rule of docs/scheduling.md lives beside its own state, in a
 module named for it, and is called from here: the window a quantum waits for its holder
 (core/window.py), prefetch (core/prefetch.py), interactive turns (core/turns.py),
-shares and deficit accounting (core/shares.py), gangs (core/gangs.py); and beside
-them counted memory (core/ledger.py), deadlines (core/deadlines.py), escalation
-(core/escalation.py), recovery claims (core/claims.py) and the checks of what a
-client says (core/checks.py).
+shares and deficit accounting (core/shares.py), gangs (core/gangs.py), memory lent
+above a request and given back (core/lending.py), families (core/families.py); and
+beside them counted memory (core/ledger.py), deadlines (core/deadlines.py, and every
+rule's next one in core/timers.py), escalation (core/escalation.py), recovery claims
+(core/claims.py) and the checks of what a client says (core/checks.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
-from gpushare.core import caps, families
-from gpushare.core.actions import Action, LimitsAction, Outbox
+from gpushare.core import caps, lending
+from gpushare.core.actions import Action, Outbox
 from gpushare.core.admission import Admission
 from gpushare.core.attach import AttachRecord, Checked, check
 from gpushare.core.caps import Caps
@@ -39,6 +39,7 @@ from gpushare.core.claims import Claims
 from gpushare.core.clock import Clock
 from gpushare.core.escalation import Escalation
 from gpushare.core.events import Attach, Config, Detach, Release, SwapIn, SwapOut
+from gpushare.core.families import Families
 from gpushare.core.gangs import Gangs
 from gpushare.core.leases import Leases
 from gpushare.core.ledger import Ledger
@@ -46,6 +47,7 @@ from gpushare.core.prefetch import plan_prefetch
 from gpushare.core.sessions import Memory, SessionState, State
 from gpushare.core.shares import Shares
 from gpushare.core.state import GpuState
+from gpushare.core.timers import Timers
 from gpushare.core.turns import Turns
 from gpushare.core.window import Window
 from gpushare.settings import Change, GpuSettings, SettingsError, validate
@@ -98,6 +100,8 @@ class Arbiter:
             self.st, self.shares, self.turns, self.gangs, self.claims, self.escalation, lease_base
         )
         self.caps = Caps(self.st)
+        self.families = Families(self.st, self.gangs)
+        self.timers = Timers(self.st, self.claims, self.window, self.gangs, self.caps, self.turns)
         self.admission = Admission(
             self.st, self.leases, self.gangs, self.claims, self.window, self.escalation, self.caps
         )
@@ -175,19 +179,14 @@ class Arbiter:
         does not within the grace period. A member joining a family takes its memory out
         of that session's limit (core/families.py)."""
         st = self.st
-        head = st.get(rec.family) if rec.joins_family else None
-        cut = families.split(head, rec.memory_limit) if head is not None else None
-        if cut is not None:
-            rec = replace(rec, memory_limit=cut.limit, memory_request=cut.request or cut.limit)
+        joining = self.families.joining(rec)  # a member: its part of its session's limit
+        rec = joining.rec if joining is not None else rec
         used, attached = self.used_bytes(), sid in st.sessions
         c = check(sid, rec, attached=attached, used=used, capacity=self.capacity, gpu=self.gpu)
-        self._check_gang(head, rec.gang, c.limit, rec.spans_nodes)
+        self.families.check_gang(joining, rec, c.limit)
         s = self._new_session(sid, rec, c)
-        if head is not None and cut is not None:
-            s.rank.took = cut.took
-            self._left_to(head, cut.head_limit, cut.head_request)
-            if not head.rank.gang:
-                self.gangs.join(head, rec.gang, 0, False)
+        if joining is not None:
+            self.families.joined(joining, s)
         if rec.gang:
             self.gangs.join(s, rec.gang, rec.gang_size, rec.spans_nodes)
         st.out.emit(
@@ -238,25 +237,6 @@ class Arbiter:
         else:
             self.admission.resume_or_yield(s, lease)
 
-    def _check_gang(
-        self, head: SessionState | None, gang: str, limit: int, spans_nodes: bool
-    ) -> None:
-        """The gang a session joins can hold the GPU with it. A family's limits add up to
-        what its session had: checked as they were (the session's whole limit where the
-        session is not in the gang yet)."""
-        if head is None:
-            self.gangs.check(gang, limit, spans_nodes)
-            return
-        families.check_join(head, gang)
-        if head.rank.gang != gang:
-            self.gangs.check(gang, head.memory.limit, spans_nodes)
-
-    def _left_to(self, head: SessionState, limit: int, request: int) -> None:
-        """A family's session has a new limit and request (a member joined or left)."""
-        families.give(head.memory, limit, request)
-        self.st.ledger.recount(head)
-        self.st.out.act(LimitsAction(head.id, limit, request))
-
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
         knew are back, or the window ended). Leases claimed meanwhile wait for the end."""
@@ -294,9 +274,7 @@ class Arbiter:
         st.ledger.weigh(s.weight, -1)
         if s.rank.gang:
             self.gangs.leave(s)
-        head = st.sessions.get(s.rank.family)
-        if head is not None:  # what it took of its session's limit goes back
-            self._left_to(head, *families.back(head, s))
+        self.families.left(s)  # what it took of its session's limit goes back
         st.out.emit(Detach(session=sid, reason=reason, freed_bytes=s.memory.resident))
         return self._decide()
 
@@ -462,38 +440,18 @@ class Arbiter:
         """The session's memory now (``discarded``: discardable bytes it dropped, neither
         on the GPU nor in host memory). Resident bytes over its limit are the workload's
         own word that it broke the limit: escalated (once per stretch), the figures the
-        node keeps unchanged."""
+        node keeps unchanged. A holder past its grant's bound: core/lending.py."""
         s = self.st.get(sid)
         count("report: resident", resident, MAX_COUNT)
         count("report: swapped", swapped, s.memory.limit)
         if resident <= s.memory.limit:
             self.st.ledger.check_figures(s, "report", resident, swapped + discarded)
             count("report: discarded", discarded, s.memory.limit)
-            self._past_bound(s, resident)
+            lending.past_bound(self.st, s, resident, self.leases.revoke)
             self.st.set_discarded(s, discarded)
             self.st.set_memory(s, resident, swapped)
         self.escalation.check_limit(s, resident, "resident_bytes")
         return self._decide()
-
-    def _past_bound(self, s: SessionState, resident: int) -> None:
-        """A holder with more than its grant lent, without asking (not the protocol): its
-        bound grows to what it has where that fits (as an ask would have been answered);
-        else it gives the GPU back at its next safe point (revoked, reason
-        ``over_memory_bound``, once per stretch; the count keeps its bound: what it was
-        lent). Memory within the limit is never a reason to end or escalate a session
-        (docs/scheduling.md 6): only not yielding then is, as for any revoke."""
-        m = s.memory
-        if not (s.holding and m.bound and resident > m.held):
-            m.over_bound = False
-            return
-        st = self.st
-        if st.used_bytes() - s.used + resident <= st.capacity:
-            m.bound = resident if resident < m.limit else 0
-            st.ledger.recount(s)
-        elif not m.over_bound:
-            m.over_bound = True
-            if s.state is State.HOLDING:
-                self.leases.revoke(s, self.clock.monotonic(), reason="over_memory_bound")
 
     def over_limit(self, sid: int, *, used: int) -> list[Action]:
         """The GPU itself (NVML) says the session uses ``used`` bytes."""
@@ -602,7 +560,7 @@ class Arbiter:
         lease, ls.number = ls.number, 0
         s.esc.escalated = False
         window = 0.0
-        m.lent = False
+        lending.returned(m)
         if grow and not revoked and not s.share.resume_s:  # yielded to grow: the rest of its
             left = ls.quantum_end - now  # quantum next, ahead of the queue
             s.share.resume_s = max(0.0, left) if math.isfinite(left) else ls.quantum_len
@@ -630,39 +588,7 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (monotonic seconds), if ever."""
-        times = self._holder_deadlines()
-        if self._retry_matters():
-            # a plan (or a filling holder) waiting on a failed swap: look again at retry
-            retry = self.st.deadlines.next_retry(self.st.sessions)
-            if retry is not None:
-                times.append(retry)
-        return min(times, default=None)
-
-    def _retry_matters(self) -> bool:
-        st = self.st
-        return bool(st.queue) or any(st.sessions[h].memory.room for h in st.holders)
-
-    def _holder_deadlines(self) -> list[float]:
-        """Every deadline but the swap retries' (those are kept in a heap)."""
-        st = self.st
-        times = []
-        for sid in st.holders:
-            s = st.sessions[sid]
-            if s.state is State.HOLDING:
-                if not math.isinf(s.lease.quantum_end):  # a filling holder's quantum waits
-                    times.append(s.lease.quantum_end)
-            elif not s.esc.escalated:
-                times.append(s.lease.revoke_deadline)
-        # non-holders: a swap-out asked of them, a claimed lease they were told to yield
-        times += st.deadlines.swap_outs(st.sessions)
-        times += self.claims.deadlines()
-        w = self.window.deadline()
-        if w is not None:
-            times.append(w)
-        times += self.gangs.deadlines()
-        times += self.caps.deadlines()
-        times += self.turns.deadlines()
-        return times
+        return self.timers.next()
 
     def verify(self) -> None:
         """Check the running totals against scans of every session (O(sessions): for
@@ -674,17 +600,7 @@ class Arbiter:
         wrong += self.claims.verify()
         wrong += self.window.verify()
         wrong += self.caps.verify()
-        times = self._holder_deadlines()
-        if self._retry_matters():
-            now = st.deadlines.advanced  # retries due since the rules last ran are due still
-            times += [
-                s.esc.swap_failed_until
-                for s in st.sessions.values()
-                if s.esc.swap_failed_until > now
-            ]
-        scanned, kept = min(times, default=None), self.next_deadline()
-        if kept != scanned:
-            wrong.append(f"next deadline {kept}, scan {scanned}")
+        wrong += self.timers.verify()
         if wrong:
             raise AssertionError(f"GPU {self.gpu}: {wrong[0]}")
 

@@ -21,14 +21,20 @@ members' gang and each member's :attr:`~gpushare.core.sessions.Rank.family`):
   the member detaches, what it took goes back to its session, if that is still here.
   So a family never counts for more than the one limit its pod asked for, and the GPU's
   totals stay as they were.
+
+:class:`Families` is what the arbiter's ``attach`` and ``detach`` call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
+from gpushare.core.actions import LimitsAction
+from gpushare.core.attach import AttachRecord
 from gpushare.core.checks import ArbiterError
 from gpushare.core.sessions import Memory, SessionState
+from gpushare.core.state import GpuState
 from gpushare.units import format_size
 
 
@@ -142,3 +148,69 @@ def back(head: SessionState, member: SessionState) -> tuple[int, int]:
         return limit, 0
     request = h.guaranteed + member.rank.took
     return limit, request if request < limit else 0
+
+
+@dataclass(frozen=True)
+class Joining:
+    """A member joining ``head``: its record with its part of the session's limit and
+    request, and the session's after."""
+
+    head: SessionState
+    cut: Split
+    rec: AttachRecord
+
+
+class Gangs(Protocol):
+    """What a family needs of core/gangs.py's :class:`~gpushare.core.gangs.Gangs` (a
+    layer above this one: passed in, not imported)."""
+
+    def check(self, key: str, limit: int, spans_nodes: bool) -> None: ...
+    def join(self, s: SessionState, key: str, size: int, spans_nodes: bool) -> None: ...
+
+
+class Families:
+    """A member's limits taken out of its session's at attach, given back at detach."""
+
+    def __init__(self, st: GpuState, gangs: Gangs) -> None:
+        self.st, self.gangs = st, gangs
+
+    def joining(self, rec: AttachRecord) -> Joining | None:
+        """The member's part of its session's limit (None: ``rec`` joins no family now);
+        :class:`ArbiterError` where the session has none to give."""
+        if not rec.joins_family:
+            return None
+        head = self.st.get(rec.family)
+        cut = split(head, rec.memory_limit)
+        member = replace(rec, memory_limit=cut.limit, memory_request=cut.request or cut.limit)
+        return Joining(head, cut, member)
+
+    def check_gang(self, j: Joining | None, rec: AttachRecord, limit: int) -> None:
+        """The gang a session joins can hold the GPU with it. A family's limits add up to
+        what its session had: checked as they were (the session's whole limit where the
+        session is not in the gang yet)."""
+        if j is None:
+            self.gangs.check(rec.gang, limit, rec.spans_nodes)
+            return
+        check_join(j.head, rec.gang)
+        if j.head.rank.gang != rec.gang:
+            self.gangs.check(rec.gang, j.head.memory.limit, rec.spans_nodes)
+
+    def joined(self, j: Joining, s: SessionState) -> None:
+        """The member ``s`` is attached: its session keeps the rest, in the family's gang."""
+        s.rank.took = j.cut.took
+        self._left_to(j.head, j.cut.head_limit, j.cut.head_request)
+        if not j.head.rank.gang:
+            self.gangs.join(j.head, j.rec.gang, 0, False)
+
+    def left(self, s: SessionState) -> None:
+        """``s`` detached: what it took of its session's limit goes back (if the session
+        is still here)."""
+        head = self.st.sessions.get(s.rank.family)
+        if head is not None:
+            self._left_to(head, *back(head, s))
+
+    def _left_to(self, head: SessionState, limit: int, request: int) -> None:
+        """A family's session has a new limit and request (a member joined or left)."""
+        give(head.memory, limit, request)
+        self.st.ledger.recount(head)
+        self.st.out.act(LimitsAction(head.id, limit, request))
