@@ -152,10 +152,10 @@ def back(head: SessionState, member: SessionState) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Joining:
-    """A member joining ``head``: its record with its part of the session's limit and
-    request, and the session's after."""
+    """A member joining session ``parent``: its record with its part of the session's
+    limit and request, and the session's after."""
 
-    head: SessionState
+    parent: SessionState
     cut: Split
     rec: AttachRecord
 
@@ -179,10 +179,10 @@ class Families:
         :class:`ArbiterError` where the session has none to give."""
         if not rec.joins_family:
             return None
-        head = self.st.get(rec.family)
-        cut = split(head, rec.memory_limit)
+        parent = self.st.get(rec.family)
+        cut = split(parent, rec.memory_limit)
         member = replace(rec, memory_limit=cut.limit, memory_request=cut.request or cut.limit)
-        return Joining(head, cut, member)
+        return Joining(parent, cut, member)
 
     def check_gang(self, j: Joining | None, rec: AttachRecord, limit: int) -> None:
         """The gang a session joins can hold the GPU with it. A family's limits add up to
@@ -191,26 +191,26 @@ class Families:
         if j is None:
             self.gangs.check(rec.gang, limit, rec.spans_nodes)
             return
-        check_join(j.head, rec.gang)
-        if j.head.rank.gang != rec.gang:
-            self.gangs.check(rec.gang, j.head.memory.limit, rec.spans_nodes)
+        check_join(j.parent, rec.gang)
+        if j.parent.rank.gang != rec.gang:
+            self.gangs.check(rec.gang, j.parent.memory.limit, rec.spans_nodes)
 
     def joined(self, j: Joining, s: SessionState) -> None:
         """The member ``s`` is attached: its session keeps the rest, in the family's gang."""
         s.rank.took = j.cut.took
-        self._left_to(j.head, j.cut.head_limit, j.cut.head_request)
-        if not j.head.rank.gang:
-            self.gangs.join(j.head, j.rec.gang, 0, False)
+        self._left_to(j.parent, j.cut.head_limit, j.cut.head_request)
+        if not j.parent.rank.gang:
+            self.gangs.join(j.parent, j.rec.gang, 0, False)
 
     def left(self, s: SessionState) -> None:
         """``s`` detached: what it took of its session's limit goes back (if the session
         is still here)."""
-        head = self.st.sessions.get(s.rank.family)
-        if head is not None:
-            self._left_to(head, *back(head, s))
+        parent = self.st.sessions.get(s.rank.family)
+        if parent is not None:
+            self._left_to(parent, *back(parent, s))
 
-    def _left_to(self, head: SessionState, limit: int, request: int) -> None:
+    def _left_to(self, parent: SessionState, limit: int, request: int) -> None:
         """A family's session has a new limit and request (a member joined or left)."""
-        give(head.memory, limit, request)
-        self.st.ledger.recount(head)
-        self.st.out.act(LimitsAction(head.id, limit, request))
+        give(parent.memory, limit, request)
+        self.st.ledger.recount(parent)
+        self.st.out.act(LimitsAction(parent.id, limit, request))

@@ -6,8 +6,9 @@ holders are few: read from them), the swap-outs asked of non-holders and the ret
 after a failed swap (core/deadlines.py keeps those as running totals, as they grow with
 the sessions), the claims told to yield (core/claims.py), the window (core/window.py),
 the gangs' regroups (core/gangs.py), the compute buckets (core/caps.py) and the turns
-(core/turns.py). A rule with a new deadline adds it here. :meth:`Timers.verify` checks
-that earliest against a scan of every session.
+(core/turns.py). A rule with a new deadline adds it here: the module sits just below
+the arbiter (core-layers), so it may read any rule's, admission's too.
+:meth:`Timers.verify` checks that earliest against a scan of every session.
 """
 
 from __future__ import annotations
