@@ -52,14 +52,9 @@ from typing import Any
 from gpushare.client.swap import shim
 from gpushare.client.swap.base import NO_HOOKS, SwapHooks, SwapResult
 from gpushare.client.swap.cuda import CudaDriver, self_test
+from gpushare.client.swap.host import host_memory_available
 from gpushare.client.swap.vllm_sleep import SleepModeFinder
-from gpushare.client.swap.vmm import (
-    PIECE_BYTES,
-    Discardable,
-    IdleWaiter,
-    VmmBackend,
-    host_memory_available,
-)
+from gpushare.client.swap.vmm import PIECE_BYTES, Discardable, IdleWaiter, VmmBackend
 from gpushare.errors import GpushareError, SwapError
 from gpushare.units import parse_size
 
