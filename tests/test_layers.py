@@ -144,6 +144,20 @@ def test_every_module_of_the_tree_is_mapped_in_the_architecture_doc() -> None:
     assert not gone, f"docs/architecture.md maps modules that are not in the tree: {gone}"
 
 
+def test_each_rule_of_the_scheduling_doc_names_its_code_and_the_code_is_there() -> None:
+    # docs/scheduling.md: each numbered rule opens with a "*The code:" line; a module moved
+    # or renamed (core/arbiter.py's rules were, into modules of their own) fails here.
+    doc = REPO / "docs" / "scheduling.md"
+    sections = re.split(r"\n## ", doc.read_text())[1:]
+    rules = {s.split("\n", 1)[0]: s for s in sections if re.match(r"\d+\. ", s)}
+    assert len(rules) >= 8, sorted(rules)
+    for title, text in rules.items():
+        first = text.split("\n\n", 2)[1]
+        assert first.startswith("*The code: "), f"## {title}: no '*The code:' line first"
+        for link in re.findall(r"\]\((\.\./[^)#]+)\)", first):
+            assert (doc.parent / link).resolve().exists(), f"## {title}: {link} is gone"
+
+
 def node_tables() -> dict[str, set[str]]:
     """docs/architecture.md's "The node": the modules in each room's table, by room (""
     for the table of those loose in node/)."""

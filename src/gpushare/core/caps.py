@@ -1,4 +1,4 @@
-"""Compute limits (docs/scheduling.md 6, "Compute"): a session's share of GPU time capped,
+"""Compute limits (docs/scheduling.md 8): a session's share of GPU time capped,
 even when the GPU would otherwise idle (KAI's proposed min-max compute, issue 2191).
 
 A session with compute limit ``c`` (a fraction in (0, 1]) has a bucket of GPU seconds:
