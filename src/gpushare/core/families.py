@@ -160,7 +160,7 @@ class Joining:
     rec: AttachRecord
 
 
-class Gangs(Protocol):
+class GangRules(Protocol):
     """What a family needs of core/gangs.py's :class:`~gpushare.core.gangs.Gangs` (a
     layer above this one: passed in, not imported)."""
 
@@ -171,7 +171,7 @@ class Gangs(Protocol):
 class Families:
     """A member's limits taken out of its session's at attach, given back at detach."""
 
-    def __init__(self, st: GpuState, gangs: Gangs) -> None:
+    def __init__(self, st: GpuState, gangs: GangRules) -> None:
         self.st, self.gangs = st, gangs
 
     def joining(self, rec: AttachRecord) -> Joining | None:
