@@ -4,6 +4,7 @@ errors. Against a real API server and real kubectl: tests/cluster/test_gpusharen
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpushare.core.attach import AttachRecord
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import load
@@ -149,3 +151,23 @@ def test_a_server_not_there_says_check_cluster_info(tmp_path):
     r = plugin(kubeconfig(tmp_path, port), "status")
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "cannot reach the API server" in r.stderr and "kubectl cluster-info" in r.stderr
+
+
+def test_top_shows_each_sessions_memory_request_beside_its_limit():
+    with tempfile.TemporaryDirectory(prefix="gs-") as d:
+        cfg = load(None, None, {"socket": f"{d}/w.sock", "admin_socket": f"{d}/a.sock"})
+        node = Node(cfg, simulated_gpus(1, 8 * 2**30))
+        node.arbiters[0].attach(
+            1, AttachRecord(name="lends", memory_limit=4 * 2**30, memory_request=2**30)
+        )
+        o = {"metadata": {"name": "a"}, "status": status_body("a", node.status(), [], 1, 1e9)}
+
+    def cells() -> dict[str, str]:
+        head, row = top_table([o], 1e9).split("\n\n", 1)[1].splitlines()
+        return dict(zip(head.split(), re.split(r" {3,}", row), strict=True))
+
+    row = cells()
+    assert (row["REQUEST"], row["LIMIT"]) == ("1.0 GiB", "4.0 GiB"), row
+    # a node's object from before the request was published: "-", not a malformed row
+    del o["status"]["sessions"][0]["memoryRequest"]
+    assert (cells()["REQUEST"], cells()["LIMIT"]) == ("-", "4.0 GiB")

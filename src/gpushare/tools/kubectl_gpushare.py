@@ -248,6 +248,7 @@ def top_table(objs: Sequence[dict[str, Any]], now: float) -> str:
             "CONTAINER",
             "STATE",
             "FRACTION",
+            "REQUEST",
             "LIMIT",
             "RESIDENT",
             "SWAPPED",
@@ -283,6 +284,7 @@ def _top_rows(o: dict[str, Any], name: str, now: float) -> tuple[list[list[objec
                 s.get("container") or "-",
                 ("*" if s["id"] in holders else "") + s["state"],
                 f"{s['fraction']:g}" if "fraction" in s else "-",
+                s.get("memoryRequest", "-"),  # "-": a node from before it was published
                 s["memoryLimit"],
                 format_size(int(s["residentBytes"])),
                 format_size(int(s["swappedBytes"])),
