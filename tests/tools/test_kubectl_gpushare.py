@@ -4,6 +4,8 @@ errors. Against a real API server and real kubectl: tests/cluster/test_gpusharen
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -11,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from gpushare.core.attach import AttachRecord
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import load
 from gpushare.node.kube.node_status import status_body
 from gpushare.tools.kubectl_gpushare import PluginError, age, pod_ref, status_table, top_table
+from tests.node.kube.apiserver import api_status, kubeconfig, serving
 
 
 def obj(name: str, gpus: int, tq: float) -> dict:
@@ -99,3 +103,71 @@ def test_a_bad_top_interval_is_one_line_not_a_traceback(interval):
     )  # fmt: skip
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "--interval" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture
+def server():
+    with serving() as s:
+        yield s
+
+
+def plugin(kubeconfig_file: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpushare.tools.kubectl_gpushare", "--kubeconfig",
+         kubeconfig_file, *args], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "args", "words"),
+    [
+        # no CRD: the manifests to apply
+        (404, {}, ["status"], ["no GPUShareNode kind", "kubectl apply -k"]),
+        # a viewer's call refused: the viewer's ClusterRole; a setting's: the editor's
+        (403, {}, ["status"], ["forbidden", "ClusterRole gpushare-viewer"]),
+        (403, {}, ["tq", "9", "--node", "n"], ["forbidden", "ClusterRole gpushare-viewer"]),
+        (401, {}, ["top", "--once"], ["unauthorized", "your kubeconfig's credentials"]),
+        (429, {}, ["status"], ["throttling", "try again in 5 s"]),
+        # a pod that is not there: where to look
+        (404, {"name": "p", "kind": "pods"}, ["tq", "9", "--pod", "ns/p"],
+         ["no pod p in namespace ns", "kubectl get pods -n ns"]),
+    ],
+)  # fmt: skip
+def test_the_api_refusing_is_one_line_naming_the_fix(server, tmp_path, code, details, args, words):
+    answer, port = server
+    answer.status, answer.body = code, api_status(code, "said so", details)
+    answer.headers = {"Retry-After": "5"} if code == 429 else {}
+    r = plugin(kubeconfig(tmp_path, port), *args)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("kubectl gpushare: ") and "Traceback" not in r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_a_server_not_there_says_check_cluster_info(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = plugin(kubeconfig(tmp_path, port), "status")
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "cannot reach the API server" in r.stderr and "kubectl cluster-info" in r.stderr
+
+
+def test_top_shows_each_sessions_memory_request_beside_its_limit():
+    with tempfile.TemporaryDirectory(prefix="gs-") as d:
+        cfg = load(None, None, {"socket": f"{d}/w.sock", "admin_socket": f"{d}/a.sock"})
+        node = Node(cfg, simulated_gpus(1, 8 * 2**30))
+        node.arbiters[0].attach(
+            1, AttachRecord(name="lends", memory_limit=4 * 2**30, memory_request=2**30)
+        )
+        o = {"metadata": {"name": "a"}, "status": status_body("a", node.status(), [], 1, 1e9)}
+
+    def cells() -> dict[str, str]:
+        head, row = top_table([o], 1e9).split("\n\n", 1)[1].splitlines()
+        return dict(zip(head.split(), re.split(r" {3,}", row), strict=True))
+
+    row = cells()
+    assert (row["REQUEST"], row["LIMIT"]) == ("1.0 GiB", "4.0 GiB"), row
+    # a node's object from before the request was published: "-", not a malformed row
+    del o["status"]["sessions"][0]["memoryRequest"]
+    assert (cells()["REQUEST"], cells()["LIMIT"]) == ("-", "4.0 GiB")

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from gpushare.node.kube.api import PERSON, ApiError, Kube, NotFound
 from gpushare.node.kube.node_status import (
     CONDITION,
-    CRD,
     EVENTS_NAMESPACE,
     GROUP,
     KIND,
@@ -51,73 +51,33 @@ def die(message: str) -> NoReturn:
 
 
 class Api:
-    """The calls the plugin makes, each turning the API's refusals into the fix."""
+    """The calls the plugin makes, through the node's one client
+    (:class:`~gpushare.node.kube.api.Kube`, as a person: its map names the ClusterRole
+    to ask for); each refusal raised as :class:`PluginError` with its fix."""
 
     def __init__(self, kubeconfig: str | None, context: str | None) -> None:
         try:
-            from kubernetes import client, config
+            import kubernetes  # noqa: F401  (the cli extra)
         except ImportError:
             raise PluginError("needs the Kubernetes client: pip install 'gpushare[cli]'") from None
-        cfg = client.Configuration()
+        from kubernetes.config import ConfigException
+
         try:
-            config.load_kube_config(
-                config_file=kubeconfig, context=context, client_configuration=cfg
-            )
-        except (config.ConfigException, OSError) as e:
-            raise PluginError(
-                f"no Kubernetes configuration: {e} (set KUBECONFIG, or --kubeconfig FILE)"
-            ) from None
-        api = client.ApiClient(cfg)
-        self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
+            self.kube = Kube(kubeconfig, context, in_cluster=False, caller=PERSON)
+        except ConfigException as e:
+            raise PluginError(str(e)) from None
         self.user = ""
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        from kubernetes.client.rest import ApiException
-
         try:
-            return fn(*args, _request_timeout=(10, 30), **kw)
-        except ApiException as e:
-            raise PluginError(self._explain(what, e)) from None
-        except Exception as e:  # urllib3's: the server is not there
-            raise PluginError(
-                f"{what}: cannot reach the API server ({type(e).__name__}: {e}); check"
-                " `kubectl cluster-info`"
-            ) from None
-
-    def _explain(self, what: str, e: Any) -> str:
-        try:
-            body = json.loads(e.body or "{}")
-        except ValueError:
-            body = {}
-        message = body.get("message") or e.reason
-        if e.status == 403:
-            role = "gpushare-editor" if what.startswith("patch") else "gpushare-viewer"
-            return (
-                f"{what}: forbidden: {message}. Ask an administrator to bind the ClusterRole"
-                f" {role} (deploy/kubernetes/base/rbac.yaml) to you: kubectl create"
-                f" clusterrolebinding $USER-{role} --clusterrole={role} --user=$USER"
-            )
-        if e.status == 401:
-            return f"{what}: unauthorized: {message} (your kubeconfig's credentials)"
-        return f"{what}: {message}"
+            return self.kube.call(what, fn, *args, **kw)
+        except ApiError as e:
+            raise PluginError(str(e)) from None
 
     def nodes(self) -> list[dict[str, Any]]:
-        from kubernetes.client.rest import ApiException
-
-        try:
-            r = self.custom.list_cluster_custom_object(
-                GROUP, VERSION, PLURAL, _request_timeout=(10, 30)
-            )
-        except ApiException as e:
-            if e.status == 404:
-                raise PluginError(no_crd()) from None
-            raise PluginError(self._explain(f"list {PLURAL}", e)) from None
-        except Exception as e:
-            raise PluginError(
-                f"cannot reach the API server ({type(e).__name__}: {e}); check"
-                " `kubectl cluster-info`"
-            ) from None
+        r = self._call(
+            f"list {PLURAL}", self.kube.custom().list_cluster_custom_object, GROUP, VERSION, PLURAL
+        )
         items: list[dict[str, Any]] = r.get("items") or []
         return sorted(items, key=lambda o: str(o["metadata"]["name"]))
 
@@ -132,16 +92,16 @@ class Api:
         )
 
     def pod_node(self, ns: str, name: str) -> str:
-        from kubernetes.client.rest import ApiException
-
         try:
-            pod = self.core.read_namespaced_pod(name, ns, _request_timeout=(10, 30))
-        except ApiException as e:
-            if e.status == 404:
-                raise PluginError(
-                    f"no pod {name} in namespace {ns} (kubectl get pods -n {ns})"
-                ) from None
-            raise PluginError(self._explain(f"get pod {ns}/{name}", e)) from None
+            pod = self.kube.call(
+                f"get pod {ns}/{name}", self.kube.core().read_namespaced_pod, name, ns
+            )
+        except NotFound:
+            raise PluginError(
+                f"no pod {name} in namespace {ns} (kubectl get pods -n {ns})"
+            ) from None
+        except ApiError as e:
+            raise PluginError(str(e)) from None
         node = pod.spec.node_name
         if not node:
             raise PluginError(
@@ -153,7 +113,7 @@ class Api:
     def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = self._call(
             f"patch {KIND} {name}",
-            self.custom.patch_cluster_custom_object,
+            self.kube.custom().patch_cluster_custom_object,
             GROUP,
             VERSION,
             PLURAL,
@@ -166,19 +126,11 @@ class Api:
     def events(self, namespace: str, name: str, kind: str) -> list[Any]:
         r = self._call(
             f"list events in {namespace}",
-            self.core.list_namespaced_event,
+            self.kube.core().list_namespaced_event,
             namespace,
             field_selector=f"involvedObject.name={name},involvedObject.kind={kind}",
         )
         return list(r.items)
-
-
-def no_crd() -> str:
-    return (
-        f"the API server has no {KIND} kind (the CRD {CRD}): install gpushare's manifests"
-        " (kubectl apply -k deploy/kubernetes/overlays/plain), whose nodes publish one"
-        " each"
-    )
 
 
 def pod_ref(text: str) -> tuple[str, str]:
@@ -296,6 +248,7 @@ def top_table(objs: Sequence[dict[str, Any]], now: float) -> str:
             "CONTAINER",
             "STATE",
             "FRACTION",
+            "REQUEST",
             "LIMIT",
             "RESIDENT",
             "SWAPPED",
@@ -331,6 +284,7 @@ def _top_rows(o: dict[str, Any], name: str, now: float) -> tuple[list[list[objec
                 s.get("container") or "-",
                 ("*" if s["id"] in holders else "") + s["state"],
                 f"{s['fraction']:g}" if "fraction" in s else "-",
+                s.get("memoryRequest", "-"),  # "-": a node from before it was published
                 s["memoryLimit"],
                 format_size(int(s["residentBytes"])),
                 format_size(int(s["swappedBytes"])),

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gpushare import protocol as p
+from gpushare.core.attach import AttachRecord
 from gpushare.node.daemon import Node
 from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import load
@@ -24,6 +26,7 @@ from gpushare.node.kube.gpusharenode import NodeObject
 from gpushare.node.kube.node_api import Absent
 from gpushare.node.kube.node_status import desired, shape, status_body
 from gpushare.settings import SettingsError
+from tests.support import REPO
 
 G = 2**30
 
@@ -265,3 +268,41 @@ def test_a_deleted_object_is_made_again_and_its_old_spec_let_go(folder):
         await o.stop()
 
     run(body())
+
+
+def sessions_schema() -> dict[str, Any]:
+    """The CRD's schema of ``status.sessions[]``, as deploy/kubernetes/base/crd.yaml says."""
+    crd = yaml.safe_load((REPO / "deploy/kubernetes/base/crd.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    items: dict[str, Any] = status["properties"]["sessions"]["items"]
+    return items["properties"]
+
+
+def test_a_sessions_memory_request_is_published_apart_from_its_limit(folder):
+    node = make_node(folder)
+    node.arbiters[0].attach(1, AttachRecord(name="lends", memory_limit=4 * G, memory_request=G))
+    node.arbiters[1].attach(2, AttachRecord(name="whole", memory_limit=2 * G))  # none given
+    body = status_body("gpu-1", node.status(), [], 1, 1.7e9)
+    by_name = {s["name"]: s for s in body["sessions"]}
+    lends, whole = by_name["lends"], by_name["whole"]
+    assert (lends["memoryRequestBytes"], lends["memoryLimitBytes"]) == (G, 4 * G)
+    assert (lends["memoryRequest"], lends["memoryLimit"]) == ("1.0 GiB", "4.0 GiB")
+    assert whole["memoryRequestBytes"] == whole["memoryLimitBytes"] == 2 * G  # its limit
+    # a request changed (a member joined) is the shape: written at once, not at refresh
+    assert "memoryRequestBytes" in shape(body)
+
+
+def test_the_crd_declares_every_session_field_the_node_writes_with_its_type(folder):
+    """The API server prunes or refuses what the schema types otherwise: each field of a
+    published session (a fraction's too) is declared, with the type its value has."""
+    node = make_node(folder)
+    node.arbiters[0].attach(1, AttachRecord(name="a", memory_limit=4 * G, memory_request=G))
+    (entry,) = status_body("gpu-1", node.status(), [], 1, 1.7e9)["sessions"]
+    entry = {**entry, "fraction": 0.5, "fractionSource": "kubernetes", "podUID": "u"}
+    schema = sessions_schema()
+    types = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    for key, value in entry.items():
+        assert key in schema, f"status.sessions[].{key} is not in the CRD"
+        assert schema[key]["type"] == types[type(value)], key
+    assert "request" in schema["memoryRequestBytes"]["description"]

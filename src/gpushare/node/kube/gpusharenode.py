@@ -20,7 +20,8 @@ Where the CRD is not installed, or the node's role lacks a right, the node says 
 and goes on without its object, looking again every ``absent_retry`` seconds.
 
 The pure parts (the status' body, the spec's reading) are functions in
-:mod:`~gpushare.node.kube.node_status`, the API is :mod:`~gpushare.node.kube.node_api`;
+:mod:`~gpushare.node.kube.node_status`, the API is :mod:`~gpushare.node.kube.node_api`
+(through the one client, :mod:`~gpushare.node.kube.api`);
 :class:`NodeObject` runs them on the node's loop, its API calls on threads (the official
 client blocks).
 """

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpushare.node.kube.api import Deadlines, Expired, Kube
 from gpushare.settings import SHARING_MODES
 from gpushare.units import MAX_SIZE, is_fraction, parse_quantity
 
@@ -201,18 +202,14 @@ class PodSource(Protocol):
         ...
 
 
-class Expired(Exception):
-    """The watch's resourceVersion is older than the server keeps (410 Gone): list again."""
-
-
 class KubernetesApi:
-    """:class:`PodSource` through the official client, in-cluster or from KUBECONFIG
-    (or ``kubeconfig``).
-
-    Every call has a client-side deadline: a connection that dies without a word (a
-    node cut off, a load balancer dropping it) fails the call instead of hanging. A watch
-    asks the server to end it after ``watch_timeout`` seconds; one silent for longer than
-    ``idle_timeout`` (default ``watch_timeout`` + 30 s) is taken for dead.
+    """:class:`PodSource` through the one client (:class:`~gpushare.node.kube.api.Kube`),
+    in-cluster or from KUBECONFIG (or ``kubeconfig``), each call under its deadline
+    (:class:`~gpushare.node.kube.api.Deadlines`): a watch the server ends after
+    ``watch_timeout`` seconds, taken for dead after ``idle_timeout`` (default
+    ``watch_timeout`` + 30 s) of silence; a list that has no answer in
+    ``request_timeout``. A refusal is raised as an ``ApiError`` naming its fix
+    (410 on a watch: :class:`Expired`).
     """
 
     def __init__(
@@ -222,55 +219,27 @@ class KubernetesApi:
         idle_timeout: float | None = None,
         request_timeout: float = 60.0,
     ) -> None:
-        from kubernetes import client, config  # the k8s extra
-
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException as in_cluster:
-                try:
-                    config.load_kube_config()
-                except config.ConfigException as e:
-                    # Both reasons: in a pod it is the first that says what is missing.
-                    raise config.ConfigException(
-                        f"no Kubernetes API configuration: in-cluster: {in_cluster} (in a"
-                        f" pod: mount the service account's token); kubeconfig: {e} (set"
-                        " KUBECONFIG)"
-                    ) from None
-        self.v1 = client.CoreV1Api()
-        self.api = client.ApiClient()
+        self.kube = Kube(
+            kubeconfig,
+            deadlines=Deadlines(request=request_timeout, watch=watch_timeout, idle=idle_timeout),
+        )
         self.watch_timeout = int(watch_timeout)
-        idle = idle_timeout if idle_timeout is not None else watch_timeout + 30.0
-        self._list_timeout = (10.0, request_timeout)  # (connect, read) seconds
-        self._watch_timeout = (10.0, idle)
 
     def list(self, node: str) -> tuple[list[dict[str, Any]], str]:
-        r = self.v1.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _request_timeout=self._list_timeout
+        core = self.kube.core()
+        r = self.kube.call(
+            "list pods", core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
         )
-        items: list[dict[str, Any]] = [self.api.sanitize_for_serialization(x) for x in r.items]
+        items: list[dict[str, Any]] = [self.kube.plain(x) for x in r.items]
         return items, str(r.metadata.resource_version)
 
     def watch(self, node: str, resource_version: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        from kubernetes import watch
-        from kubernetes.client.rest import ApiException
-
-        w = watch.Watch()
-        try:
-            for ev in w.stream(
-                self.v1.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={node}",
-                resource_version=resource_version,
-                timeout_seconds=self.watch_timeout,
-                _request_timeout=self._watch_timeout,
-            ):
-                yield ev["type"], ev["raw_object"]
-        except ApiException as e:
-            if e.status == 410:
-                raise Expired(str(e.reason)) from None
-            raise
+        yield from self.kube.stream(
+            "watch pods",
+            self.kube.core().list_pod_for_all_namespaces,
+            field_selector=f"spec.nodeName={node}",
+            resource_version=resource_version,
+        )
 
 
 class PodWatcher:

@@ -49,6 +49,10 @@ def session_entry(gpu: int, s: SessionStatus) -> dict[str, Any]:
         "frozen": s.frozen,
         "memoryLimitBytes": s.memory_limit_bytes,
         "memoryLimit": format_size(s.memory_limit_bytes),
+        # its request: what the node guarantees it and packs by (its limit unless it
+        # asked for less); between the two, memory is lent while free
+        "memoryRequestBytes": s.memory_request_bytes or s.memory_limit_bytes,
+        "memoryRequest": format_size(s.memory_request_bytes or s.memory_limit_bytes),
         "residentBytes": s.resident_bytes,
         "swappedBytes": s.swapped_bytes,
         "leaseSeconds": round(s.lease_seconds_total, 3),
