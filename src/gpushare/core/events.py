@@ -50,7 +50,7 @@ class Attach(Event):
     limit_bytes: int
     weight: float
     resumed: bool
-    request_bytes: int | None = None  # its memory request, when below its limit
+    request_bytes: int | None = None  # its memory request: always given (issue 37)
     resident_bytes: int
     swapped_bytes: int
     gang: str | None = None  # a rank of a distributed job: its gang, and as its client says
