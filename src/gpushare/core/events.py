@@ -75,7 +75,7 @@ class Grant(Event):
     quantum_s: float
     shared: bool
     room_bytes: int | None = None
-    bound_bytes: int | None = None  # below its limit: the most it may have without asking
+    bound_bytes: int | None = None  # the most it may have without asking (its limit: none lent)
     continued: bool | None = None
     turn: bool | None = None
     resumed: bool | None = None
