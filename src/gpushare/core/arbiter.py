@@ -175,19 +175,19 @@ class Arbiter:
         does not within the grace period. A member joining a family takes its memory out
         of that session's limit (core/families.py)."""
         st = self.st
-        head = st.get(rec.family) if rec.joins_family else None
-        cut = families.split(head, rec.memory_limit) if head is not None else None
+        parent = st.get(rec.family) if rec.joins_family else None
+        cut = families.split(parent, rec.memory_limit) if parent is not None else None
         if cut is not None:
             rec = replace(rec, memory_limit=cut.limit, memory_request=cut.request or cut.limit)
         used, attached = self.used_bytes(), sid in st.sessions
         c = check(sid, rec, attached=attached, used=used, capacity=self.capacity, gpu=self.gpu)
-        self._check_gang(head, rec.gang, c.limit, rec.spans_nodes)
+        self._check_gang(parent, rec.gang, c.limit, rec.spans_nodes)
         s = self._new_session(sid, rec, c)
-        if head is not None and cut is not None:
+        if parent is not None and cut is not None:
             s.rank.took = cut.took
-            self._left_to(head, cut.head_limit, cut.head_request)
-            if not head.rank.gang:
-                self.gangs.join(head, rec.gang, 0, False)
+            self._left_to(parent, cut.parent_limit, cut.parent_request)
+            if not parent.rank.gang:
+                self.gangs.join(parent, rec.gang, 0, False)
         if rec.gang:
             self.gangs.join(s, rec.gang, rec.gang_size, rec.spans_nodes)
         st.out.emit(
@@ -239,23 +239,23 @@ class Arbiter:
             self.admission.resume_or_yield(s, lease)
 
     def _check_gang(
-        self, head: SessionState | None, gang: str, limit: int, spans_nodes: bool
+        self, parent: SessionState | None, gang: str, limit: int, spans_nodes: bool
     ) -> None:
         """The gang a session joins can hold the GPU with it. A family's limits add up to
         what its session had: checked as they were (the session's whole limit where the
         session is not in the gang yet)."""
-        if head is None:
+        if parent is None:
             self.gangs.check(gang, limit, spans_nodes)
             return
-        families.check_join(head, gang)
-        if head.rank.gang != gang:
-            self.gangs.check(gang, head.memory.limit, spans_nodes)
+        families.check_join(parent, gang)
+        if parent.rank.gang != gang:
+            self.gangs.check(gang, parent.memory.limit, spans_nodes)
 
-    def _left_to(self, head: SessionState, limit: int, request: int) -> None:
+    def _left_to(self, parent: SessionState, limit: int, request: int) -> None:
         """A family's session has a new limit and request (a member joined or left)."""
-        families.give(head.memory, limit, request)
-        self.st.ledger.recount(head)
-        self.st.out.act(LimitsAction(head.id, limit, request))
+        families.give(parent.memory, limit, request)
+        self.st.ledger.recount(parent)
+        self.st.out.act(LimitsAction(parent.id, limit, request))
 
     def begin_recovery(self) -> None:
         """A node restarted: grant nothing until :meth:`end_recovery` (the sessions it
@@ -294,9 +294,9 @@ class Arbiter:
         st.ledger.weigh(s.weight, -1)
         if s.rank.gang:
             self.gangs.leave(s)
-        head = st.sessions.get(s.rank.family)
-        if head is not None:  # what it took of its session's limit goes back
-            self._left_to(head, *families.back(head, s))
+        parent = st.sessions.get(s.rank.family)
+        if parent is not None:  # what it took of its session's limit goes back
+            self._left_to(parent, *families.back(parent, s))
         st.out.emit(Detach(session=sid, reason=reason, freed_bytes=s.memory.resident))
         return self._decide()
 

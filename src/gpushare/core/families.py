@@ -38,8 +38,8 @@ class Split:
 
     limit: int
     request: int  # bytes, at most ``limit`` (filled in: never 0 for "the limit")
-    head_limit: int
-    head_request: int  # likewise, at most ``head_limit``
+    parent_limit: int
+    parent_request: int  # likewise, at most ``parent_limit``
     took: int  # of the session's request (0: none, or the request was the limit)
 
 
@@ -117,8 +117,8 @@ def split(parent: SessionState, asked: int) -> Split:
     return Split(
         limit=limit,
         request=min(max(took, 1), limit),
-        head_limit=parent_limit,
-        head_request=min(kept, parent_limit),
+        parent_limit=parent_limit,
+        parent_request=min(kept, parent_limit),
         took=took,
     )
 
