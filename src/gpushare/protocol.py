@@ -41,8 +41,9 @@ class Hello(_Msg, tag="hello"):
     memory_limit: int | None = None
     weight: float | None = None
     portion: float | None = None  # KAI's GPU_PORTION, when no memory limit was given
-    # The memory request (what the node guarantees and packs by; None: the limit), and
-    # the limit as a portion of the GPU (KAI's gpu-memory.portion.limit; with portion).
+    # The memory request (what the node guarantees and packs by), sent whenever one was
+    # asked (None: none asked, the node fills in the limit), and the limit as a portion
+    # of the GPU (KAI's gpu-memory.portion.limit; with portion).
     memory_request: int | None = None
     portion_limit: float | None = None
     grows: bool = False  # it asks (a Release with a need) before it has more than its bound
@@ -144,7 +145,9 @@ class Welcome(_Msg, tag="welcome"):
     memory_limit: int
     weight: float
     idle_release_s: float
-    memory_request: int = 0  # 0: its limit
+    # Filled in (its limit where it asked none); 0 only from a node older than issue 37,
+    # which left it out for "the limit": read so.
+    memory_request: int = 0
     sim_scale: int = 1024
     sim_bandwidth: float = 55e9
     sim_swap_failure_rate: float = 0.0
@@ -179,7 +182,7 @@ class Limits(_Msg, tag="limits"):
     (taking its part of them) or left (giving it back). Hold to these from now on."""
 
     memory_limit: int
-    memory_request: int = 0  # 0: its limit
+    memory_request: int = 0  # filled in, as the welcome's (0: an older node's "the limit")
 
 
 class Room(_Msg, tag="room"):

@@ -11,6 +11,7 @@ import pytest
 from gpushare.client.env import (
     SHARING_MODE_ANNOTATION,
     WorkloadEnv,
+    memory_figures,
     parse_quantity,
     program_name,
     rank_gpu,
@@ -378,3 +379,19 @@ def test_two_different_compute_sharing_modes_are_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="differ: keep one"):
         read_env({}, pod)
+
+
+@pytest.mark.parametrize(
+    ("memory", "limit", "hello"),
+    [
+        (None, None, (None, None)),  # none asked: the node fills in both
+        ("4GiB", None, (4 * GiB, 4 * GiB)),  # a request alone is both, and said so
+        ("4GiB", "4GiB", (4 * GiB, 4 * GiB)),  # equal: sent, not left out as "the limit"
+        ("2GiB", "4GiB", (2 * GiB, 4 * GiB)),
+        (None, "4GiB", (None, 4 * GiB)),  # a limit alone: no request asked
+    ],
+)
+def test_the_hello_sends_the_request_whenever_one_was_asked(memory, limit, hello):
+    """Issue 37: the hello's ``memory_request`` None means "none asked", only; a request
+    equal to the limit was left out as None before."""
+    assert memory_figures(memory, limit, read_env({}, FIX / "x")) == hello

@@ -284,6 +284,17 @@ def test_a_session_ended_mid_burst_stops_at_its_next_safe_point():
         assert node.connects == 1  # and no coming back
 
 
+def test_a_reconnecting_hello_says_the_request_filled_in():
+    """Issue 37: back at a node, the session says its request as it was told it (here by
+    a node older than issue 37, whose welcome left it out for "the limit"): filled in,
+    not left out again for "the limit"."""
+    with fake_session() as (s, node):
+        assert s.memory_request == s.memory_limit == 2 * G
+        node.drop()
+        hello = node.take()
+        assert (hello.memory_request, hello.memory_limit) == (2 * G, 2 * G)
+
+
 def test_a_refused_reconnect_ends_the_session():
     with fake_session() as (s, node):
         node.refuse = 2  # the node restarts: nothing listens for a while

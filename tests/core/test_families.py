@@ -39,7 +39,8 @@ def test_a_member_takes_what_its_session_does_not_have_and_the_session_is_told(c
     # the request split too, adding up to the 30 GiB asked: the session keeps what it has
     assert (m.limit, m.guaranteed) == (38 * GiB, 28 * GiB)
     assert (head.limit, head.guaranteed) == (2 * GiB, 2 * GiB)
-    assert actions_of(out, LimitsAction) == [LimitsAction(1, 2 * GiB, 0)]
+    # the request filled in, never 0 for "the limit" (issue 37)
+    assert actions_of(out, LimitsAction) == [LimitsAction(1, 2 * GiB, 2 * GiB)]
     (ev,) = events_of(out, "attach")
     assert ev["family"] == 1 and ev["limit_bytes"] == 38 * GiB
     assert a.sessions[2].rank.family == 1 and a.sessions[1].rank.family == 0

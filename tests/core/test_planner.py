@@ -53,13 +53,13 @@ def test_plan_covers_the_need_when_possible(raw):
     cap = 64 * G
     plan = plan_grant(cap, views, 0)
     if plan.fits:
-        assert used_total([v for v in views if v.id != 0]) + views[0].limit <= cap
+        assert used_total([v for v in views if v.id != 0]) + views[0].bound <= cap
         return
     asked = dict(plan.swap_outs)
     for v in views:
         if v.id in asked:
             assert not v.holding and v.id != 0
             assert 0 < asked[v.id] <= v.resident - v.pending_out
-    after = used_total(views) - views[0].resident + views[0].limit
+    after = used_total(views) - views[0].resident + views[0].bound
     after -= sum(v.pending_out for v in views if v.id != 0) + sum(asked.values())
     assert after <= cap or plan.shortfall > 0

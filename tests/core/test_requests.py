@@ -300,3 +300,26 @@ def test_sessions_of_one_workload_spend_one_bucket(clock):
     # a session of the workload asking no limit spends from its bucket too
     a.attach(3, AttachRecord(name="w", memory_limit=GiB, workload="pod:x"))
     assert a.sessions[3].share.cap == 0.25
+
+
+def test_the_request_is_one_figure_filled_in_whether_asked_or_not(clock):
+    """Issue 37: the attach event's `request_bytes` is there for a session that asked no
+    request (it was left out: "none" read as the limit), and the core keeps the
+    request in bytes, never 0 for "the limit"."""
+    a = arb(clock)
+    none_asked = a.attach(1, AttachRecord(name="a", memory_limit=20 * GiB))
+    same = a.attach(2, AttachRecord(name="b", memory_limit=20 * GiB, memory_request=20 * GiB))
+    less = a.attach(3, AttachRecord(name="c", memory_limit=20 * GiB, memory_request=5 * GiB))
+    got = [events_of(out, "attach")[0]["request_bytes"] for out in (none_asked, same, less)]
+    assert got == [20 * GiB, 20 * GiB, 5 * GiB]
+    assert [a.sessions[i].memory.request for i in (1, 2, 3)] == [20 * GiB, 20 * GiB, 5 * GiB]
+
+
+def test_a_grant_event_says_its_bound_whether_lent_or_not(clock):
+    """Issue 37: `bound_bytes` is in every grant event, the limit where nothing was
+    lent (it was left out then), as `request_bytes` is in every attach event."""
+    a = arb(clock)
+    a.attach(1, AttachRecord(name="a", memory_limit=20 * GiB))
+    a.attach(2, AttachRecord(name="b", memory_limit=60 * GiB, memory_request=5 * GiB, grows=True))
+    bounds = {s: events_of(a.acquire(s), "grant")[0]["bound_bytes"] for s in (1, 2)}
+    assert bounds == {1: 20 * GiB, 2: 5 * GiB}

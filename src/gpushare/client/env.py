@@ -385,8 +385,10 @@ def memory_figures(
     memory: str | int | None, memory_limit: str | int | None, env: WorkloadEnv
 ) -> tuple[int | None, int | None]:
     """The hello's (request, limit): each given, else from the environment; a limit
-    alone is the limit (the request defaults to it at the node), a request alone is
-    both. ValueError names the argument and the fix."""
+    alone is the limit (the request: none asked, None, which the node fills in with the
+    limit), a request alone is both. A request is sent whenever one was asked, equal to
+    the limit or not (issue 37: None means only "none asked"). ValueError names the
+    argument and the fix."""
     try:
         request = parse_size(memory) if memory is not None else env.memory
     except ValueError as e:
@@ -396,13 +398,13 @@ def memory_figures(
     except ValueError as e:
         raise ValueError(f"memory_limit={memory_limit!r}: {e}") from None
     if limit is None:
-        return None, request  # the request is the limit: one figure, as before
+        return request, request  # the request is the limit (None, None: neither asked)
     if request is not None and limit < request:
         raise ValueError(
             f"memory limit {format_size(limit)} is below the memory request"
             f" {format_size(request)}: give a limit at least as large as the request"
         )
-    return (request if request != limit else None), limit
+    return request, limit
 
 
 def compute_limit_of(given: float | None, var: str | None) -> float | None:

@@ -90,6 +90,7 @@ class Lease:
         given the lease as what it tells (its peer; its hooks) when it is built."""
         self.cond = cond
         self.memory_limit = welcome.memory_limit
+        # 0 only from a node older than issue 37 (it meant the limit); else filled in
         self.memory_request = welcome.memory_request or welcome.memory_limit
         self.weight = welcome.weight
         self.gpu = welcome.gpu
@@ -651,7 +652,7 @@ class Lease:
         return msgspec.structs.replace(
             hello,
             memory_limit=self.memory_limit,
-            memory_request=self.memory_request if self.memory_request < self.memory_limit else None,
+            memory_request=self.memory_request,  # filled in, as the node told it (issue 37)
             weight=self.weight,
             gpu=self.gpu,
             resident=figures[0],

@@ -82,7 +82,7 @@ class LimitsAction:
 
     session: int
     memory_limit: int
-    memory_request: int  # 0: its limit
+    memory_request: int  # bytes, filled in (its limit where it asked none)
 
 
 @dataclass(frozen=True)

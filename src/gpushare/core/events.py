@@ -50,7 +50,7 @@ class Attach(Event):
     limit_bytes: int
     weight: float
     resumed: bool
-    request_bytes: int | None = None  # its memory request, when below its limit
+    request_bytes: int | None = None  # its memory request: always given (issue 37)
     resident_bytes: int
     swapped_bytes: int
     gang: str | None = None  # a rank of a distributed job: its gang, and as its client says
@@ -75,7 +75,7 @@ class Grant(Event):
     quantum_s: float
     shared: bool
     room_bytes: int | None = None
-    bound_bytes: int | None = None  # below its limit: the most it may have without asking
+    bound_bytes: int | None = None  # the most it may have without asking (its limit: none lent)
     continued: bool | None = None
     turn: bool | None = None
     resumed: bool | None = None

@@ -43,16 +43,16 @@ class Split:
     """A member's part of its session's memory, and what the session keeps."""
 
     limit: int
-    request: int  # 0: its limit
-    head_limit: int
-    head_request: int  # 0: its limit
+    request: int  # bytes, at most ``limit`` (filled in: never 0 for "the limit")
+    parent_limit: int
+    parent_request: int  # likewise, at most ``parent_limit``
     took: int  # of the session's request (0: none, or the request was the limit)
 
 
-def key(head: int, who: str) -> str:
-    """The gang key of session ``head``'s family (``who``: the pod or uid the node saw,
+def key(parent: int, who: str) -> str:
+    """The gang key of session ``parent``'s family (``who``: the pod or uid the node saw,
     as a job's key has it, so a family's key never matches another owner's)."""
-    return f"session:{head}@{who}"
+    return f"session:{parent}@{who}"
 
 
 def alone(gang: str) -> bool:
@@ -73,59 +73,58 @@ class Holding(ArbiterError):
     code = "busy"
 
 
-def check_join(head: SessionState, gang: str) -> None:
+def check_join(parent: SessionState, gang: str) -> None:
     """A member joins a session that is no member itself (what a member of a member
     took would go back to a session that may have left: lost to the family), in that
     session's gang (or a new one, the family's); else :class:`ArbiterError`."""
-    if head.rank.family:
+    if parent.rank.family:
         raise ArbiterError(
-            f"session {head.id} ({head.name}) is a process of session {head.rank.family}'s:"
-            f" a process it starts joins session {head.rank.family}"
+            f"session {parent.id} ({parent.name}) is a process of session {parent.rank.family}'s:"
+            f" a process it starts joins session {parent.rank.family}"
         )
-    if not gang or (head.rank.gang and head.rank.gang != gang):
+    if not gang or (parent.rank.gang and parent.rank.gang != gang):
         raise ArbiterError(
-            f"a process of session {head.id} joins its gang"
-            f" ({head.rank.gang or 'a new one, its family'}), not {gang or 'none'}"
+            f"a process of session {parent.id} joins its gang"
+            f" ({parent.rank.gang or 'a new one, its family'}), not {gang or 'none'}"
         )
 
 
-def split(head: SessionState, asked: int) -> Split:
-    """A member asking ``asked`` bytes joins ``head``: the limits and requests after."""
-    m = head.memory
+def split(parent: SessionState, asked: int) -> Split:
+    """A member asking ``asked`` bytes joins ``parent``: the limits and requests after."""
+    m = parent.memory
     keep = has(m)
-    if head.holding:  # it may have up to its grant's bound (or limit) by now, unreported
+    if parent.holding:  # it may have up to its grant's bound (or limit) by now, unreported
         keep = max(keep, m.held)
     free = m.limit - keep
-    if free <= 0 and head.holding:
+    if free <= 0 and parent.holding:
         raise Holding(
-            f"session {head.id} ({head.name}) holds the GPU, free to use all of its memory"
+            f"session {parent.id} ({parent.name}) holds the GPU, free to use all of its memory"
             " limit: a process it starts joins it once it releases (try again soon)"
         )
     if free <= 0:
         raise ArbiterError(
-            f"session {head.id} ({head.name}) has all of its memory limit"
+            f"session {parent.id} ({parent.name}) has all of its memory limit"
             f" ({format_size(m.limit)} left of it) in use: a process it starts has none"
             " to take; give the session a larger limit (gpushare run --memory-limit), or"
             " its processes less each (GPUSHARE_MEMBER_MEMORY)"
         )
     limit = min(asked, free)
-    head_limit = m.limit - limit
-    if not m.request:  # its request is its limit: so is each part's
-        return Split(limit, 0, head_limit, 0, took=0)
+    parent_limit = m.limit - limit
+    if m.request >= m.limit:  # its request is its limit: so is each part's
+        return Split(limit, limit, parent_limit, parent_limit, took=0)
     # The session keeps of its request what it has (its guarantee never falls below the
     # bytes it holds) and what the member's limit cannot take; the member the rest. The
     # two add up to the request, which comes back whole when the member leaves.
     r = m.request
-    kept = min(r, max(keep, r - limit, 1)) if head_limit else 0
+    kept = min(r, max(keep, r - limit, 1)) if parent_limit else 0
     took = r - kept
-    # (A request of 0 would read as the limit: a member that took none is guaranteed
+    # (A request is a positive number of bytes: a member that took none is guaranteed
     # 1 byte while it is here, given back as none.)
-    request = max(took, 1)
     return Split(
         limit=limit,
-        request=request if request < limit else 0,
-        head_limit=head_limit,
-        head_request=kept if kept < head_limit else 0,
+        request=min(max(took, 1), limit),
+        parent_limit=parent_limit,
+        parent_request=min(kept, parent_limit),
         took=took,
     )
 
@@ -140,14 +139,13 @@ def give(m: Memory, limit: int, request: int) -> None:
         m.room = limit
 
 
-def back(head: SessionState, member: SessionState) -> tuple[int, int]:
+def back(parent: SessionState, member: SessionState) -> tuple[int, int]:
     """A member leaves: the limit and request its session has again."""
-    h = head.memory
+    h = parent.memory
     limit = h.limit + member.memory.limit
-    if not (h.request or member.rank.took):  # the request was the limit: it still is
-        return limit, 0
-    request = h.guaranteed + member.rank.took
-    return limit, request if request < limit else 0
+    if h.request >= h.limit and not member.rank.took:  # the request was the limit: it still is
+        return limit, limit
+    return limit, min(h.request + member.rank.took, limit)
 
 
 @dataclass(frozen=True)
@@ -198,7 +196,7 @@ class Families:
     def joined(self, j: Joining, s: SessionState) -> None:
         """The member ``s`` is attached: its session keeps the rest, in the family's gang."""
         s.rank.took = j.cut.took
-        self._left_to(j.parent, j.cut.head_limit, j.cut.head_request)
+        self._left_to(j.parent, j.cut.parent_limit, j.cut.parent_request)
         if not j.parent.rank.gang:
             self.gangs.join(j.parent, j.rec.gang, 0, False)
 

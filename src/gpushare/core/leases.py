@@ -138,7 +138,7 @@ class Leases:
                 quantum_s=q,
                 shared=shared,
                 room_bytes=room or None,
-                bound_bytes=m.bound or None,
+                bound_bytes=m.held,  # always given (issue 37): its bound, else its limit
                 **kind,
             )
         )

@@ -24,7 +24,9 @@ class MemoryView:
     """What the planner needs to know of one session."""
 
     id: int
-    limit: int  # what it counts at while it holds (its bound; a candidate's, once granted)
+    # What it counts at while it holds: its bound (its limit, or what a grant lent it in
+    # mode auto); a candidate's, once granted. Named ``limit`` before issue 37.
+    bound: int
     resident: int
     holding: bool
     last_served: float
@@ -42,7 +44,7 @@ class Plan:
 
 
 def used_bytes(s: MemoryView) -> int:
-    return s.limit if s.holding else s.resident
+    return s.bound if s.holding else s.resident
 
 
 def used_total(sessions: Sequence[MemoryView]) -> int:
@@ -58,7 +60,7 @@ def plan_grant(capacity: int, sessions: Sequence[MemoryView], candidate: int) ->
     """
     cand = next(s for s in sessions if s.id == candidate)
     others = [s for s in sessions if s.id != candidate]
-    need = used_total(others) + cand.limit - capacity
+    need = used_total(others) + cand.bound - capacity
     if need <= 0:
         return Plan(fits=True)
     need -= sum(s.pending_out for s in others)

@@ -36,7 +36,8 @@ class Memory:
     where, and what is on its way."""
 
     limit: int  # the most it may have on the GPU (memory_limit on the wire)
-    # What the node guarantees and packs by in mode auto (memory_request; 0: its limit).
+    # What the node guarantees and packs by in mode auto (memory_request), in bytes,
+    # always filled in: at most the limit; constructed with 0 (none given), the limit.
     request: int = 0
     grows: bool = False  # its client asks (a need) before it has more than its bound
     # Holding: the most it may have without asking again (0: its limit). In mode auto a
@@ -58,6 +59,11 @@ class Memory:
     reclaims: int = 0  # bursts given back (revoked for being above its request)
     reclaimed: int = 0  # bytes above its request it was asked to give back
 
+    def __post_init__(self) -> None:
+        # One sentinel per figure (issue 37): the request is never 0 once made.
+        if not self.request:
+            self.request = self.limit
+
     @property
     def held(self) -> int:
         """What it may have while it holds (its bound, else its limit)."""
@@ -66,7 +72,7 @@ class Memory:
     @property
     def guaranteed(self) -> int:
         """Its request: what it is packed by."""
-        return self.request or self.limit
+        return self.request
 
 
 @dataclass

@@ -231,6 +231,22 @@ async def test_hello_picks_the_gpu_by_uuid_and_the_limit_from_the_portion(node):
     assert (s.name, s.pid, s.memory_limit_bytes) == ("kai", os.getpid(), 20 * G)
 
 
+@in_process(memory="40GiB")
+async def test_the_request_is_one_figure_in_welcome_status_and_event(node):
+    """Issue 37: a session that asked no request is welcomed with its request filled in
+    (its limit, as status and metrics show it; the welcome said 0), and its attach
+    event says it too (it was left out); one that asked less, its own."""
+    none_asked = await node.workload(memory_limit=8 * G, name="none")
+    less = await node.workload(memory_limit=8 * G, memory_request=2 * G, name="less")
+    whole = await node.workload(name="whole")  # no figure at all: the whole GPU
+    rows = {s.id: s for s in node.node.status().gpus[0].sessions}
+    events = {e["session"]: e for e in node.events("attach")}
+    for w, request in ((none_asked, 8 * G), (less, 2 * G), (whole, 40 * G)):
+        assert w.welcome.memory_request == request
+        assert rows[w.session].memory_request_bytes == request
+        assert events[w.session]["request_bytes"] == request
+
+
 @in_process()
 async def test_claims_are_shown_as_claims_and_only_where_the_kernel_agrees(node):
     # this process, as the kernel would show it inside a pod (a /proc root of our own)
