@@ -20,7 +20,7 @@ def test_a_grower_does_not_take_a_neighbours_memory_inside_its_quantum(clock):
     a.report(2, resident=1 * GiB, swapped=0)
     assert list(a.holders) == [1, 2]
     out = []
-    for _ in range(10):  # H's 0.2 s bursts, G asking to grow at each boundary
+    for _ in range(9):  # H's 0.2 s bursts, G asking to grow at each boundary
         clock.advance(0.2)
         out += a.release(1, resident=38 * GiB, swapped=0)
         if 2 in a.holders:
@@ -33,7 +33,7 @@ def test_a_grower_does_not_take_a_neighbours_memory_inside_its_quantum(clock):
         # its next burst starts beside the waiting grower
         assert not [x for x in actions_of(out, SwapOutAction) if x.session == 1]
         assert 1 in a.holders and list(a.queue) == [2]
-    # The rotation of quanta: G has waited one (3 s); at H's next burst end H's bytes go.
+    # The rotation of quanta: H's quantum (3 s) is over; at its next burst end its bytes go.
     clock.advance(0.5)
     out = a.release(1, resident=38 * GiB, swapped=0)
     clock.advance(0.1)
@@ -43,4 +43,118 @@ def test_a_grower_does_not_take_a_neighbours_memory_inside_its_quantum(clock):
         1, direction="out", nbytes=36 * GiB, seconds=1.0, resident=2 * GiB, swapped=36 * GiB
     )
     assert 2 in a.holders and a.sessions[2].memory.held == 78 * GiB
+    a.verify()
+
+
+def _holder_and_grower(clock, **settings):
+    """An 80 GiB GPU in mode auto."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="auto", **settings))
+    return a
+
+
+def _attach_pair(a, h_weight=1.0, g_weight=1.0):
+    """H (request = limit = 40 GiB) and G (request 1 GiB, limit 79 GiB)."""
+    a.attach(
+        1,
+        AttachRecord(
+            name="h", memory_limit=40 * GiB, memory_request=40 * GiB, grows=True, weight=h_weight
+        ),
+    )
+    a.attach(
+        2,
+        AttachRecord(
+            name="g", memory_limit=79 * GiB, memory_request=1 * GiB, grows=True, weight=g_weight
+        ),
+    )
+
+
+def _h_bursts_while_g_grows(a, clock, until):
+    """H's 0.2 s bursts, G asking to grow at each boundary, until ``until``; the swap-outs
+    of H asked meanwhile."""
+    out = []
+    while clock.monotonic() + 0.3 <= until:
+        clock.advance(0.2)
+        out += a.release(1, resident=38 * GiB, swapped=0)
+        if 2 in a.holders:
+            out += a.release(2, resident=1 * GiB, swapped=0, again=True, need=78 * GiB)
+        clock.advance(0.1)  # past H's anticipation window
+        out += a.tick()
+        if a.sessions[1].state.name == "IDLE":
+            out += a.acquire(1)
+        a.verify()
+    return [x.bytes for x in actions_of(out, SwapOutAction) if x.session == 1]
+
+
+def test_a_grower_waits_for_a_shorter_quantum_of_its_neighbour_not_tq(clock):
+    """Policy weighted: H's quantum is TQ/4 (weight 1 beside G's 4). G waits for the end
+    of H's own quantum (0.75 s), not for TQ (3 s): before, each burst of H granted beside
+    the waiting grower got a fresh quantum, and G waited a whole TQ."""
+    a = _holder_and_grower(clock, tq_s=3.0, policy="weighted")
+    _attach_pair(a, h_weight=1.0, g_weight=4.0)
+    a.acquire(1)
+    a.report(1, resident=38 * GiB, swapped=0)
+    a.acquire(2)
+    a.report(2, resident=1 * GiB, swapped=0)
+    h_end = a.sessions[1].lease.quantum_end
+    assert h_end == clock.monotonic() + 0.75
+    # inside H's quantum: H keeps its bytes, its bursts continue its quantum
+    assert _h_bursts_while_g_grows(a, clock, h_end) == []
+    # H's quantum is over: at its next burst end its bytes go, long before G waited TQ
+    clock.advance(h_end + 0.2 - clock.monotonic())
+    out = a.release(1, resident=38 * GiB, swapped=0) if 1 in a.holders else []
+    out += a.tick()
+    assert [x.bytes for x in actions_of(out, SwapOutAction) if x.session == 1] == [36 * GiB]
+    assert clock.monotonic() - a.sessions[2].lease.wait_start < 3.0
+    a.verify()
+
+
+def test_a_grower_waits_for_a_longer_quantum_of_its_neighbour_not_tq(clock):
+    """H's quantum is longer than TQ (credit owed it while a late holder kept the GPU:
+    docs/scheduling.md 4). G, growing, does not take H's bytes when it has waited TQ, but
+    only once H's own quantum is over (before: at TQ, inside H's quantum)."""
+    a = _holder_and_grower(clock, tq_s=3.0, grace_s=10.0)
+    _attach_pair(a)
+    a.attach(3, AttachRecord(name="x", memory_limit=42 * GiB, memory_request=42 * GiB))
+    a.acquire(3)
+    a.acquire(1)  # 42 + 40 GiB do not fit: H waits behind X
+    assert list(a.holders) == [3] and list(a.queue) == [1]
+    clock.advance(3.0)
+    a.tick()  # X's quantum is over: revoked; it answers 6 s late
+    clock.advance(6.0)
+    a.release(3, resident=0, swapped=0, again=True)
+    a.detach(3)
+    assert 1 in a.holders
+    h = a.sessions[1].lease
+    assert h.quantum_len > 3.0  # what X owed it: H's quantum is longer than TQ
+    a.report(1, resident=38 * GiB, swapped=0)
+    a.acquire(2)
+    a.report(2, resident=1 * GiB, swapped=0)
+    assert list(a.holders) == [1, 2]
+    assert _h_bursts_while_g_grows(a, clock, h.quantum_end) == []
+    assert clock.monotonic() - a.sessions[2].lease.wait_start > 3.0  # G waited past TQ
+    a.verify()
+
+
+def test_a_grower_is_looked_at_again_when_an_idle_neighbours_quantum_ends(clock):
+    """H ends a burst inside its quantum and sends nothing more: the node has no input to
+    act on, so the end of H's quantum is a deadline, and G's plan is made then (before:
+    no deadline, G waited for the next input, however late)."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(mode="auto", tq_s=3.0))
+    _attach_pair(a)
+    a.acquire(1)
+    a.report(1, resident=38 * GiB, swapped=0)
+    a.acquire(2)
+    a.report(2, resident=1 * GiB, swapped=0)
+    h_end = a.sessions[1].lease.quantum_end
+    clock.advance(0.2)
+    a.release(1, resident=38 * GiB, swapped=0)
+    out = a.release(2, resident=1 * GiB, swapped=0, again=True, need=78 * GiB)
+    clock.advance(1.0)
+    out += a.tick()
+    assert not [x for x in actions_of(out, SwapOutAction) if x.session == 1]
+    assert list(a.queue) == [2] and a.next_deadline() == h_end
+    clock.advance(h_end - clock.monotonic())
+    out = a.tick()
+    # G's 78 GiB beside H's 2 GiB left
+    assert [x.bytes for x in actions_of(out, SwapOutAction) if x.session == 1] == [36 * GiB]
     a.verify()

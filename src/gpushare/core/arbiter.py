@@ -662,6 +662,8 @@ class Arbiter:
         times += self.gangs.deadlines()
         times += self.caps.deadlines()
         times += self.turns.deadlines()
+        if self.admission.shield_until is not None:  # a grower's plan (core/growth.py)
+            times.append(self.admission.shield_until)
         return times
 
     def verify(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpushare.core import caps
+from gpushare.core import caps, growth
 from gpushare.core.actions import GrantAction, RevokeAction, RoomAction
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
@@ -83,6 +83,7 @@ class Leases:
         else:  # a gang member joining its gang's lease, ahead of the queue
             st.queue.remove(s.id)
         caps.settle(s, now)  # (before it holds: the wait filled its bucket)
+        growth.granted(s, now)  # (a turn inside its quantum: that quantum's end stays)
         regroup, s.rank.parked = s.rank.parked, False
         waited = st.end_wait(s, now)
         self.shares.collect_credit(s)
