@@ -150,7 +150,7 @@ class Admission:
             return True
         peers = self.gangs.peers_to_count(head)
         views, self.shield_until = growth.shield(
-            self.gangs.views(head, peers), head, st.sessions, st.now()
+            self.gangs.views(head, peers), head, st.sessions, st.now(), st.settings.mode
         )
         plan = plan_grant(self.st.capacity, views, head.id)
         if plan.fits:
@@ -177,7 +177,7 @@ class Admission:
         is left of that quantum, never a new one (else the grower waits for ever)."""
         st = self.st
         now = st.now()
-        if not growth.grower(head):
+        if not growth.grower(head, st.settings.mode):
             return
         for sid in list(st.queue)[1:]:
             s = st.sessions[sid]

@@ -15,13 +15,15 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from gpushare.core.ledger import bound_for
 from gpushare.core.planner import MemoryView
 from gpushare.core.sessions import SessionState
 
 
-def grower(s: SessionState) -> bool:
-    """``s`` waits for memory above its request (a release with a ``need``)."""
-    return s.memory.need > s.memory.guaranteed
+def grower(s: SessionState, mode: str) -> bool:
+    """``s`` asks for memory above its request: a release with a ``need``, or back at
+    what it had grown to (its bound, core/ledger.bound_for, in mode auto)."""
+    return s.mode_of(mode) == "auto" and bound_for(s, mode) > s.memory.guaranteed
 
 
 def running_end(s: SessionState, now: float) -> float:
@@ -56,12 +58,13 @@ def shield(
     head: SessionState,
     sessions: Mapping[int, SessionState],
     now: float,
+    mode: str,
 ) -> tuple[list[MemoryView], float | None]:
     """``views`` for a plan on behalf of ``head``: where it grows, the protected
     sessions pinned (never asked) until their own quanta are over; and when the first of
     those quanta ends (the plan is looked at again then, even if no input comes: a
     neighbour that went idle inside its quantum sends none)."""
-    if not grower(head):
+    if not grower(head, mode):
         return list(views), None
     out, until = [], None
     for v in views:
