@@ -45,6 +45,10 @@ class Admission:
         # deadline, so the plan is made again then even if nothing else happens.
         self.shield_until: float | None = None
 
+    def deadlines(self) -> list[float]:
+        """A grower's plan waits for a neighbour's quantum to end (core/growth.py)."""
+        return [] if self.shield_until is None else [self.shield_until]
+
     def taken(self) -> bool:
         """The GPU is held, or its quantum waits for its holder."""
         return bool(self.st.holders) or self.window.holder is not None

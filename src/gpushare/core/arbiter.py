@@ -661,9 +661,7 @@ class Arbiter:
             times.append(w)
         times += self.gangs.deadlines()
         times += self.caps.deadlines()
-        times += self.turns.deadlines()
-        if self.admission.shield_until is not None:  # a grower's plan (core/growth.py)
-            times.append(self.admission.shield_until)
+        times += self.turns.deadlines() + self.admission.deadlines()
         return times
 
     def verify(self) -> None:
