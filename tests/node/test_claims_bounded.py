@@ -273,3 +273,40 @@ async def test_a_child_on_the_gpu_outside_the_session_is_said_not_left_unsaid(no
         child.kill()
         child.wait()
         w.close()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@in_process(memory="80GiB", mode="exclusive")
+async def test_a_grandchild_on_the_gpu_outside_the_session_is_said_too(node, caplog):
+    """Issue 38 item 12: a process two generations down (a shell the program started
+    with a clean environment, and the process that shell started) on the GPU with memory
+    is said as its session's, as a child is: the chain of parents is followed, not one
+    step of it."""
+    import subprocess
+
+    from tests.node.observe.test_nvml_memory import PID, real_gpu
+
+    w = await node.workload(memory_limit=10 * G, name="parent")
+    shell = subprocess.Popen(["sh", "-c", "sleep 60; true"], env={})  # it forks sleep
+    grandchild = 0
+    try:
+        deadline = time.monotonic() + 10
+        while not _children(shell.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (grandchild,) = _children(shell.pid)
+        nvml = real_gpu(node, {PID: G, grandchild: 2 * G})
+        nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=50)
+        with caplog.at_level(logging.WARNING, logger="gpushare.node"):
+            node.node.sampler.sample(1.0)
+        (ev,) = node.events("ungated")
+        assert (ev["session"], ev["pid"], ev["used_bytes"]) == (w.session, grandchild, 2 * G)
+    finally:
+        if grandchild:
+            os.kill(grandchild, 9)  # (the shell's wait reaps it)
+        shell.kill()
+        shell.wait()
+        w.close()

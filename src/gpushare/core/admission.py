@@ -40,6 +40,13 @@ class Admission:
     ) -> None:
         self.st, self.leases, self.gangs, self.caps = st, leases, gangs, caps
         self.claims, self.window, self.escalation = claims, window, escalation
+        # When the first quantum a grower's plan waits for ends (core/growth.py): a
+        # deadline, so the plan is made again then even if nothing else happens.
+        self.shield_until: float | None = None
+
+    def deadlines(self) -> list[float]:
+        """A grower's plan waits for a neighbour's quantum to end (core/growth.py)."""
+        return [] if self.shield_until is None else [self.shield_until]
 
     def taken(self) -> bool:
         """The GPU is held, or its quantum waits for its holder."""
@@ -115,6 +122,7 @@ class Admission:
     def grant_what_fits(self) -> None:
         st = self.st
         now = self.st.now()
+        self.shield_until = None
         if self.gangs.revoked:
             self.gangs.settle()
         if self.gangs:
@@ -144,8 +152,9 @@ class Admission:
             self.leases.grant(head, lent=True)
             return True
         peers = self.gangs.peers_to_count(head)
-        now, tq = st.now(), st.settings.tq_s
-        views = growth.shield(self.gangs.views(head, peers), head, st.sessions, now, tq)
+        views, self.shield_until = growth.shield(
+            self.gangs.views(head, peers), head, st.sessions, st.now(), st.settings.mode
+        )
         plan = plan_grant(self.st.capacity, views, head.id)
         if plan.fits:
             self.leases.grant(head)
@@ -167,14 +176,17 @@ class Admission:
     def _grant_beside_grower(self, head: SessionState) -> None:
         """``head`` grows and waits for the rotation of quanta: a session behind it whose
         quantum still runs and fits as things are starts its next burst meanwhile
-        (core/growth.py), rather than idling until the grower takes its bytes."""
+        (core/growth.py), rather than idling until the grower takes its bytes: with what
+        is left of that quantum, never a new one (else the grower waits for ever)."""
         st = self.st
         now = st.now()
-        if not growth.grower(head) or growth.rotating(head, now, st.settings.tq_s):
+        if not growth.grower(head, st.settings.mode):
             return
         for sid in list(st.queue)[1:]:
             s = st.sessions[sid]
             if s.state is State.WAITING and growth.protected(s, now) and self.joins_beside(s):
+                s.lease.quantum_end = growth.running_end(s, now)
+                s.share.continued, s.share.turn = True, False
                 self.leases.grant(s, lent=True)
 
     def joins_beside(self, s: SessionState) -> bool:

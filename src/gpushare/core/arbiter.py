@@ -101,9 +101,11 @@ class Arbiter:
         )
         self.caps = Caps(self.st)
         self.families = Families(self.st, self.gangs)
-        self.timers = Timers(self.st, self.claims, self.window, self.gangs, self.caps, self.turns)
         self.admission = Admission(
             self.st, self.leases, self.gangs, self.claims, self.window, self.escalation, self.caps
+        )
+        self.timers = Timers(
+            self.st, self.admission, self.claims, self.window, self.gangs, self.caps, self.turns
         )
 
     # --- what the rest of the node reads ----------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpushare.core import caps
+from gpushare.core import caps, growth
 from gpushare.core.actions import GrantAction, RevokeAction, RoomAction
 from gpushare.core.claims import Claims
 from gpushare.core.escalation import Escalation
@@ -83,6 +83,7 @@ class Leases:
         else:  # a gang member joining its gang's lease, ahead of the queue
             st.queue.remove(s.id)
         caps.settle(s, now)  # (before it holds: the wait filled its bucket)
+        growth.granted(s, now)  # (a turn inside its quantum: that quantum's end stays)
         regroup, s.rank.parked = s.rank.parked, False
         waited = st.end_wait(s, now)
         self.shares.collect_credit(s)
@@ -189,7 +190,8 @@ class Leases:
                 m.room = free
                 st.ledger.recount(s)
                 st.out.act(RoomAction(s.id, free))
-            for vid, n in plan_grant(self.st.capacity, self._views_released(s), s.id).swap_outs:
+            views = self._shielded(self._views_released(s), s)
+            for vid, n in plan_grant(self.st.capacity, views, s.id).swap_outs:
                 st.ask_swap_out(vid, n)
 
     def revoke(self, s: SessionState, now: float, reason: str = "quantum") -> None:
@@ -208,7 +210,9 @@ class Leases:
         asks: list[tuple[int, int]] = []  # what the planner would say, without it
         # (nobody waits: a compute limit's revoke; the memory stays)
         if st.queue and not self._fits_after_release(s, st.sessions[st.queue[0]]):
-            asks = plan_grant(self.st.capacity, self._views_released(s), st.queue[0]).swap_outs
+            head = st.sessions[st.queue[0]]
+            views = self._shielded(self._views_released(s), head)
+            asks = plan_grant(self.st.capacity, views, head.id).swap_outs
         if self.st.settings.mode == "exclusive" or len(st.holders) == 1:
             for sid, n in asks:
                 if sid == s.id:  # its own share goes with its answer to the revoke
@@ -238,6 +242,11 @@ class Leases:
         it has, and a possible victim (the revoked holder; a filling one, for itself)."""
         views = self.gangs.views(s, 0)
         return [released(s) if v.id == s.id else v for v in views]
+
+    def _shielded(self, views: list[MemoryView], head: SessionState) -> list[MemoryView]:
+        """A plan on grower ``head``'s behalf asks no neighbour inside its quantum."""
+        st = self.st
+        return growth.shield(views, head, st.sessions, st.now(), st.settings.mode)[0]
 
     def enqueue(self, s: SessionState, front: bool = False) -> None:
         """Join the queue: at its back, or (``front``) at its front, behind the sessions

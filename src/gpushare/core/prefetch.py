@@ -9,6 +9,7 @@ only as much as needed. At its grant the head has most of its memory back alread
 
 from __future__ import annotations
 
+from gpushare.core import growth
 from gpushare.core.actions import PrefetchAction
 from gpushare.core.events import Prefetch
 from gpushare.core.ledger import view
@@ -62,5 +63,6 @@ def _make_room(st: GpuState, h: SessionState, now: float, need: int) -> None:
     mode = st.settings.mode
     victims = [view(v, now, mode) for v in idle if not v.expected_back(now)]
     victims += [view(st.sessions[q], now, mode) for q in reversed(st.queue) if q != h.id]
+    victims = growth.shield(victims, h, st.sessions, now, mode)[0]  # a grower's: by the rule
     for sid, n in take_from(victims, need)[0]:
         st.ask_swap_out(sid, n)

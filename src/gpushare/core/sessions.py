@@ -83,6 +83,7 @@ class Lease:
     start: float = 0.0
     quantum_len: float = 0.0  # this grant's quantum (GPU time, from its swap-in's end)
     quantum_end: float = 0.0
+    own_end: float = 0.0  # a turn's lease: when its own quantum ends (core/growth.py)
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
     revoke_deadline: float = 0.0
     revoked_at: float = 0.0

@@ -1,20 +1,21 @@
-"""When the arbiter next has something to do: every rule's next deadline in one place.
-
-The node's timer calls :meth:`Arbiter.tick <gpushare.core.arbiter.Arbiter.tick>` at
+"""When the arbiter next has something to do: every rule's next deadline in one place. The
+node's timer calls :meth:`Arbiter.tick <gpushare.core.arbiter.Arbiter.tick>` at
 :meth:`Timers.next`: the earliest of the holders' quantum ends and revoke deadlines (the
 holders are few: read from them), the swap-outs asked of non-holders and the retries
 after a failed swap (core/deadlines.py keeps those as running totals, as they grow with
 the sessions), the claims told to yield (core/claims.py), the window (core/window.py),
 the gangs' regroups (core/gangs.py), the compute buckets (core/caps.py) and the turns
-(core/turns.py). A rule with a new deadline adds it here: the module sits just below
-the arbiter (core-layers), so it may read any rule's, admission's too.
-:meth:`Timers.verify` checks that earliest against a scan of every session.
+(core/turns.py) and a grower's wait for its neighbour's quantum (core/admission.py). A
+rule with a new deadline adds it here: the module sits just below the arbiter (core-
+layers), so it may read any rule's, admission's too. :meth:`Timers.verify` checks that
+earliest against a scan of every session.
 """
 
 from __future__ import annotations
 
 import math
 
+from gpushare.core.admission import Admission
 from gpushare.core.caps import Caps
 from gpushare.core.claims import Claims
 from gpushare.core.gangs import Gangs
@@ -26,9 +27,16 @@ from gpushare.core.window import Window
 
 class Timers:
     def __init__(
-        self, st: GpuState, claims: Claims, window: Window, gangs: Gangs, caps: Caps, turns: Turns
+        self,
+        st: GpuState,
+        admission: Admission,
+        claims: Claims,
+        window: Window,
+        gangs: Gangs,
+        caps: Caps,
+        turns: Turns,
     ) -> None:
-        self.st, self.claims, self.window = st, claims, window
+        self.st, self.admission, self.claims, self.window = st, admission, claims, window
         self.gangs, self.caps, self.turns = gangs, caps, turns
 
     def next(self) -> float | None:
@@ -65,6 +73,7 @@ class Timers:
         times += self.gangs.deadlines()
         times += self.caps.deadlines()
         times += self.turns.deadlines()
+        times += self.admission.deadlines()  # a grower's plan waits for a quantum's end
         return times
 
     def verify(self) -> list[str]:
