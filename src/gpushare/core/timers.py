@@ -1,14 +1,15 @@
-"""When the arbiter next has something to do: every rule's next deadline in one place. The
-node's timer calls :meth:`Arbiter.tick <gpushare.core.arbiter.Arbiter.tick>` at
+"""When the arbiter next has something to do: every rule's next deadline in one place.
+
+The node's timer calls :meth:`Arbiter.tick <gpushare.core.arbiter.Arbiter.tick>` at
 :meth:`Timers.next`: the earliest of the holders' quantum ends and revoke deadlines (the
 holders are few: read from them), the swap-outs asked of non-holders and the retries
 after a failed swap (core/deadlines.py keeps those as running totals, as they grow with
 the sessions), the claims told to yield (core/claims.py), the window (core/window.py),
-the gangs' regroups (core/gangs.py), the compute buckets (core/caps.py) and the turns
-(core/turns.py) and a grower's wait for its neighbour's quantum (core/admission.py). A
-rule with a new deadline adds it here: the module sits just below the arbiter (core-
-layers), so it may read any rule's, admission's too. :meth:`Timers.verify` checks that
-earliest against a scan of every session.
+the gangs' regroups (core/gangs.py), the compute buckets (core/caps.py), the turns
+(core/turns.py) and a grower's wait for its neighbour's quantum (core/admission.py).
+A rule with a new deadline adds it here: the module sits just below the arbiter
+(core-layers), so it may read any rule's, admission's too. :meth:`Timers.verify`
+checks that earliest against a scan of every session.
 """
 
 from __future__ import annotations
