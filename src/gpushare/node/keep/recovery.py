@@ -323,7 +323,7 @@ class Recovery:
         record is not on disk would be a stranger to the next node, so none is
         welcomed. The record stays in every whole write until :meth:`settled`."""
         self.pending[rec.id] = rec
-        if not await self._saved():
+        if not await self.on_disk():
             self.pending.pop(rec.id, None)
             if self._held:
                 raise IdsUnavailable("the node is stopping: attach to the next one")
@@ -542,10 +542,6 @@ class Recovery:
             fn(self.save())
             return
         self.on_disk().add_done_callback(lambda w: fn(not w.cancelled() and w.result()))
-
-    async def _saved(self) -> bool:
-        """True once a whole write taken from now on is on disk; False if it failed."""
-        return await self.on_disk()
 
     def save_soon(self, delay: float = 0.1) -> None:
         """A whole write on the records' thread within ``delay`` seconds, once for any
