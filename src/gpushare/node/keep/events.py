@@ -3,7 +3,9 @@ live followers, and a JSON-lines log (a file of the node's own, never through a 
 
 The ring and the followers are the loop's; the log's lines are written (and the log
 rotated) on a thread of its own, so that no grant waits for the disk: they go to it in
-order through a bounded queue (:data:`WRITE_QUEUE` lines). A disk so slow that the queue
+order through a bounded queue (:data:`WRITE_QUEUE` lines), which it empties every
+:data:`WRITE_EVERY` seconds (a wake-up per event would cost the loop more than the
+write: the interpreter lock handed back and forth). A disk so slow that the queue
 fills loses lines from the log, never from the ring or the followers: each is counted
 (:attr:`EventBus.dropped`), the first said in the log as a warning. Closing the bus
 writes what is queued, then closes the file."""
@@ -15,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import threading
 from collections import deque
 from typing import IO, Any
@@ -45,6 +46,7 @@ BACKLOG_BYTES = 16 * 2**20  # the ring's bound in bytes, beside its count
 # Lines the log's writer may be behind (a few MiB) before new ones are dropped: seconds
 # of a busy node's events, more than a flush behind another process's gigabytes takes.
 WRITE_QUEUE = 20_000
+WRITE_EVERY = 0.05  # the writer's round: how long a line may wait for its write
 
 
 def size_of(rec: dict[str, Any]) -> int:
@@ -94,7 +96,11 @@ class EventBus:
         self._file: IO[bytes] | None = None
         self._size = 0  # the log's bytes
         self._dir: SafeDir | None = None
-        self._lines: queue.Queue[bytes | None] = queue.Queue(WRITE_QUEUE)
+        self._lines: deque[bytes] = deque()  # appended by the loop, taken by the writer
+        self._queued = 0  # lines queued so far (the loop's count)
+        self._written = 0  # lines the writer has taken and written (or dropped)
+        self._round = threading.Condition()  # the writer's wake-up, and its rounds' end
+        self._closing = False
         self._writer: threading.Thread | None = None
         self._said = False  # a dropped line was said in the log
         self._count = threading.Lock()
@@ -130,10 +136,11 @@ class EventBus:
             self.bytes -= self._sizes.popleft()
         if self._writer is not None:  # the line made here: the record as it is now
             line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
-            try:
-                self._lines.put_nowait(line)
-            except queue.Full:
+            if len(self._lines) >= WRITE_QUEUE:
                 self._drop("the event log's writer is behind (a slow disk)")
+            else:
+                self._lines.append(line)  # a deque's append: safe beside the writer's pops
+                self._queued += 1
         for f in list(self.followers):
             if not f.put(rec):  # a follower that cannot keep up is let go
                 self.followers.discard(f)
@@ -151,17 +158,29 @@ class EventBus:
             )
 
     def _write_lines(self) -> None:
-        """The writer thread: each line in order, the file flushed whenever it has
-        caught up, rotated past ``rotate_bytes``; ``None`` ends it (the file closed)."""
+        """The writer thread: every :data:`WRITE_EVERY` seconds (at once when asked),
+        each line queued, in order, then the file flushed; rotated past
+        ``rotate_bytes``. Closing, it writes what is left and closes the file."""
         while True:
-            line = self._lines.get()
-            try:
-                if line is None:
-                    self._close_file()
-                    return
-                self._write_line(line)
-            finally:
-                self._lines.task_done()
+            with self._round:
+                closing = self._closing
+                if not closing:
+                    self._round.wait(WRITE_EVERY)
+            n = 0
+            while self._lines:
+                self._write_line(self._lines.popleft())
+                n += 1
+            if n and self._file is not None:
+                try:
+                    self._file.flush()
+                except OSError as e:
+                    self._drop(f"cannot write it: {e}")
+            with self._round:
+                self._written += n
+                self._round.notify_all()
+            if closing and not self._lines:
+                self._close_file()
+                return
 
     def _write_line(self, line: bytes) -> None:
         try:
@@ -171,8 +190,6 @@ class EventBus:
             self._size += len(line)
             if self._size > self.rotate_bytes:
                 self._rotate()
-            elif self._lines.empty():
-                self._file.flush()
         except (OSError, UnsafePath) as e:
             self._drop(f"cannot write it: {e}")
 
@@ -191,8 +208,13 @@ class EventBus:
 
     def flush(self) -> None:
         """Every line published so far written (a test, a tool)."""
-        if self._writer is not None and self._writer.is_alive():
-            self._lines.join()
+        target = self._queued
+        with self._round:
+            self._round.notify_all()  # a round now
+            while self._written < target and self._writer is not None:
+                if not self._writer.is_alive():
+                    return
+                self._round.wait(WRITE_EVERY)
 
     def select(
         self, since_ts: float | None = None, session: int | None = None
@@ -217,9 +239,10 @@ class EventBus:
         """Followers ended; the lines queued written, then the log closed."""
         self.end_followers()
         if self._writer is not None:
-            if self._writer.is_alive():
-                self._lines.put(None)  # after every line queued: the writer takes it last
-                self._writer.join()
+            with self._round:
+                self._closing = True  # after every line queued: the writer writes them
+                self._round.notify_all()
+            self._writer.join()
             self._writer = None
         self._close_file()
         if self.dropped:
