@@ -3,10 +3,9 @@ live followers, and a JSON-lines log (a file of the node's own, never through a 
 
 The ring and the followers are the loop's; the log's lines are written (and the log
 rotated) on a thread of its own, so that no grant waits for the disk: they go to it in
-order through a bounded queue (:data:`WRITE_QUEUE` lines), woken by the first line
-after it has caught up and taking every line queued by then (a wake-up per event costs
-the loop more than the write: the interpreter lock handed back and forth; one missed
-in a race waits :data:`WRITE_EVERY` seconds at most). A disk so slow that the queue
+order through a bounded queue (:data:`WRITE_QUEUE` lines), which it empties every
+:data:`WRITE_EVERY` seconds (a wake-up per event would cost the loop more than the
+write: the interpreter lock handed back and forth). A disk so slow that the queue
 fills loses lines from the log, never from the ring or the followers: each is counted
 (:attr:`EventBus.dropped`), the first said in the log as a warning. Closing the bus
 writes what is queued, then closes the file."""
@@ -47,7 +46,7 @@ BACKLOG_BYTES = 16 * 2**20  # the ring's bound in bytes, beside its count
 # Lines the log's writer may be behind (a few MiB) before new ones are dropped: seconds
 # of a busy node's events, more than a flush behind another process's gigabytes takes.
 WRITE_QUEUE = 20_000
-WRITE_EVERY = 0.05  # the most a line may wait for the writer to wake
+WRITE_EVERY = 0.05  # the writer's round: how long a line may wait for its write
 
 
 def size_of(rec: dict[str, Any]) -> int:
@@ -140,12 +139,8 @@ class EventBus:
             if len(self._lines) >= WRITE_QUEUE:
                 self._drop("the event log's writer is behind (a slow disk)")
             else:
-                idle = not self._lines  # the writer has caught up: it waits for this one
                 self._lines.append(line)  # a deque's append: safe beside the writer's pops
                 self._queued += 1
-                if idle:
-                    with self._round:
-                        self._round.notify_all()
         for f in list(self.followers):
             if not f.put(rec):  # a follower that cannot keep up is let go
                 self.followers.discard(f)
@@ -163,13 +158,13 @@ class EventBus:
             )
 
     def _write_lines(self) -> None:
-        """The writer thread: woken by a first line (or every :data:`WRITE_EVERY`
-        seconds), each line queued, in order, then the file flushed; rotated past
+        """The writer thread: every :data:`WRITE_EVERY` seconds (at once when asked),
+        each line queued, in order, then the file flushed; rotated past
         ``rotate_bytes``. Closing, it writes what is left and closes the file."""
         while True:
             with self._round:
                 closing = self._closing
-                if not (closing or self._lines):
+                if not closing:
                     self._round.wait(WRITE_EVERY)
             n = 0
             while self._lines:
