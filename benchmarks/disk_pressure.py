@@ -1,8 +1,9 @@
 """Grant latency with a process filling the disk beside the node, against without: side
 by side in one run. A benchmark, not a test.
 
-A real node (simulated GPU, exclusive mode) keeps its session records on a real disk
-(its sockets' folder, in ``--dir``: not a tmpfs, where a flush costs nothing); two raw
+A real node (simulated GPU, exclusive mode) keeps its session records and its event
+log (``--event-log``: a line per grant, release and revoke) on a real disk (its sockets'
+folder, in ``--dir``: not a tmpfs, where a flush costs nothing); two raw
 protocol sessions take turns as fast as the node grants (each grant asks for a whole
 write of the records 0.1 s later, so the node writes about ten a second), and each
 handoff's latency is timed (the holder's release written to the next one's grant read).
@@ -49,7 +50,8 @@ def node(src: Path, folder: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpushare", "node", "--config", str(cfg), "--socket", sock,
          "--admin-socket", admin, "--sim-gpus", "1", "--sim-memory", "80GiB",
-         "--mode", "exclusive", "--tq", "600", "--metrics-port", "0", "--log-level", "error"],
+         "--mode", "exclusive", "--tq", "600", "--metrics-port", "0", "--log-level", "error",
+         "--event-log", str(d / "events.jsonl")],
         env=env,
     )  # fmt: skip
     try:

@@ -93,7 +93,16 @@ class NodeProcess:
         return r
 
     def event_list(self) -> list[dict]:
-        # the node may be writing a line now (or have been killed writing one)
+        # the node may be writing a line now (or have been killed writing one); its
+        # writer thread takes a line within 0.05 s of the event (node/keep/events.py):
+        # read once the file has stood still longer than that (a 2 s bound)
+        size, deadline = -1, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            now = self.events.stat().st_size if self.events.exists() else 0
+            if now == size:
+                break
+            size = now
+            time.sleep(0.1)
         return read_events(self.events)
 
     def workload(self, kind: str, *args: str, **kw) -> subprocess.Popen[str]:

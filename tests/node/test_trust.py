@@ -184,6 +184,7 @@ async def test_escalation_reaches_a_forked_child_holding_the_connection(node):
         w = await node.workload(memory_limit=G, name="next")
         await w.send(p.Acquire())
         await w.expect(p.Grant)  # the stuck one was frozen, its lease handed on
+        await node.until(lambda: node.signals)  # once what it stops is on disk
         stopped = {pid for pid, sig in node.signals if sig == signal.SIGSTOP}
         assert {os.getpid(), child} <= stopped
         stuck.close()

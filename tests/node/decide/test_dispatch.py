@@ -99,6 +99,8 @@ async def test_freeze_stops_the_holder_hands_the_lease_on_and_thaws_it_at_its_tu
     await a.expect(p.Revoke)  # a never answers
     await b.expect(p.Grant)
     assert node.clock.monotonic() - t0 == pytest.approx(1 + 2)  # quantum, then grace
+    # b's grant goes at once; the SIGSTOP once a's stopped processes are on disk
+    await node.until(lambda: node.signals)
     assert node.signals == [(PID, signal.SIGSTOP)]
     (e,) = node.events("escalate")
     assert (e["action"], e["reason"], e["grace_s"]) == ("freeze", "no_yield_within_grace", 2)
@@ -148,7 +150,13 @@ async def test_frozen_memory_needed_by_the_next_is_killed_continued_first(node):
         "no_yield_within_grace",
         "frozen_memory_needed",
     ]
-    assert node.signals == [(PID, signal.SIGSTOP), (PID, signal.SIGCONT), (PID, signal.SIGKILL)]
+    # killed before the freeze's record was on disk, it was never stopped; stopped, it
+    # is continued first (a stopped process dies only once continued)
+    sigs = [sig for _, sig in node.signals]
+    assert sigs in (
+        [signal.SIGCONT, signal.SIGKILL],
+        [signal.SIGSTOP, signal.SIGCONT, signal.SIGKILL],
+    )
     a.close()
     await b.expect(p.Grant)
 

@@ -149,6 +149,7 @@ async def test_an_administrator_ends_a_session(node):
     await a.expect(p.Grant)
     await b.send(p.Acquire())
     await b.expect(p.Grant)  # after the quantum and the grace: a was frozen
+    await node.until(lambda: node.signals)  # once what it stops is on disk
     assert node.signals == [(os.getpid(), signal.SIGSTOP)]
     await node.ask(p.EndSession(session=a.session))
     assert node.signals[-1] == (os.getpid(), signal.SIGCONT)

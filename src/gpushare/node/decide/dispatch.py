@@ -8,6 +8,12 @@ process that took a pid since. A batch's frames for one connection leave in one 
 connection whose peer does not read is not let to hold more than ``write_limit`` bytes
 of the node's memory: it is refused and closed, and the others go on.
 
+What must be on disk before its session hears it (a family's new limits; what a freeze
+stops, before it is stopped) is written on the records' thread, never on the loop: that
+connection's frames from there on are held back, in order, until the write is done, and
+the SIGSTOP sent from the write's callback (if the session is still to be frozen then);
+every other connection's frames go at once.
+
 It only delivers: what follows from a batch (the GPUs' timers, the GPUs linked through a
 gang ticked in turn) is :mod:`gpushare.node.decide.decisions`'.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -60,6 +67,17 @@ def send_signal(ref: ProcRef, sig: int) -> None:
     pidfd_signal(ref, sig)
 
 
+class _Part:
+    """A run of a connection's frames, in order: sent once it is open (the records write
+    it waits for is on disk; open at once when it waits for none)."""
+
+    __slots__ = ("frames", "open")
+
+    def __init__(self, is_open: bool) -> None:
+        self.open = is_open
+        self.frames: list[bytes] = []
+
+
 class Dispatch:
     def __init__(
         self,
@@ -78,14 +96,18 @@ class Dispatch:
         self.recovery: Recovery | None = None  # signs leases, keeps their floor on disk
         self.refuse = refuse
         self.write_limit = WRITE_LIMIT
+        # Per session: its connection and the parts held back behind a records write.
+        self._behind: dict[int, tuple[Conn, deque[_Part]]] = {}
+        self._freezing: dict[int, object] = {}  # per session: the freeze still to send
 
     def deliver(self, arb: Arbiter, actions: list[Action]) -> None:  # noqa: C901
         """``arb``'s actions, each where it belongs (a batch's frames for a connection in
         one write)."""
-        frames: dict[int, tuple[Conn, list[bytes]]] = {}  # per session, in order
+        frames: dict[int, tuple[Conn, list[_Part]]] = {}  # per session, in order
 
         def send(c: Conn, msg: p.Message) -> None:
-            frames.setdefault(c.session, (c, []))[1].append(p.encode(msg))
+            parts = frames.setdefault(c.session, (c, [_Part(True)]))[1]
+            parts[-1].frames.append(p.encode(msg))
 
         for a in actions:
             if isinstance(a, EventAction):
@@ -132,21 +154,55 @@ class Dispatch:
                 c.may_hold_memory = True
                 send(c, p.Prefetch(room=a.room, seq=a.seq))
             elif isinstance(a, LimitsAction):
-                self._limits(c, a)
+                part = self._limits(c, a)
+                if part is not None:
+                    frames.setdefault(c.session, (c, []))[1].append(part)
                 send(c, p.Limits(memory_limit=a.memory_limit, memory_request=a.memory_request))
-        for c, out in frames.values():  # one write per connection
-            self._write(c, out[0] if len(out) == 1 else b"".join(out))
+        for c, parts in frames.values():  # one write per connection
+            self._queue(c, parts)
 
-    def _limits(self, c: Conn, a: LimitsAction) -> None:
+    def _limits(self, c: Conn, a: LimitsAction) -> _Part | None:
         """A family's session has new limits: on record at once, with the family, so
-        that a restarted node matches the session (by its new limit) and rebuilds it."""
+        that a restarted node matches the session (by its new limit) and rebuilds it.
+        The part its frames from here on go to, held back until that record is on disk
+        (None: no records are kept)."""
         if c.record is not None:
             c.record = msgspec.structs.replace(c.record, limit=a.memory_limit, family=c.session)
-        if self.recovery is not None:
-            # On disk before the session hears it (this batch's frames leave after): a
-            # node killed once it has would find no record with its new limit, and take
-            # it for a stranger (and its member's part, never given back, lost).
-            self.recovery.save()
+        if self.recovery is None:
+            return None
+        # On disk before the session hears it: a node killed once it has would find no
+        # record with its new limit, and take it for a stranger (and its member's part,
+        # never given back, lost). Written on the records' thread: others' frames go on.
+        part = _Part(False)
+
+        def written(ok: bool) -> None:  # failed: said in the log; the session is told
+            part.open = True
+            self._flush(c)
+
+        self.recovery.then(written)
+        return part
+
+    def _queue(self, c: Conn, parts: list[_Part]) -> None:
+        """A batch's parts for ``c``, behind any of its frames still held back."""
+        held = self._behind.get(c.session)
+        if held is None or held[0] is not c:
+            held = self._behind[c.session] = (c, deque())
+        held[1].extend(parts)
+        self._flush(c)
+
+    def _flush(self, c: Conn) -> None:
+        """``c``'s parts that are open, up to the first still held back, in one write."""
+        held = self._behind.get(c.session)
+        if held is None or held[0] is not c:
+            return
+        queue = held[1]
+        out: list[bytes] = []
+        while queue and queue[0].open:
+            out += queue.popleft().frames
+        if not queue or c.writer.is_closing():
+            del self._behind[c.session]  # nothing held back (or no one to hear it)
+        if out and not c.writer.is_closing():
+            self._write(c, out[0] if len(out) == 1 else b"".join(out))
 
     def _write(self, c: Conn, data: bytes) -> None:
         c.write(data)
@@ -186,12 +242,36 @@ class Dispatch:
             # too, and it is never signalled; it sees the connection end.
             c.writer.close()
         elif a.escalation == "freeze" and a.reason in FREEZES:
-            c.frozen = True
-            c.stopped = self._signal(c, signal.SIGSTOP)
-            self._note_stopped(c)
+            self._freeze(c)
+
+    def _freeze(self, c: Conn) -> None:
+        """Stop the session's workload, once what it stops is on disk: a node that
+        restarts continues it (a process stopped and not on record would stay stopped).
+        The write is on the records' thread; the SIGSTOP goes from its callback, only if
+        the session is still to be frozen then (not thawed, killed or gone meanwhile).
+        A write that fails (said in the log) still lets the freeze go: the escalation
+        is the node's rule, and the record goes with the next write that succeeds."""
+        refs = [r for r in c.workload(self.proc_root()) if r.pid > 1]  # never init, 0, -1
+        c.frozen, c.stopped = True, refs
+        self._note_stopped(c)
+        mark = self._freezing[c.session] = object()
+
+        def stop(ok: bool) -> None:
+            if self._freezing.get(c.session) is not mark:
+                return  # thawed (or frozen again) since: that one's own
+            del self._freezing[c.session]
+            if c.frozen and self.conns.get(c.session) is c and not c.writer.is_closing():
+                for ref in refs:
+                    self.signaller(ref, signal.SIGSTOP)
+
+        if self.recovery is None:
+            stop(True)
+        else:
+            self.recovery.then(stop)
 
     def _thaw(self, c: Conn) -> None:
         """Continue what the freeze stopped, and whatever holds the connection now."""
+        self._freezing.pop(c.session, None)  # a SIGSTOP not sent yet is not sent
         stopped, c.stopped, c.frozen = c.stopped, [], False
         sent = self._signal(c, signal.SIGCONT)
         for ref in stopped:
@@ -199,15 +279,15 @@ class Dispatch:
                 self.signaller(ref, signal.SIGCONT)
         if stopped:
             self._note_stopped(c)
+            if self.recovery is not None:  # a process continued twice comes to no harm
+                self.recovery.then(lambda ok: None)
 
     def _note_stopped(self, c: Conn) -> None:
-        """What a freeze stopped goes on record now: a node that restarts continues it."""
+        """What a freeze stopped, on the session's record (written by the caller)."""
         if c.record is not None:
             c.record = msgspec.structs.replace(
                 c.record, stopped=[(r.pid, r.start_time) for r in c.stopped]
             )
-        if self.recovery is not None:
-            self.recovery.save()
 
     def _signal(self, c: Conn, sig: int) -> list[ProcRef]:
         """``sig`` to the session's workload; the processes it went to."""

@@ -323,7 +323,7 @@ class Recovery:
         record is not on disk would be a stranger to the next node, so none is
         welcomed. The record stays in every whole write until :meth:`settled`."""
         self.pending[rec.id] = rec
-        if not await self._saved():
+        if not await self.on_disk():
             self.pending.pop(rec.id, None)
             if self._held:
                 raise IdsUnavailable("the node is stopping: attach to the next one")
@@ -461,9 +461,10 @@ class Recovery:
             return True
 
     def save(self) -> bool:
-        """A whole write now, on the loop (the one on the thread, if any, first): for
-        what must be on disk before the node goes on (a freeze, a family's limits, the
-        node stopping). True if written."""
+        """A whole write now, on the caller's thread (the one on the records' thread, if
+        any, first): for the node stopping, a tool, or a grant with no journal to go to.
+        Never for what a running node only must not tell before it is on disk (a
+        family's limits, a freeze): :meth:`then`. True if written."""
         if self._held:
             return False
         self._idle.wait()
@@ -520,15 +521,27 @@ class Recovery:
                 w.set_result(ok)
         waiters.clear()
 
-    async def _saved(self) -> bool:
-        """True once a whole write taken from now on is on disk; False if it failed."""
-        if self._held:
-            return False
+    def on_disk(self) -> asyncio.Future[bool]:
+        """Done once a whole write taken from now on, on the records' thread, is on disk:
+        True; False if it failed or the node is stopping. The loop goes on meanwhile."""
         w: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if self._held:
+            w.set_result(False)
+            return w
         self._waiters.append(w)
         if not self._writing:
             self._start()
-        return await w
+        return w
+
+    def then(self, fn: Callable[[bool], None]) -> None:
+        """``fn(ok)`` once the records as they are now are on disk (:meth:`on_disk`), on
+        the loop; without a loop (a tool, a test), after a whole write at once."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            fn(self.save())
+            return
+        self.on_disk().add_done_callback(lambda w: fn(not w.cancelled() and w.result()))
 
     def save_soon(self, delay: float = 0.1) -> None:
         """A whole write on the records' thread within ``delay`` seconds, once for any
