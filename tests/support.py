@@ -123,13 +123,16 @@ class NodeProcess:
         )
 
 
-def wait_until(pred, timeout: float = 10.0, what: str = "condition"):
+def wait_until(pred, timeout: float = 10.0, what: str = "condition", every: float = 0.02):
+    """``pred()`` once it is true, looked at every ``every`` seconds: a test waits for
+    what it means, not for a time a busy machine may not keep (``timeout`` only bounds
+    it, loosely)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
         if v:
             return v
-        time.sleep(0.02)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -98,7 +98,7 @@ def test_checkpoint_yields_to_a_waiter_and_comes_back(node):
             deadline = time.monotonic() + 10
             while not got_b.is_set() and time.monotonic() < deadline:
                 a.checkpoint()  # yields here once revoked, and blocks until granted again
-                time.sleep(0.01)
+                time.sleep(0.01)  # a's GPU work between safe points
             t.join(10)
             assert got_b.is_set()
             assert ma.verify(1)  # swapped out for b, back intact
@@ -192,7 +192,7 @@ def test_interrupted_wait_withdraws_from_the_queue(node):
             signal.setitimer(signal.ITIMER_REAL, 0)
             assert state_of(node, waiter.id) == "idle"
         # the lease is not handed to the session that gave up
-        time.sleep(0.2)
+        time.sleep(0.2)  # a quiet period: a lease handed to it would show by now
         assert node.status()["gpus"][0]["holders"] == []
         with waiter.gpu():  # and it can still ask again
             assert waiter.holding

@@ -26,11 +26,21 @@ COMPILED = textwrap.dedent("""
     wrapped = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()),
                             backend="eager")
     x = torch.randn(8, 16)
-    end, steps = time.monotonic() + float(sys.argv[1]), 0
-    while time.monotonic() < end or steps < 5:
+
+    def grants():  # this program's grants so far, as a session (not imported bare)
+        from gpushare.client import runner
+        return runner.SESSION.grants if runner.SESSION else 0
+
+    # SECONDS and 5 steps at least, and under gpushare until granted WANT times (a rival
+    # revoked it: counted, not a window a busy machine may not fill); 120 s at most
+    end, steps, hard = time.monotonic() + float(sys.argv[1]), 0, time.monotonic() + 120
+    want = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    while (time.monotonic() < end or steps < 5 or (want and grants() < want)) and (
+        time.monotonic() < hard
+    ):
         (inplace(x).sum() + wrapped(x).sum()).backward()
         steps += 1
-        time.sleep(0.01)
+        time.sleep(0.01)  # a step's pace
     try:
         from gpushare.client import runner
         s = runner.SESSION
@@ -53,8 +63,8 @@ RIVAL = textwrap.dedent("""
     end = time.monotonic() + float(sys.argv[1])
     while time.monotonic() < end:
         with s.gpu():
-            time.sleep(0.05)
-        time.sleep(0.01)
+            time.sleep(0.05)  # GPU work
+        time.sleep(0.01)  # then a gap: the others' turn
     print(s.grants)
 """)
 
@@ -68,8 +78,8 @@ def test_gpushare_adds_no_dynamo_frames_graphs_or_breaks(node_factory, short_tmp
     assert bare.returncode == 0, bare.stderr
     want = json.loads(bare.stdout.splitlines()[-1])
     node = node_factory(*sim("16GiB", mode="exclusive", tq="0.3", idle_release="0.2"))
-    rival = gs_run(node, "--memory", "4GiB", "--", sys.executable, "-c", RIVAL, "30")
-    pr = gs_run(node, "--memory", "4GiB", "--", sys.executable, str(prog), "6")
+    rival = gs_run(node, "--memory", "4GiB", "--", sys.executable, "-c", RIVAL, "120")
+    pr = gs_run(node, "--memory", "4GiB", "--", sys.executable, str(prog), "1", "2")
     out, err = pr.communicate(timeout=240)
     rival.kill()
     rival.communicate()
@@ -141,7 +151,7 @@ SLOW_COMPILE = textwrap.dedent("""
     x = torch.randn(4, 8)
     for _ in range(20):
         m(x).sum().backward()
-        time.sleep(0.01)
+        time.sleep(0.01)  # a step's pace
     print(json.dumps({"done": True}))
 """)
 

@@ -381,15 +381,16 @@ def test_an_implicit_burst_granted_after_a_long_wait_is_not_ended_at_once():
     # idle_release counts from the grant, not from the checkpoint that asked: else a
     # burst that waited longer than idle_release would be ended as it begins, and the
     # GPU work after that checkpoint would run outside a lease.
-    with fake_session(idle_release_s=1.0) as (s, node):
+    # idle_release 2 s: the quiet 0.3 s after the grant has 1.7 s to spare on a busy machine
+    with fake_session(idle_release_s=2.0) as (s, node):
         t = threading.Thread(target=s.checkpoint)  # GPU work outside gpu(): asks
         t.start()
         assert node.recv() == p.Acquire(ask=1)
-        time.sleep(1.5)  # others hold the GPU longer than idle_release
+        time.sleep(2.5)  # others hold the GPU longer than idle_release
         node.send(grant(1))
         t.join(10)
         assert s.holding
-        time.sleep(0.3)
+        time.sleep(0.3)  # a quiet period, well within idle_release of the grant
         assert s.holding and node.said(s) == []
         wait_until(lambda: not s.holding, what="the idle release")
         assert node.said(s) == [p.Release(resident=0, swapped=0)]

@@ -34,7 +34,7 @@ ENGINE = textwrap.dedent("""
         q.put({"pid": os.getpid(), "session": s.id, "limit": s.memory_limit})
         for _ in range(20):
             m(x)
-            time.sleep(0.01)
+            time.sleep(0.01)  # a step's pace
         q.put({"grants": s.grants})
 
     if __name__ == "__main__":

@@ -61,7 +61,7 @@ SERVER = textwrap.dedent("""
         await stop.wait()
         server.close()  # a graceful shutdown, as uvicorn's: the requests in flight first
         while inflight:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # a look every 50 ms till the last is answered
 
     asyncio.run(main())
 """)

@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,16 @@ class InProcessNode:
             while not (v := pred()):
                 await asyncio.sleep(0.001)
             return v
+
+    async def until_wall(self, pred: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Let the node run until ``pred()`` holds, bounded in real seconds: for what
+        a thread or a process does (virtual time jumps while they work, so
+        :meth:`until`'s virtual bound would pass before they have begun)."""
+        deadline = time.monotonic() + timeout
+        while not (v := pred()):
+            assert time.monotonic() < deadline, f"not within {timeout} real seconds"
+            await asyncio.sleep(0.01)
+        return v
 
     async def settle(self) -> None:
         """Let every connection's pending frames be handled (no virtual time passes

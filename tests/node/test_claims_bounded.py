@@ -140,7 +140,7 @@ def test_three_workloads_claiming_sm_sharing_on_an_exclusive_node_hold_one_at_a_
     samples = []
     while any(pr.poll() is None for pr in procs):
         samples.append(node.status()["gpus"][0])
-        time.sleep(0.02)
+        time.sleep(0.02)  # a look every 20 ms: the invariants hold in every one
     outs = [pr.communicate(timeout=60) for pr in procs]
     assert all(pr.returncode == 0 for pr in procs), [o[1][-2000:] for o in outs]
     assert all(json.loads(o[0].strip().splitlines()[-1])["failures"] == 0 for o in outs)

@@ -39,14 +39,14 @@ member = subprocess.Popen(
 mid, mlimit = member.stdout.readline().split()
 t = time.monotonic()
 while s.memory_limit == 8 * 2**30 and time.monotonic() - t < 30:
-    time.sleep(0.02)
+    time.sleep(0.02)  # a look every 20 ms until the node says the new limit (30 s at most)
 print(s.id, mid, mlimit, s.memory_limit, flush=True)
 sys.stdin.readline()  # after the restart: the member leaves
 member.stdin.close()
 member.wait()
 t = time.monotonic()
 while s.memory_limit != 8 * 2**30 and time.monotonic() - t < 30:
-    time.sleep(0.02)
+    time.sleep(0.02)  # a look every 20 ms, as above
 print(s.memory_limit, flush=True)
 sys.stdin.readline()  # attached until the test has read the node's status
 """

@@ -65,7 +65,7 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
     while any(pr.poll() is None for pr in procs):
         st = node.status()["gpus"][0]
         samples.append(st)
-        time.sleep(0.05)
+        time.sleep(0.05)  # a look every 50 ms: the invariants hold in every one
     outs = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
     assert all(o["failures"] == 0 for o in outs)
     # exclusive access and no capacity overrun, as status showed it all along

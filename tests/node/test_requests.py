@@ -129,7 +129,7 @@ def test_a_node_killed_twice_during_a_burst_loses_no_byte_and_stays_within_capac
         for away in (0.3, 0.2):
             node.proc.send_signal(signal.SIGKILL)
             node.proc.wait()
-            time.sleep(away)
+            time.sleep(away)  # the node away this long: the workloads go on (or wait)
             seen = len(node.event_list())
             node.start()
             wait_until(

@@ -27,9 +27,9 @@ async def test_a_burst_end_with_the_next_burst_at_once_keeps_the_quantum(node):
     await b.send(p.Acquire())
     left = 5.0
     for _ in range(10):  # bursts of 0.1 s, a millisecond apart
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # virtual time: a burst's GPU work
         await a.send(p.Release(resident=G, swapped=0))
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # virtual: the gap before the next burst
         await a.send(p.Acquire())
         g = await a.expect(p.Grant)
         assert g.quantum_s == pytest.approx(left - 0.101)  # the rest of the same quantum
@@ -103,7 +103,7 @@ async def test_a_notebook_cell_takes_a_turn_at_the_holders_next_safe_point(node)
     await batch.send(p.Acquire())
     await batch.expect(p.Grant)  # once the notebook's window is over
     t0 = node.clock.monotonic()
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(3.0)  # virtual time: the batch job's 3 s before the next cell
     await cells.send(p.Acquire())
     r = await batch.expect(p.Revoke)  # at once: the cell goes first
     assert node.clock.monotonic() == pytest.approx(t0 + 3.0)
@@ -112,7 +112,7 @@ async def test_a_notebook_cell_takes_a_turn_at_the_holders_next_safe_point(node)
     g = await cells.expect(p.Grant)
     assert g.quantum_s == pytest.approx(1.0)
     assert node.events("grant")[-1]["turn"] is True
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # virtual time: the cell's work
     await cells.send(p.Release(resident=G, swapped=0))
     g = await batch.expect(p.Grant)  # the batch job goes on with the rest of its quantum
     assert node.events("grant")[-1]["resumed"] is True

@@ -171,7 +171,7 @@ def _child_holding_fds(seconds: float = 30.0) -> int:
     """A forked child that keeps every descriptor it inherited (a DataLoader worker)."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        time.sleep(seconds)
+        time.sleep(seconds)  # holds the descriptors this long: the behaviour under test
         os._exit(0)
     return pid
 
@@ -622,7 +622,7 @@ async def test_a_config_file_caught_half_written_is_not_applied(node):
     with open(path, "w") as f:  # truncated; the writer has not written yet
         t0 = node.clock.monotonic()
         while node.clock.monotonic() - t0 < 1.9:  # one look at it, or two
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # virtual time: looks while the watch runs
             assert node.node.arbiters[0].settings.tq_s == 7  # not the default
         f.write("tq = 7\n")
         f.flush()

@@ -259,7 +259,7 @@ HOLD = (
     "from gpushare.client.runner import SESSION\n"
     "with SESSION.gpu():\n"
     "    print('holding', flush=True)\n"
-    "    time.sleep(60)\n"
+    "    time.sleep(60)\n"  # GPU work until its session is ended (60 s at most)
     "print('finished normally')\n"
 )
 

@@ -30,7 +30,7 @@ async def test_a_waiting_session_shows_its_wait_as_it_goes_on(node: InProcessNod
     rows = {line.split()[1]: line for line in shown(node).splitlines() if line[:6].strip()}
     assert re.search(r"\bwaiting 1[45]\.\d s\b", rows["b"]), rows["b"]
     assert " holding " in rows["a"]
-    await asyncio.sleep(10)
+    await asyncio.sleep(10)  # virtual: 10 s more
     (row,) = [line for line in shown(node).splitlines() if " b " in line]
     assert re.search(r"\bwaiting 2[45]\.\d s\b", row), row
 

@@ -297,7 +297,7 @@ def test_readers_on_many_threads_pin_each_allocation_once(gpu: FakeGpu, monkeypa
     sizes = [k * PIECE for k in range(1, 12)]  # each its own size, to tell them apart
     for n in sizes:
         alloc.allocate(n, "kv_cache")
-        time.sleep(0.002)
+        time.sleep(0.002)  # the allocations spread out among the readers' looks
     stop.set()
     for t in readers:
         t.join(10)
@@ -382,6 +382,7 @@ def test_any_error_of_vllms_allocator_is_a_swap_error(gpu: FakeGpu, monkeypatch)
 
 
 def test_a_swap_in_that_waited_for_room_reports_its_copy_time_only(gpu: FakeGpu):
+    # the wait for room takes 0.2 s: the behaviour under test (not in the copy's time)
     b, alloc, _ = bare(gpu, hooks=SwapHooks(wait_room=lambda n: time.sleep(0.2)))
     alloc.allocate(4 * PIECE, "weights")
     b.swap_out(b.resident_bytes)
@@ -465,7 +466,7 @@ def test_threads_finding_the_allocator_at_once_make_one_pool(gpu: FakeGpu, monke
     init = SleepModePool.__init__
 
     def slow(self: SleepModePool, *a: object, **k: object) -> None:
-        time.sleep(0.05)
+        time.sleep(0.05)  # a slow pool: the threads' finds overlap
         init(self, *a, **k)  # type: ignore[arg-type]
         made.append(self)
 

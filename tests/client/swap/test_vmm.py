@@ -15,6 +15,7 @@ import pytest
 from gpushare.client.swap.base import SwapHooks
 from gpushare.client.swap.vmm import IdleWaiter, VmmBackend
 from gpushare.errors import OutOfMemoryError, SwapError
+from tests.support import wait_until
 
 from .conftest import GRANULE, FakeGpu
 
@@ -310,13 +311,8 @@ def test_allocation_and_free_are_reported(gpu: FakeGpu):
     reports = []
     b.on_change = lambda: reports.append(b.resident_bytes)
     va = b.allocate(PIECE)  # in C: a byte down a pipe, reported by a thread
-    for _ in range(200):
-        if reports:
-            break
-        import time
-
-        time.sleep(0.01)
-    assert reports and reports[-1] == PIECE
+    wait_until(lambda: reports, what="the report")
+    assert reports[-1] == PIECE
     b.free(va)
     b.close()
 
@@ -508,10 +504,8 @@ def test_an_allocation_past_the_grants_bound_waits_for_the_node_first(gpu: FakeG
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(b.allocate(PIECE)))
     t.start()
-    deadline = time.monotonic() + 10
-    while len(asked) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)
+    wait_until(lambda: len(asked) >= 2, what="the second allocation asked")
+    time.sleep(0.05)  # a quiet period: memory made while it waits would show by now
     assert t.is_alive() and gpu.physical_bytes == 2 * PIECE  # nothing made while it waits
     granted.set()
     t.join(10)

@@ -29,7 +29,7 @@ async def test_grants_within_the_set_timer_set_no_timer_and_an_early_one_does_no
     await a.expect(p.Grant)
     assert node.node.decisions.timers_set == 1  # for t0 + 5
     for _ in range(40):  # short bursts back to back: the rest of the same quantum each time
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # virtual time: a burst's work
         await a.send(p.Release(resident=0, swapped=0), p.Acquire())
         await a.expect(p.Grant)
     # nobody waits: the windows at the bursts' ends set no timer either

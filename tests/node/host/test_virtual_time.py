@@ -18,7 +18,7 @@ def test_an_hour_of_sleeps_passes_at_once_and_in_order():
     order: list[tuple[str, float]] = []
 
     async def sleeper(name: str, delay: float) -> None:
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay)  # virtual time: the subject of these tests
         order.append((name, asyncio.get_running_loop().time()))
 
     async def main() -> float:

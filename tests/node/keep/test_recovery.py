@@ -131,7 +131,7 @@ while True:  # 'busy' (the recovery window open), as the client does: again
     if not (isinstance(m[0], p.Error) and m[0].code == "busy") or time.monotonic() - t > 30:
         break
     s.close()
-    time.sleep(0.2)
+    time.sleep(0.2)  # the client's retry interval while the node says 'busy'
 print(m[0].session if isinstance(m[0], p.Welcome) else m[0], flush=True)
 sys.stdin.read()
 """
@@ -170,6 +170,7 @@ def test_a_process_gets_back_only_its_own_sessions_id(node_factory):
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
+    # a process that only lives (60 s at most): the target of the signals under test
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
@@ -185,7 +186,7 @@ def test_a_signal_never_reaches_a_process_that_took_the_pid_since():
         assert not pidfd_signal(ProcRef(ref.pid, ref.start_time, ref.uid + 1), signal.SIGKILL)
         assert not pidfd_signal(ProcRef(os.getpid(), 0, os.getuid()), signal.SIGKILL)
         assert not pidfd_signal(ProcRef(1, 0, 0), signal.SIGKILL)
-        time.sleep(0.2)
+        time.sleep(0.2)  # a quiet period: a signal sent by mistake would have landed
         assert victim.poll() is None
         assert pidfd_signal(ref, signal.SIGKILL)  # the process itself: sent
         assert victim.wait(timeout=10) == -signal.SIGKILL
@@ -226,13 +227,13 @@ s = gpushare.attach("1GiB", socket=sys.argv[1], name="forker")
 with s.gpu():
     child = os.fork()  # a DataLoader worker: it inherits the session's socket
     if child == 0:
-        time.sleep(120)
+        time.sleep(120)  # a worker that only holds the socket
         os._exit(0)
     if len(sys.argv) > 2:  # and one that runs as another user, holding it too
         other = os.fork()
         if other == 0:
             os.setuid(65534)
-            time.sleep(120)
+            time.sleep(120)  # holds it too, as another user
             os._exit(0)
         print(child, other, flush=True)
     else:

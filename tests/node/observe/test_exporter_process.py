@@ -347,7 +347,9 @@ def test_half_sent_requests_are_bounded_and_timed_out(monkeypatch):
             c = socket.create_connection(("127.0.0.1", port))
             c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the end
             held.append(c)
-        time.sleep(0.3)
+        # every slot taken and one more turned away: where an unbounded server would
+        # have started a thread more (not a fixed 0.3 s, which a busy machine may not keep)
+        wait_until(lambda: server.turned_away, timeout=30, what="a connection turned away")
         assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS + 2
         for c in held:  # each closed by the server within a few timeouts
             c.settimeout(10 * metrics_http.HTTP_TIMEOUT_S)
@@ -392,17 +394,26 @@ def test_requests_sent_a_byte_at_a_time_do_not_block_every_scrape(monkeypatch):
     threads = [
         threading.Thread(target=trickle, daemon=True) for _ in range(metrics.MAX_CONNECTIONS)
     ]
+    before = threading.active_count()
     try:
         for t in threads:
             t.start()
-        time.sleep(0.5)  # every slot taken now
-        start = time.monotonic()
-        body = None
-        while body is None and time.monotonic() - start < 10 * metrics.HTTP_TIMEOUT_S:
+        # every slot taken: a thread trickling and the server's thread serving it, each
+        wait_until(
+            lambda: threading.active_count() - before >= 2 * metrics.MAX_CONNECTIONS,
+            timeout=30,
+            what="every slot taken",
+        )
+
+        def scrape() -> bytes | None:
             try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()
             except (OSError, urllib.error.URLError):
-                time.sleep(0.1)
+                return None  # turned away: every slot still taken
+
+        body = wait_until(
+            scrape, timeout=10 * metrics.HTTP_TIMEOUT_S, what="a scrape served", every=0.1
+        )
         assert body == b"up 1\n"  # served once the trickling requests' time was up
         wait_until(lambda: len(cut) == metrics.MAX_CONNECTIONS, timeout=20, what="all cut")
     finally:

@@ -22,7 +22,7 @@ from gpushare.node.host.gpus import simulated_gpus
 from gpushare.node.keep.config import NodeConfig
 from gpushare.node.observe.metrics import registry_for
 from tests.node.observe.test_metrics import free_port
-from tests.support import REPO, sim
+from tests.support import REPO, sim, wait_until
 
 DASHBOARD = REPO / "deploy" / "grafana" / "gpushare.json"
 needs_prometheus = pytest.mark.skipif(
@@ -140,21 +140,23 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
     try:
         s = gpushare.attach("2GiB", socket=node.socket, name="trainer")
         with s.gpu():
-            time.sleep(1.2)
+            time.sleep(1.2)  # GPU work: a lease of 1.2 s to be scraped
         held = next(x for x in node.status()["gpus"][0]["sessions"] if x["id"] == s.id)
-        deadline = time.monotonic() + 60
-        value = None
-        while time.monotonic() < deadline:
+
+        def scraped() -> dict | None:  # the whole lease, once Prometheus has scraped it
             try:
                 r = _query(pport, 'gpushare_lease_seconds_total{pod="trainer-7"}')
-            except OSError:
-                r = {"data": {"result": []}}
+            except OSError:  # not listening yet
+                return None
             res = r["data"]["result"]
             if res and float(res[0]["value"][1]) >= held["lease_seconds_total"] - 1e-6:
-                value = res[0]
-                break
-            time.sleep(0.5)
-        assert value is not None, (tmp_path / "prom.log").read_text()[-2000:]
+                return res[0]
+            return None
+
+        try:
+            value = wait_until(scraped, timeout=60, what="the lease scraped", every=0.5)
+        except AssertionError as e:
+            raise AssertionError((tmp_path / "prom.log").read_text()[-2000:]) from e
         assert value["metric"]["namespace"] == "research"
         assert float(value["value"][1]) == pytest.approx(held["lease_seconds_total"], abs=1e-6)
         # every dashboard expression runs on the real server
@@ -180,10 +182,10 @@ def test_prometheus_scrapes_lease_seconds_by_pod(node_factory, tmp_path, monkeyp
             except OSError:
                 return []
 
-        deadline = time.monotonic() + 60
-        while not (res := totals()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert res, (tmp_path / "prom.log").read_text()[-2000:]
+        try:
+            res = wait_until(totals, timeout=60, what="the totals alone", every=0.5)
+        except AssertionError as e:
+            raise AssertionError((tmp_path / "prom.log").read_text()[-2000:]) from e
         assert float(res[0]["value"][1]) == pytest.approx(held["lease_seconds_total"], abs=0.05)
         assert res[0]["metric"]["pod"] == "trainer-7"
     finally:

@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import stat
-import time
 
 from gpushare import protocol as p
 from gpushare.node.serve.admin_server import IDLE_S, MAX_CONNECTIONS
@@ -175,7 +174,7 @@ async def _events(node: InProcessNode, **req: object) -> list[dict[str, object]]
 @in_process()
 async def test_events_backlog_by_time_and_session(node):
     a = await node.workload(memory_limit=G, name="a")
-    await asyncio.sleep(100)
+    await asyncio.sleep(100)  # virtual time: b attaches 100 s after a
     b = await node.workload(memory_limit=G, name="b")
     for w in (a, b):
         await w.send(p.Acquire(), p.Release(resident=0, swapped=0))
@@ -234,13 +233,9 @@ async def test_ctl_events_follow_exits_non_zero_when_dropped(node, capsys):
     cli = asyncio.ensure_future(
         asyncio.to_thread(ctl_main, ["ctl", "--socket", node.admin_socket, "events", "-f"])
     )
-    while not node.node.events.followers:  # the command is following
-        await asyncio.sleep(0.01)
+    await node.until_wall(lambda: node.node.events.followers)  # the command is following
     await flood(node, 10)
-    deadline = time.monotonic() + 30  # real seconds: the command runs in a thread
-    while not cli.done():
-        assert time.monotonic() < deadline, "ctl events --follow hangs"
-        await asyncio.sleep(0.01)
+    await node.until_wall(cli.done)  # or ctl events --follow hangs
     assert cli.result() == 1
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 + 5  # the attach, then as many as it may be behind
