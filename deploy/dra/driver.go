@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
+)
+
+const cdiKind = "gpushare.io/claim"
+
+type driver struct {
+	socket string
+	cdiDir string
+	gpus   []gpu
+}
+
+// cdiSpec is the part of the CDI spec format (v0.6.0) the driver writes.
+type cdiSpec struct {
+	Version string      `json:"cdiVersion"`
+	Kind    string      `json:"kind"`
+	Devices []cdiDevice `json:"devices"`
+}
+
+type cdiDevice struct {
+	Name  string   `json:"name"`
+	Edits cdiEdits `json:"containerEdits"`
+}
+
+type cdiEdits struct {
+	Env    []string   `json:"env,omitempty"`
+	Mounts []cdiMount `json:"mounts,omitempty"`
+}
+
+type cdiMount struct {
+	HostPath      string   `json:"hostPath"`
+	ContainerPath string   `json:"containerPath"`
+	Options       []string `json:"options,omitempty"`
+}
+
+func (d *driver) specPath(uid types.UID) string {
+	return filepath.Join(d.cdiDir, "gpushare.io-claim_"+string(uid)+".json")
+}
+
+// prepare builds one claim's CDI spec: a CDI device per allocated result, whose
+// env attaches the container to the node with the claim's memory request and
+// its opaque parameters. Writing it again gives the same file (idempotent).
+func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
+	if claim.Status.Allocation == nil {
+		return nil, fmt.Errorf("claim %s/%s is not allocated", claim.Namespace, claim.Name)
+	}
+	alloc := claim.Status.Allocation.Devices
+	var paramEnv []string
+	for _, c := range alloc.Config {
+		if c.Opaque == nil || c.Opaque.Driver != driverName {
+			continue
+		}
+		p, err := parseParameters(c.Opaque.Parameters.Raw)
+		if err != nil {
+			return nil, err
+		}
+		paramEnv = append(paramEnv, p.env()...)
+	}
+	spec := cdiSpec{Version: "0.6.0", Kind: cdiKind}
+	var devices []kubeletplugin.Device
+	for i, r := range alloc.Results {
+		if r.Driver != driverName {
+			continue
+		}
+		g, ok := d.gpu(r.Device)
+		if !ok {
+			return nil, fmt.Errorf("claim %s/%s: device %s is not one of this node's GPUs", claim.Namespace, claim.Name, r.Device)
+		}
+		env := []string{
+			"GPUSHARE_SOCKET=" + d.socket,
+			"NVIDIA_VISIBLE_DEVICES=" + g.UUID,
+		}
+		if m, ok := r.ConsumedCapacity["memory"]; ok {
+			env = append(env, fmt.Sprintf("GPUSHARE_MEMORY=%d", m.Value()))
+		}
+		env = append(env, paramEnv...)
+		name := fmt.Sprintf("%s-%d", claim.UID, i)
+		spec.Devices = append(spec.Devices, cdiDevice{Name: name, Edits: cdiEdits{
+			Env:    env,
+			Mounts: []cdiMount{{HostPath: d.socket, ContainerPath: d.socket, Options: []string{"rbind"}}},
+		}})
+		devices = append(devices, kubeletplugin.Device{
+			Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
+			CDIDeviceIDs: []string{cdiKind + "=" + name},
+		})
+	}
+	data, err := json.MarshalIndent(spec, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(d.cdiDir, 0o755); err != nil {
+		return nil, err
+	}
+	tmp := d.specPath(claim.UID) + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return nil, err
+	}
+	return devices, os.Rename(tmp, d.specPath(claim.UID))
+}
+
+func (d *driver) gpu(device string) (gpu, bool) {
+	for _, g := range d.gpus {
+		if deviceName(g) == device {
+			return g, true
+		}
+	}
+	return gpu{}, false
+}
+
+func (d *driver) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
+	for _, c := range claims {
+		devs, err := d.prepare(c)
+		out[c.UID] = kubeletplugin.PrepareResult{Devices: devs, Err: err}
+	}
+	return out, nil
+}
+
+func (d *driver) UnprepareResourceClaims(_ context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	out := make(map[types.UID]error, len(claims))
+	for _, c := range claims {
+		err := os.Remove(d.specPath(c.UID))
+		if os.IsNotExist(err) {
+			err = nil // unprepared already: the kubelet may ask again
+		}
+		out[c.UID] = err
+	}
+	return out, nil
+}
+
+func (d *driver) HandleError(ctx context.Context, err error, msg string) {
+	klog.FromContext(ctx).Error(err, strings.TrimSpace(msg))
+}
+
+// WatchHealthStatus: the node reports a GPU's trouble through its own metrics and
+// status; device health through DRA is not built yet.
+func (d *driver) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
+	return kubeletplugin.ErrHealthNotSupported
+}
