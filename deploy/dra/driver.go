@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -57,17 +58,6 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 		return nil, fmt.Errorf("claim %s/%s is not allocated", claim.Namespace, claim.Name)
 	}
 	alloc := claim.Status.Allocation.Devices
-	var paramEnv []string
-	for _, c := range alloc.Config {
-		if c.Opaque == nil || c.Opaque.Driver != driverName {
-			continue
-		}
-		p, err := parseParameters(c.Opaque.Parameters.Raw)
-		if err != nil {
-			return nil, err
-		}
-		paramEnv = append(paramEnv, p.env()...)
-	}
 	spec := cdiSpec{Version: "0.6.0", Kind: cdiKind}
 	var devices []kubeletplugin.Device
 	for i, r := range alloc.Results {
@@ -78,14 +68,20 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 		if !ok {
 			return nil, fmt.Errorf("claim %s/%s: device %s is not one of this node's GPUs", claim.Namespace, claim.Name, r.Device)
 		}
-		env := []string{
-			"GPUSHARE_SOCKET=" + d.socket,
-			"NVIDIA_VISIBLE_DEVICES=" + g.UUID,
-		}
+		env := []string{"GPUSHARE_SOCKET=" + d.socket, "NVIDIA_VISIBLE_DEVICES=" + g.UUID}
+		var request int64
 		if m, ok := r.ConsumedCapacity["memory"]; ok {
-			env = append(env, fmt.Sprintf("GPUSHARE_MEMORY=%d", m.Value()))
+			request = m.Value()
+			env = append(env, fmt.Sprintf("GPUSHARE_MEMORY=%d", request))
 		}
-		env = append(env, paramEnv...)
+		p, err := parametersFor(alloc.Config, r.Request)
+		if err != nil {
+			return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)
+		}
+		if lim := p.limitBytes(); lim > 0 && lim < request {
+			return nil, fmt.Errorf("claim %s/%s: GPUShareClaimParameters.memoryLimit %s is below the request's memory %d bytes: give a limit at least the request", claim.Namespace, claim.Name, p.MemoryLimit, request)
+		}
+		env = append(env, p.env()...)
 		name := fmt.Sprintf("%s-%d", claim.UID, i)
 		spec.Devices = append(spec.Devices, cdiDevice{Name: name, Edits: cdiEdits{
 			Env:    env,
@@ -108,6 +104,27 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 		return nil, err
 	}
 	return devices, os.Rename(tmp, d.specPath(claim.UID))
+}
+
+// parametersFor merges the opaque configurations of this driver that apply to
+// one request (those naming no request apply to all), in order: the class's
+// first, then the claim's, a later field overriding an earlier one.
+func parametersFor(configs []resourceapi.DeviceAllocationConfiguration, request string) (ClaimParameters, error) {
+	var merged ClaimParameters
+	for _, c := range configs {
+		if c.Opaque == nil || c.Opaque.Driver != driverName {
+			continue
+		}
+		if len(c.Requests) > 0 && !slices.Contains(c.Requests, request) {
+			continue
+		}
+		p, err := parseParameters(c.Opaque.Parameters.Raw)
+		if err != nil {
+			return merged, err
+		}
+		merged = merged.with(p)
+	}
+	return merged, nil
 }
 
 func (d *driver) gpu(device string) (gpu, bool) {

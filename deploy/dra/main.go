@@ -39,7 +39,8 @@ type gpu struct {
 }
 
 type status struct {
-	GPUs []gpu `json:"gpus"`
+	GPUs    []gpu  `json:"gpus"`
+	Version string `json:"-"` // the node's gpushare version (`gpushare --version`)
 }
 
 // readStatus asks the node, through its admin socket, what GPUs it serves: the
@@ -54,6 +55,11 @@ func readStatus(ctl []string, admin string) (status, error) {
 	if err := json.Unmarshal(out, &st); err != nil {
 		return st, fmt.Errorf("gpushare ctl status --json: %w", err)
 	}
+	out, err = exec.Command(ctl[0], append(ctl[1:len(ctl):len(ctl)], "--version")...).Output()
+	if err != nil {
+		return st, fmt.Errorf("gpushare --version: %w", err)
+	}
+	st.Version = strings.TrimPrefix(strings.TrimSpace(string(out)), "gpushare ")
 	return st, nil
 }
 
@@ -66,15 +72,16 @@ func resources(nodeName string, st status) resourceslice.DriverResources {
 	devices := make([]resourceapi.Device, 0, len(st.GPUs))
 	for _, g := range st.GPUs {
 		sim := g.Simulated
-		model, uuid, ver := g.Name, g.UUID, version
+		model, uuid, ver, gsVer := g.Name, g.UUID, version, st.Version
 		devices = append(devices, resourceapi.Device{
 			Name:                     deviceName(g),
 			AllowMultipleAllocations: &shared,
 			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-				"model":         {StringValue: &model},
-				"uuid":          {StringValue: &uuid},
-				"simulated":     {BoolValue: &sim},
-				"driverVersion": {VersionValue: &ver},
+				"model":           {StringValue: &model},
+				"uuid":            {StringValue: &uuid},
+				"simulated":       {BoolValue: &sim},
+				"driverVersion":   {VersionValue: &ver},
+				"gpushareVersion": {StringValue: &gsVer},
 			},
 			Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
 				"memory": {Value: *resource.NewQuantity(g.MemoryBytes, resource.BinarySI)},
@@ -87,6 +94,13 @@ func resources(nodeName string, st status) resourceslice.DriverResources {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "kubelet-call" {
+		if err := kubeletCall(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "gpushare-dra kubelet-call:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	kubeconfig := flag.String("kubeconfig", "", "kubeconfig (default: in-cluster)")
 	nodeName := flag.String("node-name", os.Getenv("NODE_NAME"), "this node's name")
 	ctl := flag.String("gpushare", "gpushare", "the gpushare command (words split on spaces) that reads the node's status")

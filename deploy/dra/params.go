@@ -51,6 +51,7 @@ func parseParameters(raw []byte) (ClaimParameters, error) {
 	if p.ComputeLimit != nil && !(*p.ComputeLimit > 0 && *p.ComputeLimit <= 1) {
 		return p, fmt.Errorf("GPUShareClaimParameters.computeLimit %v: give a fraction of the GPU in (0, 1]", *p.ComputeLimit)
 	}
+	// the modes of gpushare.settings.SHARING_MODES (KAI's names)
 	switch p.SharingMode {
 	case "", "time-slicing", "sm-sharing":
 	default:
@@ -59,12 +60,21 @@ func parseParameters(raw []byte) (ClaimParameters, error) {
 	return p, nil
 }
 
-// env is the parameters as the client's GPUSHARE_* variables.
+// limitBytes is memoryLimit in bytes, 0 when none is given.
+func (p ClaimParameters) limitBytes() int64 {
+	if p.MemoryLimit == "" {
+		return 0
+	}
+	q := resource.MustParse(p.MemoryLimit)
+	return q.Value()
+}
+
+// env is the parameters as the variables the client reads (src/gpushare/client/env.py,
+// runner.py): the limit in bytes; the weight is read by `gpushare run`.
 func (p ClaimParameters) env() []string {
 	var out []string
 	if p.MemoryLimit != "" {
-		q := resource.MustParse(p.MemoryLimit)
-		out = append(out, fmt.Sprintf("GPUSHARE_MEMORY_LIMIT=%d", q.Value()))
+		out = append(out, fmt.Sprintf("GPUSHARE_MEMORY_LIMIT=%d", p.limitBytes()))
 	}
 	if p.Weight != nil {
 		out = append(out, fmt.Sprintf("GPUSHARE_WEIGHT=%g", *p.Weight))
@@ -73,7 +83,24 @@ func (p ClaimParameters) env() []string {
 		out = append(out, fmt.Sprintf("GPUSHARE_COMPUTE_LIMIT=%g", *p.ComputeLimit))
 	}
 	if p.SharingMode != "" {
-		out = append(out, "GPUSHARE_SHARING="+p.SharingMode)
+		out = append(out, "GPUSHARE_SHARING_MODE="+p.SharingMode)
 	}
 	return out
+}
+
+// with is p, each field that q sets taken from q.
+func (p ClaimParameters) with(q ClaimParameters) ClaimParameters {
+	if q.MemoryLimit != "" {
+		p.MemoryLimit = q.MemoryLimit
+	}
+	if q.Weight != nil {
+		p.Weight = q.Weight
+	}
+	if q.ComputeLimit != nil {
+		p.ComputeLimit = q.ComputeLimit
+	}
+	if q.SharingMode != "" {
+		p.SharingMode = q.SharingMode
+	}
+	return p
 }

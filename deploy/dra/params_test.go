@@ -11,7 +11,7 @@ func TestDraParamsGood(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := strings.Join(p.env(), " ")
-	want := "GPUSHARE_MEMORY_LIMIT=2147483648 GPUSHARE_WEIGHT=2 GPUSHARE_COMPUTE_LIMIT=0.5 GPUSHARE_SHARING=sm-sharing"
+	want := "GPUSHARE_MEMORY_LIMIT=2147483648 GPUSHARE_WEIGHT=2 GPUSHARE_COMPUTE_LIMIT=0.5 GPUSHARE_SHARING_MODE=sm-sharing"
 	if got != want {
 		t.Fatalf("env %q, want %q", got, want)
 	}

@@ -12,7 +12,8 @@ set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/../../deploy/dra" && pwd)
 ROOT="${GPUSHARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpushare}/dra"
-HASH=$(cd "$SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-16)
+# the binary's sources: its tests (*_test.go) change no byte of it
+HASH=$(cd "$SRC" && cat go.mod go.sum $(ls ./*.go | grep -v '_test\.go$') | sha256sum | cut -c1-16)
 OUT="$ROOT/$HASH"
 if [ -x "$OUT/gpushare-dra" ]; then
   echo "$OUT/gpushare-dra"
