@@ -104,7 +104,7 @@ func main() {
 	kubeconfig := flag.String("kubeconfig", "", "kubeconfig (default: in-cluster)")
 	nodeName := flag.String("node-name", os.Getenv("NODE_NAME"), "this node's name")
 	ctl := flag.String("gpushare", "gpushare", "the gpushare command (words split on spaces) that reads the node's status")
-	admin := flag.String("admin-socket", "/run/gpushare/admin.sock", "the node's admin socket")
+	admin := flag.String("admin-socket", "/run/gpushare-admin/admin.sock", "the node's admin socket (the base DaemonSet's)")
 	socket := flag.String("socket", "/run/gpushare/workload.sock", "the node's workload socket, given to containers")
 	pluginDir := flag.String("plugin-dir", "/var/lib/kubelet/plugins/"+driverName, "the plugin's socket folder")
 	registrarDir := flag.String("registrar-dir", "/var/lib/kubelet/plugins_registry", "the kubelet's registration folder")

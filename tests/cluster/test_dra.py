@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.conftest import K8S, Kube, unique
 from tests.cluster.controlplane import NODE_SA, Cluster
@@ -401,3 +402,34 @@ def test_dra_prepare_refuses_bad_parameters_in_one_line(
     assert says in err and "\n" not in err, err
     assert claim in err  # which claim: the kubelet shows it on the pod's events
     assert list(p.cdi.glob("*.json")) == []  # a refused claim gets no spec
+
+
+def test_dra_component_runs_the_plugin_beside_the_node_with_flags_it_has(
+    dra: Cluster, tmp_path: Path
+):
+    """components/dra over an overlay: the plugin a container of the node's pod, with the
+    node's sockets and the kubelet's folders, its args flags the binary has; the server
+    takes the DaemonSet (a server-side dry run)."""
+    k = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{k}/overlays/plain]\ncomponents: [{k}/components/dra]\n"
+    )
+    out = dra.kubectl("kustomize", str(tmp_path)).stdout
+    (ds,) = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert set(containers) == {"node", "dra"}
+    plugin = containers["dra"]
+    mounts = {m["mountPath"] for m in plugin["volumeMounts"]}
+    assert {"/run/gpushare", "/run/gpushare-admin", "/var/lib/kubelet/plugins_registry"} <= mounts
+    for a in plugin["args"]:
+        path = a.split("=", 1)[1]
+        if a.startswith(("--admin-socket", "--socket")):
+            assert any(path.startswith(m + "/") for m in mounts), a
+    assert {e["name"] for e in plugin["env"]} == {"NODE_NAME"}
+    helped = subprocess.run([dra_binary(), "-h"], capture_output=True, text=True).stderr
+    for a in plugin["args"]:
+        assert f"  -{a.split('=')[0].lstrip('-')} " in helped, (a, helped)
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(ds))
+    dra.kubectl("apply", "--dry-run=server", "-f", str(tmp_path / "ds.yaml"))
