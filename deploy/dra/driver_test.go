@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"os"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 )
 
 func claimFor(memory string, params ...string) *resourceapi.ResourceClaim {
@@ -71,6 +73,15 @@ func TestDraPrepareWritesOneSpecAgainAndUnprepareRemovesIt(t *testing.T) {
 	entries, _ := os.ReadDir(d.cdiDir)
 	if len(entries) != 1 {
 		t.Fatalf("%d files in the CDI folder, want 1 (no temporary left)", len(entries))
+	}
+	for range 2 { // the kubelet may ask again: unprepared already is no error
+		errs, err := d.UnprepareResourceClaims(context.Background(), []kubeletplugin.NamespacedObject{{UID: "u1"}})
+		if err != nil || errs["u1"] != nil {
+			t.Fatalf("unprepare: %v %v", err, errs)
+		}
+		if _, err := os.Stat(d.specPath("u1")); !os.IsNotExist(err) {
+			t.Fatalf("unprepared, the spec is still there: %v", err)
+		}
 	}
 }
 
