@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -20,7 +21,14 @@ const cdiKind = "gpushare.io/claim"
 type driver struct {
 	socket string
 	cdiDir string
+	mu     sync.Mutex // gpus: replaced when the node's GPUs change
 	gpus   []gpu
+}
+
+func (d *driver) setGPUs(gpus []gpu) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.gpus = gpus
 }
 
 // cdiSpec is the part of the CDI spec format (v0.6.0) the driver writes.
@@ -128,6 +136,8 @@ func parametersFor(configs []resourceapi.DeviceAllocationConfiguration, request 
 }
 
 func (d *driver) gpu(device string) (gpu, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	for _, g := range d.gpus {
 		if deviceName(g) == device {
 			return g, true

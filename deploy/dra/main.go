@@ -12,8 +12,10 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"reflect"
 	"strings"
 	"syscall"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -110,19 +112,24 @@ func main() {
 	registrarDir := flag.String("registrar-dir", "/var/lib/kubelet/plugins_registry", "the kubelet's registration folder")
 	cdiDir := flag.String("cdi-dir", "/var/run/cdi", "where CDI specs are written")
 	publishOnly := flag.Bool("publish-only", false, "publish the slices and serve no kubelet gRPC")
+	resync := flag.Duration("resync", 30*time.Second, "how often the node's GPUs are read again (a change is published)")
 	klog.InitFlags(nil)
 	flag.Parse()
 	if *nodeName == "" {
 		fmt.Fprintln(os.Stderr, "gpushare-dra: no node name: pass --node-name or set NODE_NAME from spec.nodeName")
 		os.Exit(2)
 	}
-	if err := run(*kubeconfig, *nodeName, strings.Fields(*ctl), *admin, *socket, *pluginDir, *registrarDir, *cdiDir, *publishOnly); err != nil {
+	if *resync <= 0 {
+		fmt.Fprintln(os.Stderr, "gpushare-dra: --resync must be above 0: give a duration such as 30s")
+		os.Exit(2)
+	}
+	if err := run(*kubeconfig, *nodeName, strings.Fields(*ctl), *admin, *socket, *pluginDir, *registrarDir, *cdiDir, *publishOnly, *resync); err != nil {
 		fmt.Fprintln(os.Stderr, "gpushare-dra:", err)
 		os.Exit(1)
 	}
 }
 
-func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, registrarDir, cdiDir string, publishOnly bool) error {
+func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, registrarDir, cdiDir string, publishOnly bool, resync time.Duration) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
@@ -160,6 +167,29 @@ func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, re
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "gpushare-dra: published %d GPU(s) for node %s\n", len(st.GPUs), nodeName)
-	<-ctx.Done()
-	return nil
+	// The node's GPUs are read again every resync: a change (the node restarted on
+	// other GPUs) is published. Where the node does not answer, the last pool stays.
+	tick := time.NewTicker(resync)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+		now, err := readStatus(ctl, admin)
+		if err != nil {
+			klog.ErrorS(err, "reading the node's GPUs again; the published pool stays")
+			continue
+		}
+		if reflect.DeepEqual(now, st) {
+			continue
+		}
+		st = now
+		d.setGPUs(st.GPUs)
+		if err := helper.PublishResources(ctx, resources(nodeName, st)); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "gpushare-dra: the node's GPUs changed: published %d GPU(s)\n", len(st.GPUs))
+	}
 }

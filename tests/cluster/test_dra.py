@@ -80,6 +80,7 @@ class Plugin:
             f"--plugin-dir={self.dir / 'plugin'}",
             f"--registrar-dir={self.dir / 'registry'}",
             f"--cdi-dir={self.cdi}",
+            "--resync=1s",  # the node's GPUs read again each second (default 30 s)
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         with open(self.log, "ab") as log:
@@ -273,6 +274,20 @@ def test_dra_plugin_publishes_the_nodes_gpus_and_reconciles_on_restart(dra: Clus
 
     wait_until(lambda: names() == ["gpu-0"], timeout=60, what="the stale slice removed")
     assert devices_of(c, node)[0]["capacity"]["memory"]["value"] == "4Gi"
+
+
+def test_dra_plugin_publishes_a_change_of_the_nodes_gpus_while_it_runs(dra: Cluster, plugin):
+    c = dra
+    p, node = plugin("4GiB")
+    wait_until(lambda: len(devices_of(c, node)) == 1, timeout=60, what="the node's slice")
+    p.node.restart("--sim-gpus", "2", "--sim-memory", "8GiB")  # the node on other GPUs
+
+    def memory() -> list[tuple[str, str]]:
+        return sorted((d["name"], d["capacity"]["memory"]["value"]) for d in devices_of(c, node))
+
+    want = [("gpu-0", "8Gi"), ("gpu-1", "8Gi")]
+    wait_until(lambda: memory() == want, timeout=60, what="the node's new GPUs published")
+    assert p.proc is not None and p.proc.poll() is None
 
 
 def test_dra_scheduler_shares_one_gpu_by_memory_and_refuses_past_it(
