@@ -99,6 +99,7 @@ test-loaded: $(STAMP)
 .PHONY: cluster-deps image
 cluster-deps:
 	@bash tests/cluster/build-k8s.sh >/dev/null || [ $$? = 3 ]
+	@bash tests/cluster/build-dra.sh >/dev/null || [ $$? = 3 ]
 
 image: $(STAMP)
 	@PYTHON=$(BIN)/python bash deploy/build-image.sh >/dev/null || [ $$? = 3 ]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test` (and so CI's .ci/run): lint, types, then the tests, with the cluster suite's
-# servers built beside them. The control plane (tests/cluster/build-k8s.sh) and the
+# servers built beside them. The control plane (tests/cluster/build-k8s.sh), gpushare's DRA
+# kubelet plugin (tests/cluster/build-dra.sh, after it: the same Go build cache) and the
 # node's image (deploy/build-image.sh) take minutes the first time and seconds once cached:
 # they build in the background, one after the other, at nice 10, while
 # lint, mypy and every test outside tests/cluster run; the cluster tests run once both
@@ -20,6 +21,7 @@ say() { echo "make test: $*"; }
 # setsid: the builds are a process group of their own, ended with this script.
 setsid bash -c '
   nice -n 10 bash tests/cluster/build-k8s.sh >"$1/k8s.out"; echo $? >"$1/k8s.rc"
+  nice -n 10 bash tests/cluster/build-dra.sh >"$1/dra.out"; echo $? >"$1/dra.rc"
   PYTHON="$2/python" nice -n 10 bash deploy/build-image.sh >"$1/image.out"; echo $? >"$1/image.rc"
 ' _ "$OUT" "$BIN" &
 builds=$!
@@ -30,7 +32,7 @@ for _ in $(seq 100); do
 done
 trap 'kill -- -"$builds" 2>/dev/null; rm -rf "$OUT"' EXIT
 trap 'exit 130' INT TERM
-say "building the cluster tests' control plane and image in the background (pid $builds)"
+say "building the cluster tests' control plane, DRA plugin and image in the background (pid $builds)"
 
 # Lint and types fail at once, as make's prerequisites did.
 "${MAKE:-make}" --no-print-directory lint typecheck || exit 1
@@ -40,10 +42,10 @@ say "the tests that need no cluster server (${PYTEST[*]} --ignore=tests/cluster)
 "${PYTEST[@]}" --ignore=tests/cluster || failed+=("the tests outside tests/cluster")
 
 if [ ! -e "$OUT/image.rc" ]; then
-  say "waiting for the control plane and image builds to finish (their progress above)"
+  say "waiting for the control plane, DRA plugin and image builds to finish (their progress above)"
 fi
 wait "$builds"
-for b in k8s image; do
+for b in k8s dra image; do
   rc=$(cat "$OUT/$b.rc" 2>/dev/null || echo "none (the build was ended)")
   case "$rc" in
   0) say "$b: $(tail -n 1 "$OUT/$b.out")" ;;

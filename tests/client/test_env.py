@@ -395,3 +395,15 @@ def test_the_hello_sends_the_request_whenever_one_was_asked(memory, limit, hello
     """Issue 37: the hello's ``memory_request`` None means "none asked", only; a request
     equal to the limit was left out as None before."""
     assert memory_figures(memory, limit, read_env({}, FIX / "x")) == hello
+
+
+@pytest.mark.parametrize("mode", ["time-slicing", "sm-sharing"])
+def test_compute_sharing_mode_from_the_dra_drivers_env(tmp_path, mode):
+    # gpushare-dra writes a claim's sharingMode as GPUSHARE_SHARING_MODE in its CDI spec
+    assert read_env({"GPUSHARE_SHARING_MODE": mode}, tmp_path).sharing_mode == mode
+    with pytest.raises(ValueError, match=r"^GPUSHARE_SHARING_MODE='mps'.*time-slicing"):
+        read_env({"GPUSHARE_SHARING_MODE": "mps"}, tmp_path)
+    other = "sm-sharing" if mode == "time-slicing" else "time-slicing"
+    pod = podinfo(tmp_path, **{SHARING_MODE_ANNOTATION: other})
+    with pytest.raises(ValueError, match=r"GPUSHARE_SHARING_MODE=.* differ: keep one"):
+        read_env({"GPUSHARE_SHARING_MODE": mode}, pod)

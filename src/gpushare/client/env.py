@@ -20,11 +20,13 @@ binder plugin writes for HAMi-core: ``<MiB>m``); the container's
 ``nvidia.com/container.<name>.gpu-memory.limit``, else the pod's ``gpu-memory.limit``
 (Kubernetes quantities). None: the limit is the request (the caller's rule).
 
-KAI's ``kai.scheduler/gpu-compute-sharing-mode`` (or NvFractions' per-container
-``.gpu-compute.mode``) is the pod's compute-sharing mode. ``NVIDIA_VISIBLE_DEVICES``
-names the GPU by index or UUID. Annotations come from a downward-API volume
-(``GPUSHARE_PODINFO``, default ``/etc/podinfo``, file ``annotations``). The environment
-and that folder are parameters, so recorded pod environments can be tested.
+``GPUSHARE_SHARING_MODE`` (what gpushare's DRA driver writes), KAI's
+``kai.scheduler/gpu-compute-sharing-mode`` or NvFractions' per-container
+``.gpu-compute.mode`` is the pod's compute-sharing mode (where more are set they agree).
+``NVIDIA_VISIBLE_DEVICES`` names the GPU by index or UUID. Annotations come from a
+downward-API volume (``GPUSHARE_PODINFO``, default ``/etc/podinfo``, file
+``annotations``). The environment and that folder are parameters, so recorded pod
+environments can be tested.
 """
 
 from __future__ import annotations
@@ -174,21 +176,26 @@ def _container_notes(notes: Mapping[str, str], container: str) -> dict[str, tupl
     return next(iter(named.values()), {})
 
 
-def _sharing_mode(notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]) -> str:
+def _sharing_mode(
+    e: Mapping[str, str], notes: Mapping[str, str], mine: Mapping[str, tuple[str, str]]
+) -> str:
     modes = {}
+    if e.get("GPUSHARE_SHARING_MODE"):  # what gpushare's DRA driver writes (CDI env)
+        modes["GPUSHARE_SHARING_MODE"] = e["GPUSHARE_SHARING_MODE"]
     if notes.get(SHARING_MODE_ANNOTATION):
         modes[SHARING_MODE_ANNOTATION] = notes[SHARING_MODE_ANNOTATION]
     if _NV_MODE in mine:
         modes[mine[_NV_MODE][0]] = mine[_NV_MODE][1]
     for key, value in modes.items():
         if value not in SHARING_MODES:
+            where = key if key.startswith("GPUSHARE_") else f"annotation {key}"
             raise ValueError(
-                f"annotation {key}={value!r} is not a compute-sharing mode: write"
+                f"{where}={value!r} is not a compute-sharing mode: write"
                 f" {' or '.join(SHARING_MODES)}"
             )
     if len(set(modes.values())) > 1:
         (k1, v1), (k2, v2) = modes.items()
-        raise ValueError(f"annotations {k1}={v1!r} and {k2}={v2!r} differ: keep one")
+        raise ValueError(f"{k1}={v1!r} and {k2}={v2!r} differ: keep one")
     return next(iter(modes.values()), "")
 
 
@@ -261,7 +268,7 @@ def read_env(
         pod_uid=e.get("POD_UID", ""),
         memory_limit=memory_limit,
         portion_limit=portion_limit,
-        sharing_mode=_sharing_mode(notes, mine),
+        sharing_mode=_sharing_mode(e, notes, mine),
     )
 
 
