@@ -260,10 +260,20 @@ class ConfigReply(_Msg, tag="config_reply"):
 
 
 class EndSession(_Msg, tag="end_session"):
-    """Administration: close a session's connection (its lease and memory are freed)."""
+    """Administration: end a session (its lease and memory are freed): at once, or after
+    ``grace_s`` seconds in which it is told (:class:`Ending`) and keeps its turns."""
 
     session: int
     reason: str = "ended by an administrator"
+    grace_s: float = 0.0
+
+
+class Ending(_Msg, tag="ending"):
+    """To a workload: the node ends this session in ``grace_s`` seconds (``ctl end``).
+    Its turns go on meanwhile, so a server's shutdown can answer what is in flight."""
+
+    reason: str
+    grace_s: float
 
 
 class Done(_Msg, tag="done"):
@@ -297,6 +307,7 @@ Message = (
     | Prefetch
     | Revoke
     | SwapOut
+    | Ending
     | Error
     | StatusRequest
     | StatusReply

@@ -24,6 +24,19 @@ ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
 # takes exclusive quanta, sm-sharing holds beside others when memory fits.
 SHARING_MODES: dict[str, Mode] = {"time-slicing": "exclusive", "sm-sharing": "auto"}
 C = TypeVar("C", bound=str)
+# `ctl end`: how long a session ended keeps its turns to finish what is in flight (its
+# program told at once: SIGTERM under `gpushare run`), and the most an administrator gives.
+END_GRACE_S = 10.0
+END_GRACE_MAX_S = 3600.0
+
+
+def check_end_grace(grace_s: float) -> float:
+    """``grace_s`` if a grace ``ctl end`` may give, else :class:`SettingsError`."""
+    if not (math.isfinite(grace_s) and 0 <= grace_s <= END_GRACE_MAX_S):
+        raise SettingsError(
+            f"an end's grace must be 0 (at once) to {END_GRACE_MAX_S:g} seconds, not {grace_s}"
+        )
+    return grace_s
 
 
 class SettingsError(ValueError):

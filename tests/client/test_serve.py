@@ -6,6 +6,7 @@ through gpushare's hooks."""
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import subprocess
@@ -84,6 +85,14 @@ def answer(c: socket.socket) -> bytes:
     return data
 
 
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
 def waiting(node, name: str) -> dict | None:
     return next(
         (
@@ -156,7 +165,7 @@ def test_a_server_ended_while_a_request_waits_stops_without_a_500_or_a_traceback
         with gpushare.attach("1GiB", socket=node.socket, name="holder") as holder, holder.gpu():
             predict = ask(port, "/predict")
             s = wait_until(lambda: waiting(node, "server"), timeout=30, what="a wait")
-            assert node.ctl("end", str(s["id"])).returncode == 0
+            assert node.ctl("end", str(s["id"]), "--grace", "0").returncode == 0
             got = answer(predict)
             _, err = pr.communicate(timeout=60)
     finally:
@@ -168,3 +177,72 @@ def test_a_server_ended_while_a_request_waits_stops_without_a_500_or_a_traceback
         " (SIGTERM, SIGKILL after 10 s)"
     ), err
     assert pr.returncode != 0
+
+
+def test_a_server_ended_with_a_grace_answers_the_request_in_flight_then_stops(node_factory):
+    # issue 40: `ctl end` drains. The server is told (SIGTERM) at once and keeps its
+    # turns for the grace: its shutdown answers the request that waited, then it exits
+    # by itself, well before the grace is over; the node counts the session ended.
+    node = node_factory(*sim("16GiB", mode="exclusive"))
+    pr, port = serve(node, "thread")
+    try:
+        with gpushare.attach("1GiB", socket=node.socket, name="holder") as holder:
+            with holder.gpu():
+                predict = ask(port, "/predict")
+                s = wait_until(lambda: waiting(node, "server"), timeout=30, what="a wait")
+                done = node.ctl("end", str(s["id"]), "--grace", "5m")
+                assert "keeps its turns for 300 s" in done.stdout, done.stdout
+                # told, the program shuts down (it listens no more); its request waits on
+                wait_until(lambda: not listening(port), timeout=30, what="its shutdown")
+                assert not select.select([predict], [], [], 0)[0]
+            got = answer(predict)  # the holder gave the GPU back: the server's turn
+            _, err = pr.communicate(timeout=60)
+    finally:
+        pr.kill()
+    assert got.startswith(b"HTTP/1.1 200") and b"Traceback" not in got, got
+    assert pr.returncode == 0, err  # it ended by itself, not killed
+    assert "Traceback" not in err, err
+    assert (
+        "gpushare run: error: ended by an administrator: stopping the program (SIGTERM;"
+        " the node ends the session in 300 s, SIGKILL then)"
+    ) in err, err
+    events = [json.loads(x) for x in node.ctl("events").stdout.splitlines()]
+    detach = [e for e in events if e["event"] == "detach" and e["session"] == s["id"]]
+    assert [e["reason"] for e in detach] == ["ended"], detach
+
+
+def test_a_program_that_outstays_its_grace_is_ended_and_killed(node_factory):
+    # one that ignores the SIGTERM: the node ends its session at the grace's end, its
+    # memory freed, and `gpushare run` kills it then, not ten seconds later
+    node = node_factory(*sim("16GiB", mode="exclusive"))
+    stubborn = (
+        "import signal, time, gpushare\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('up', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n"
+    )
+    pr = gs_run(
+        node, "--memory", "1GiB", "--name", "stubborn", "--", sys.executable, "-c", stubborn
+    )
+    try:
+        assert pr.stdout is not None and pr.stdout.readline().strip() == "up"
+        s = wait_until(
+            lambda: next((x for x in node.status()["gpus"][0]["sessions"]), None),
+            timeout=30,
+            what="the session",
+        )
+        node.ctl("end", str(s["id"]), "--grace", "1s")
+        _, err = pr.communicate(timeout=60)
+    finally:
+        pr.kill()
+    assert pr.returncode == -9, err
+    assert "its grace is over: SIGKILL" in err, err
+    assert node.status()["gpus"][0]["sessions"] == []
+
+
+@pytest.mark.parametrize("grace", ["-1", "nan", "2h"])
+def test_a_grace_out_of_range_is_refused_in_one_line(node_factory, grace):
+    node = node_factory(*sim("16GiB"))
+    r = node.ctl("end", "1", "--grace", grace, check=False)
+    assert r.returncode == 2 and "--grace" in r.stderr and "Traceback" not in r.stderr, r.stderr

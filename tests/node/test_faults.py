@@ -178,13 +178,30 @@ def test_failing_swaps_are_survived(node_factory):
 def test_admin_can_end_a_session(node_factory):
     node = node_factory(*sim("16GiB"))
     s = gpushare.attach("1GiB", socket=node.socket, name="doomed")
-    r = node.ctl("end", str(s.id), "--reason", "maintenance")
+    r = node.ctl("end", str(s.id), "--reason", "maintenance", "--grace", "0")
     assert f"session {s.id} ended" in r.stdout
     wait_until(lambda: s._fatal, what="the session to learn it was ended")
     with pytest.raises(DaemonUnavailableError, match="maintenance"), s.gpu():
         pass
     s.close()
     assert node.ctl("end", "999", check=False).returncode == 1
+
+
+def test_an_end_with_a_grace_tells_the_session_and_ends_it_after(node_factory):
+    node = node_factory(*sim("16GiB"))
+    s = gpushare.attach("1GiB", socket=node.socket, name="draining")
+    r = node.ctl("end", str(s.id), "--reason", "maintenance", "--grace", "1h")
+    assert "keeps its turns for 3600 s" in r.stdout, r.stdout
+    wait_until(lambda: s._link.ending is not None, what="the session to be told")
+    assert s._link.ending.reason == "maintenance" and s._link.ending.grace_s == 3600
+    with s.gpu():  # its turns go on within its grace
+        pass
+    assert not s._fatal
+    # A second end without a grace ends it now; one with a grace changes nothing.
+    assert "ending" in node.ctl("end", str(s.id), "--grace", "5s").stdout
+    assert f"session {s.id} ended" in node.ctl("end", str(s.id), "--grace", "0").stdout
+    wait_until(lambda: s._fatal, what="the session to learn it was ended")
+    s.close()
 
 
 def _status_as(path: str, uid: int, gid: int) -> str:

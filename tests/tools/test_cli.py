@@ -287,7 +287,7 @@ def test_run_says_it_attached_and_stops_when_its_session_is_ended(node):
     try:
         assert p.stdout is not None and p.stdout.readline() == "holding\n"
         (s,) = node.status()["gpus"][0]["sessions"]
-        assert ctl(node, "end", str(s["id"])).returncode == 0
+        assert ctl(node, "end", str(s["id"]), "--grace", "0").returncode == 0
         out, err = p.communicate(timeout=30)
     finally:
         p.kill()
@@ -327,7 +327,7 @@ def test_run_ended_while_waiting_for_the_lease_stops_without_a_traceback(node):
                 timeout=30,
                 what="the program to wait for the lease",
             )
-            assert ctl(node, "end", str(waiter["id"])).returncode == 0
+            assert ctl(node, "end", str(waiter["id"]), "--grace", "0").returncode == 0
             out, err = p.communicate(timeout=30)
         finally:
             p.kill()

@@ -214,20 +214,36 @@ def run(
     return 0  # not reached
 
 
-def _stop_program(reason: str) -> None:
-    """The node ended this session (``ctl end``; refused on reconnecting): the program
+_draining: list[float] = []  # the grace the node gave, once it said the session ends
+
+
+def _stop_program(reason: str, grace_s: float) -> None:
+    """The node ends this session (``ctl end``; refused on reconnecting): the program
     must not go on ungated, its memory counted free. Stopped as a deleted pod is: SIGTERM
-    (a program may save its state), then SIGKILL after :data:`STOP_GRACE_S`. On the
-    reader thread: written straight to fd 2, no lock the program may hold."""
+    (a program may save its state, a server answer what is in flight), then SIGKILL.
+
+    Given a grace (``ctl end --grace``), the session keeps its turns until the node ends
+    it, so the SIGTERM goes at once and the SIGKILL when the node has ended it (or
+    :data:`STOP_GRACE_S` after the grace, should the node not say). Ended at once, the
+    SIGKILL follows :data:`STOP_GRACE_S` after the SIGTERM; ended after a grace, at once.
+    On the reader thread: written straight to fd 2, no lock the program may hold."""
     pid = os.getpid()
-    os.write(
-        2,
-        f"gpushare run: error: {reason}: stopping the program (SIGTERM, SIGKILL after"
-        f" {STOP_GRACE_S:g} s)\n".encode(),
-    )
+    if _draining and grace_s <= 0:  # the grace given is over: nothing more to wait for
+        os.write(2, f"gpushare run: error: {reason}: its grace is over: SIGKILL\n".encode())
+        os.kill(pid, signal.SIGKILL)
+        return
+    if grace_s > 0:
+        if _draining:
+            return  # said already
+        _draining.append(grace_s)
+        wait = grace_s + STOP_GRACE_S
+        how = f"SIGTERM; the node ends the session in {grace_s:g} s, SIGKILL then"
+    else:
+        wait, how = STOP_GRACE_S, f"SIGTERM, SIGKILL after {STOP_GRACE_S:g} s"
+    os.write(2, f"gpushare run: error: {reason}: stopping the program ({how})\n".encode())
 
     def kill() -> None:
-        time.sleep(STOP_GRACE_S)
+        time.sleep(wait)
         os.kill(pid, signal.SIGKILL)
 
     threading.Thread(target=kill, name="gpushare-stop", daemon=True).start()

@@ -35,6 +35,7 @@ from gpushare.client.swap.sim import SimBackend
 from gpushare.client.swap.vmm import Discardable
 from gpushare.client.transport import (
     Connector,
+    Ended,
     Link,
     Peer,
     Transport,
@@ -128,12 +129,13 @@ def attach_with(
     backend: str | None = None,
     timeout: float = 10.0,
     reconnect_timeout: float | None = None,
-    on_ended: Callable[[str], None] | None = None,
+    on_ended: Ended | None = None,
     family: int = 0,
 ) -> Session:
-    """:func:`attach`, and ``on_ended(reason)`` called on the reader thread, unlocked,
-    once the node has ended the session for good (``ctl end``, a refusal on
-    reconnecting): ``gpushare run`` stops its program there. ``family``: this process
+    """:func:`attach`, and ``on_ended(reason, grace_s)`` called on the reader thread,
+    unlocked, once the node has ended the session for good (``ctl end``, a refusal on
+    reconnecting: grace 0), or says it will in ``grace_s`` (``ctl end --grace``):
+    ``gpushare run`` stops its program there. ``family``: this process
     was started by session ``family``'s program and joins it as a member (one lease, its
     memory out of that session's limit: ``memory_limit`` the most it takes, else all the
     session has free)."""
@@ -182,7 +184,7 @@ def open_session(
     timeout: float = 10.0,
     backend: str | None = None,
     reconnect_timeout: float = 60.0,
-    on_ended: Callable[[str], None] | None = None,
+    on_ended: Ended | None = None,
 ) -> Session:
     """:func:`attach` once the hello is made, through any connector (tests use a fake
     node's); ``on_ended``: see :func:`attach_with`."""
@@ -255,7 +257,7 @@ class Session:
         *,
         connector: Connector | None = None,
         first: Iterable[p.Message] = (),
-        on_ended: Callable[[str], None] | None = None,
+        on_ended: Ended | None = None,
     ) -> None:
         self.name = welcome.name
         self.gpu_index = welcome.gpu

@@ -44,6 +44,11 @@ _sleep = time.sleep  # a module attribute, so a test can see the retries
 _FIX = "start it with 'gpushare node' or point GPUSHARE_SOCKET at its socket"
 
 
+Ended = Callable[[str, float], None]
+"""``(reason, grace_s)``: the node ends the session in ``grace_s`` seconds (``0``: it has,
+for good)."""
+
+
 class Link(enum.Enum):
     """Where a session's connection stands (its lease's state is apart: ``Phase``)."""
 
@@ -209,7 +214,7 @@ class Transport:
         hello: p.Hello,
         cond: threading.Condition,
         peer: Peer,
-        on_ended: Callable[[str], None] | None = None,
+        on_ended: Ended | None = None,
     ) -> None:
         self.cond = cond
         self.peer = peer  # the session's lease, told what comes
@@ -230,8 +235,10 @@ class Transport:
         self._reader = threading.Thread(target=self._run, name="gpushare-reader", daemon=True)
         self._first: list[p.Message] = []
         # Called on the reader thread, unlocked, once the node ended the session for good
-        # (`ctl end`, a refusal on reconnecting): `gpushare run` stops its program there.
+        # (`ctl end`, a refusal on reconnecting; grace 0), or said it ends it in a grace
+        # (`ctl end --grace`): `gpushare run` stops its program there.
         self.on_ended = on_ended
+        self.ending: p.Ending | None = None  # the node ends this session soon
 
     def start(self, first: Iterable[p.Message] = ()) -> None:
         """Start the reader thread; it handles ``first`` (what came with the welcome)
@@ -347,9 +354,20 @@ class Transport:
         for msg in msgs:
             if isinstance(msg, p.Error):
                 self._on_error(msg)
+            elif isinstance(msg, p.Ending):
+                self._on_ending(msg)
             else:
                 self.peer.on_message(msg)
             self.received += 1
+
+    def _on_ending(self, msg: p.Ending) -> None:
+        """The session ends in a grace: the program told (its shutdown may finish what is
+        in flight, with its turns as usual), or, with no one to tell, said once."""
+        self.ending = msg
+        if self.on_ended is not None:
+            self.on_ended(msg.reason, msg.grace_s)
+        else:
+            log.warning("gpushare node: %s: this session ends in %g s", msg.reason, msg.grace_s)
 
     def _on_error(self, msg: p.Error) -> None:
         if not (msg.code in FATAL and self.on_ended is not None):  # else on_ended says it
@@ -358,7 +376,7 @@ class Transport:
             if self.on_ended is not None and self.state is Link.CONNECTED:
                 # First, before a thread waiting on the lease wakes to an error: the
                 # program is stopped, not left to fail in the middle of a step.
-                self.on_ended(msg.message)
+                self.on_ended(msg.message, 0.0)
             with self.cond:
                 if self.state is Link.CONNECTED:
                     self.end(Link.ENDED, msg.message)
@@ -377,7 +395,7 @@ class Transport:
                 )
             except AttachRefusedError as e:
                 if self.on_ended is not None:  # first, as above
-                    self.on_ended(f"refused on reconnecting: {e}")
+                    self.on_ended(f"refused on reconnecting: {e}", 0.0)
                 with self.cond:
                     self.end(Link.ENDED, f"refused on reconnecting: {e}")
                 log.error("gpushare node refused this session on reconnecting: %s", e)

@@ -66,6 +66,7 @@ class Conn:
     ask: int = 0  # the number of its last ask read (echoed by grants; 0: not numbered)
     frozen: bool = False
     ended: bool = False  # an administrator ended its session (ctl end)
+    ending: asyncio.TimerHandle | None = None  # ctl end's grace: the end to come
     bucket: Bucket | None = None  # its own message allowance
     budget: Bucket | None = None  # its user's, shared by all its connections (a session's)
     who: str = ""  # whose budget it draws on

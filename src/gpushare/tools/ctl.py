@@ -140,9 +140,9 @@ def show_settings(path: str | None, gpu: int | None, as_json: bool) -> int:
     return 0
 
 
-def end_session(path: str | None, session: int, reason: str) -> int:
+def end_session(path: str | None, session: int, reason: str, grace_s: float = 0.0) -> int:
     with AdminClient(path) as c:
-        r = c.request(p.EndSession(session=session, reason=reason))
+        r = c.request(p.EndSession(session=session, reason=reason, grace_s=grace_s))
     assert isinstance(r, p.Done)
     print(r.message)
     return 0

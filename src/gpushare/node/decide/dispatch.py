@@ -20,6 +20,7 @@ gang ticked in turn) is :mod:`gpushare.node.decide.decisions`'.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from collections import deque
@@ -220,9 +221,26 @@ class Dispatch:
             log.warning("%s", err)
         c.writer.transport.abort()  # it reads nothing: closing would wait for it forever
 
-    def end_session(self, c: Conn, reason: str) -> None:
+    def end_session(self, c: Conn, reason: str, grace_s: float = 0.0) -> None:
         """An administrator ends a session: it is told, thawed if frozen, and its
-        connection closed (its reader sees the end; the detach follows from there)."""
+        connection closed (its reader sees the end; the detach follows from there).
+        Given a grace, it is told so first (its program may shut down, answering what
+        is in flight) and keeps its turns until then; a second end without one ends it
+        at once."""
+        if grace_s > 0:
+            if c.ending is None and not c.ended:
+                c.send(p.Ending(reason=reason, grace_s=grace_s))
+                loop = asyncio.get_running_loop()
+                c.ending = loop.call_later(grace_s, self._end_now, c, reason)
+            return
+        self._end_now(c, reason)
+
+    def _end_now(self, c: Conn, reason: str) -> None:
+        if c.ending is not None:
+            c.ending.cancel()
+            c.ending = None
+        if c.ended or c.writer.is_closing():
+            return  # ended, or gone by itself (its detach is on its way)
         c.ended = True  # its detach says so: reason "ended"
         c.send(p.Error(code="ended", message=f"session ended: {reason}"))
         if c.frozen:

@@ -23,7 +23,7 @@ from gpushare.node.host.sockets import Idle, Unfinished, read_frame_within
 from gpushare.node.keep.events import EventBus
 from gpushare.node.observe.snapshot import StatusFrames
 from gpushare.node.serve.live_config import LiveConfig, NotPersisted
-from gpushare.settings import SettingsError, validate
+from gpushare.settings import SettingsError, check_end_grace, validate
 from gpushare.status import NodeStatus
 
 log = logging.getLogger("gpushare.node.admin_server")
@@ -124,6 +124,20 @@ class AdminServer:
         c = self.conns.get(m.session)
         if c is None:
             return p.Error(code="session", message=f"no session {m.session} on this node")
+        try:
+            grace = check_end_grace(m.grace_s)
+        except SettingsError as e:
+            return p.Error(code="value", message=f"{e} (ctl end --grace)")
+        if grace > 0 and c.ending is not None:  # one grace: a second end shortens none
+            left = max(0.0, c.ending.when() - asyncio.get_running_loop().time())
+            return p.Done(message=f"session {m.session} ending already: ended in {left:.0f} s")
+        if grace > 0 and not c.ended:
+            log.warning("ending session %d (pid %d) in %g s: %s", m.session, c.pid, grace, m.reason)
+            self.dispatch.end_session(c, m.reason, grace)
+            return p.Done(
+                message=f"session {m.session} ending: it keeps its turns for {grace:g} s,"
+                " then it is ended"
+            )
         log.warning("ending session %d (pid %d): %s", m.session, c.pid, m.reason)
         self.dispatch.end_session(c, m.reason)
         return p.Done(message=f"session {m.session} ended")

@@ -144,6 +144,15 @@ def _check_version(h: p.Hello) -> None:
         )
 
 
+def _gone(conn: Conn) -> str:
+    """Why a session's connection ended: ``ended`` by an administrator (also one that
+    stopped within its grace), else ``disconnected``."""
+    if conn.ending is not None:  # the end it had to come is not needed now
+        conn.ending.cancel()
+        return "ended"
+    return "ended" if conn.ended else "disconnected"
+
+
 class WorkloadServer:
     def __init__(
         self,
@@ -232,8 +241,7 @@ class WorkloadServer:
                 del self.conns[conn.session]
                 self.guard.left(conn)
                 self.utilization[arb.gpu].forget(conn.session)
-                reason = "ended" if conn.ended else "disconnected"
-                self.decisions.act(arb, arb.detach(conn.session, reason=reason))
+                self.decisions.act(arb, arb.detach(conn.session, reason=_gone(conn)))
                 self.recovery.save_soon()
             writer.close()
 

@@ -6,8 +6,25 @@ import argparse
 from typing import cast
 
 from gpushare.errors import GpushareError
-from gpushare.settings import ESCALATIONS, MODES, POLICIES, Change
+from gpushare.settings import (
+    END_GRACE_MAX_S,
+    END_GRACE_S,
+    ESCALATIONS,
+    MODES,
+    POLICIES,
+    Change,
+    SettingsError,
+    check_end_grace,
+)
 from gpushare.tools.cli.args import DURATIONS, Subparsers, _admin, _admin_socket, _seconds, _setting
+from gpushare.units import parse_duration
+
+
+def _grace(text: str) -> float:
+    try:
+        return check_end_grace(parse_duration(text))
+    except (ValueError, SettingsError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -58,9 +75,23 @@ def add_parser(sub: Subparsers) -> None:
             "--persist", action="store_true", help="also write it down (state or config file)"
         )
         _admin_socket(sp)
-    end = cs.add_parser("end", help="end a session (its lease and memory are freed)")
+    end = cs.add_parser(
+        "end",
+        help="end a session (its lease and memory are freed)",
+        description="End a session. It is told at once (gpushare run sends its program"
+        " SIGTERM) and keeps its turns for --grace, so a server's shutdown answers what is"
+        " in flight; then the node ends it (gpushare run: SIGKILL) and frees its memory.",
+    )
     end.add_argument("session", type=int, metavar="ID")
     end.add_argument("--reason", default="ended by an administrator")
+    end.add_argument(
+        "--grace",
+        type=_grace,
+        default=END_GRACE_S,
+        metavar="DURATION",
+        help=f"how long it keeps its turns first (default {END_GRACE_S:g}s; 0: at once;"
+        f" at most {END_GRACE_MAX_S:g}s)",
+    )
     _admin_socket(end)
     ev = cs.add_parser("events", help="the event stream as JSON lines")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
@@ -85,5 +116,5 @@ def command(args: argparse.Namespace) -> int:
         change = cast(Change, {args.ctl_cmd: args.value})
         return ctl.set_config(path, args.gpu, args.persist, change)
     if args.ctl_cmd == "end":
-        return ctl.end_session(path, args.session, args.reason)
+        return ctl.end_session(path, args.session, args.reason, args.grace)
     return ctl.events(path, args.follow, args.since, args.session)
