@@ -67,6 +67,7 @@ class Conn:
     frozen: bool = False
     ended: bool = False  # an administrator ended its session (ctl end)
     ending: asyncio.TimerHandle | None = None  # ctl end's grace: the end to come
+    ending_at: float = 0.0  # when it comes (the node's monotonic clock)
     bucket: Bucket | None = None  # its own message allowance
     budget: Bucket | None = None  # its user's, shared by all its connections (a session's)
     who: str = ""  # whose budget it draws on

@@ -232,6 +232,7 @@ class Dispatch:
                 c.send(p.Ending(reason=reason, grace_s=grace_s))
                 loop = asyncio.get_running_loop()
                 c.ending = loop.call_later(grace_s, self._end_now, c, reason)
+                c.ending_at = self.clock.monotonic() + grace_s
             return
         self._end_now(c, reason)
 

@@ -129,7 +129,7 @@ class AdminServer:
         except SettingsError as e:
             return p.Error(code="value", message=f"{e} (ctl end --grace)")
         if grace > 0 and c.ending is not None:  # one grace: a second end shortens none
-            left = max(0.0, c.ending.when() - asyncio.get_running_loop().time())
+            left = max(0.0, c.ending_at - self.clock.monotonic())
             return p.Done(message=f"session {m.session} ending already: ended in {left:.0f} s")
         if grace > 0 and not c.ended:
             log.warning("ending session %d (pid %d) in %g s: %s", m.session, c.pid, grace, m.reason)
