@@ -280,7 +280,6 @@ GRANDFATHERED = {
     "src/gpushare/client/swap/cuda.py::self_test",
     "src/gpushare/node/decide/dispatch.py::deliver",
     "src/gpushare/node/kube/gpusharenode.py::_publish",
-    "src/gpushare/node/observe/metrics.py::_gpu_text",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
     "tests/core/model.py::apply",
