@@ -278,7 +278,6 @@ GRANDFATHERED = {
     "src/gpushare/client/hooks.py::install",
     "src/gpushare/client/runner.py::child_env",
     "src/gpushare/client/swap/cuda.py::self_test",
-    "src/gpushare/node/kube/gpusharenode.py::_publish",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
     "tests/core/model.py::apply",
