@@ -101,15 +101,10 @@ class Dispatch:
         self._behind: dict[int, tuple[Conn, deque[_Part]]] = {}
         self._freezing: dict[int, object] = {}  # per session: the freeze still to send
 
-    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:  # noqa: C901
+    def deliver(self, arb: Arbiter, actions: list[Action]) -> None:
         """``arb``'s actions, each where it belongs (a batch's frames for a connection in
         one write)."""
         frames: dict[int, tuple[Conn, list[_Part]]] = {}  # per session, in order
-
-        def send(c: Conn, msg: p.Message) -> None:
-            parts = frames.setdefault(c.session, (c, [_Part(True)]))[1]
-            parts[-1].frames.append(p.encode(msg))
-
         for a in actions:
             if isinstance(a, EventAction):
                 self.events.publish(a.record)
@@ -117,50 +112,68 @@ class Dispatch:
             c = self.conns.get(a.session)
             if isinstance(a, EscalateAction):
                 self._escalate(a, c)
-            elif c is None:
+                continue
+            if c is None:
                 continue  # the session is gone: its actions have no one to go to
-            elif isinstance(a, GrantAction):
-                c.may_hold_memory = True
-                if a.thaw:
-                    self._thaw(c)
-                token = ""
-                if self.recovery is not None:  # on disk before its holder hears of it
-                    self.recovery.granted(arb.gpu, a.session, a.lease)
-                    token = self.recovery.token(arb.gpu, a.session, a.lease)
-                    self.recovery.save_soon()  # and the rest of its record soon
-                send(
-                    c,
-                    p.Grant(
-                        lease=a.lease,
-                        swap_in=a.swap_in,
-                        quantum_s=a.quantum_s,
-                        shared=a.shared,
-                        room=a.room,
-                        token=token,
-                        resume=a.resume,
-                        ask=c.ask,
-                        bound=a.bound,
-                        idle_release_s=a.idle_release_s,
-                    ),
-                )
-            elif isinstance(a, ThawAction):
-                self._thaw(c)
-            elif isinstance(a, RevokeAction):
-                send(c, p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s))
-            elif isinstance(a, SwapOutAction):
-                send(c, p.SwapOut(bytes=a.bytes))
-            elif isinstance(a, RoomAction):
-                send(c, p.Room(room=a.room))
-            elif isinstance(a, PrefetchAction):
-                c.may_hold_memory = True
-                send(c, p.Prefetch(room=a.room, seq=a.seq))
-            elif isinstance(a, LimitsAction):
-                part = self._limits(c, a)
-                if part is not None:
-                    frames.setdefault(c.session, (c, []))[1].append(part)
-                send(c, p.Limits(memory_limit=a.memory_limit, memory_request=a.memory_request))
+            msg = (
+                self._grant(arb, c, a) if isinstance(a, GrantAction) else self._frame(c, a, frames)
+            )
+            if msg is not None:
+                parts = frames.setdefault(c.session, (c, [_Part(True)]))[1]
+                parts[-1].frames.append(p.encode(msg))
         for c, parts in frames.values():  # one write per connection
             self._queue(c, parts)
+
+    def _frame(
+        self, c: Conn, a: Action, frames: dict[int, tuple[Conn, list[_Part]]]
+    ) -> p.Message | None:
+        """What an action but a grant does to its session's connection, and the frame it
+        sends it (None: none). A family's new limits first open a part of ``c``'s
+        ``frames``, held back until their record is on disk: that frame and those after
+        it go there."""
+        if isinstance(a, ThawAction):
+            self._thaw(c)
+            return None
+        if isinstance(a, RevokeAction):
+            return p.Revoke(lease=a.lease, swap_out=a.swap_out, grace_s=a.grace_s)
+        if isinstance(a, SwapOutAction):
+            return p.SwapOut(bytes=a.bytes)
+        if isinstance(a, RoomAction):
+            return p.Room(room=a.room)
+        if isinstance(a, PrefetchAction):
+            c.may_hold_memory = True
+            return p.Prefetch(room=a.room, seq=a.seq)
+        if isinstance(a, LimitsAction):
+            part = self._limits(c, a)
+            if part is not None:
+                frames.setdefault(c.session, (c, []))[1].append(part)
+            return p.Limits(memory_limit=a.memory_limit, memory_request=a.memory_request)
+        return None
+
+    def _grant(self, arb: Arbiter, c: Conn, a: GrantAction) -> p.Grant:
+        """A grant's frame: its session thawed first where it was frozen, and its lease
+        on disk (signed, so that it can be claimed back after a restart) before its
+        holder hears of it."""
+        c.may_hold_memory = True
+        if a.thaw:
+            self._thaw(c)
+        token = ""
+        if self.recovery is not None:  # on disk before its holder hears of it
+            self.recovery.granted(arb.gpu, a.session, a.lease)
+            token = self.recovery.token(arb.gpu, a.session, a.lease)
+            self.recovery.save_soon()  # and the rest of its record soon
+        return p.Grant(
+            lease=a.lease,
+            swap_in=a.swap_in,
+            quantum_s=a.quantum_s,
+            shared=a.shared,
+            room=a.room,
+            token=token,
+            resume=a.resume,
+            ask=c.ask,
+            bound=a.bound,
+            idle_release_s=a.idle_release_s,
+        )
 
     def _limits(self, c: Conn, a: LimitsAction) -> _Part | None:
         """A family's session has new limits: on record at once, with the family, so

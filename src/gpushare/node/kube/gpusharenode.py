@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpushare import protocol as p
@@ -58,6 +59,16 @@ log = logging.getLogger("gpushare.node.gpusharenode")
 
 # What changes the status' shape (written at once, rate-bounded) rather than its figures.
 SHAPE_EVENTS = {"attach", "detach", "grant", "revoke", "release", "config", "escalate"}
+
+
+@dataclass(slots=True)
+class _Written:
+    """The status last written: its shape ("": none, or write it again at the next
+    turn), its figures (JSON, all but ``updated``) and when (the clock's monotonic)."""
+
+    shape: str = ""
+    figures: str = ""
+    at: float = -1e9
 
 
 class NodeObject:
@@ -319,61 +330,17 @@ class NodeObject:
             log.info("GPUShareNode %s: created", self.name)
         self.on_object(obj)
 
-    async def _publish(self) -> None:  # noqa: C901
+    async def _publish(self) -> None:
         api = self.api = await self._connect()
         watching = False
-        last_shape, last_body, last_write = "", "", -1e9
+        last = _Written()
         while True:
             try:
                 if not watching:
-                    await self._ensure(api)
-                    assert self._loop is not None
-                    threading.Thread(
-                        target=self._watch,
-                        args=(api, self._loop),
-                        daemon=True,
-                        name="gpushare-gsn",
-                    ).start()
+                    await self._start_watch(api)
                     watching = True
-                    if "absent" in self._said:
-                        self._said.discard("absent")
-                        log.info("GPUShareNode %s: the API has it now: publishing", self.name)
-                    log.info(
-                        "GPUShareNode %s: status every %g-%g s, spec applied live",
-                        self.name,
-                        self.min_interval,
-                        self.refresh,
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._dirty.wait(), timeout=self.min_interval)
-                wait = last_write + self.min_interval - self.clock.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)  # coalesced: what changes meanwhile rides along
-                self._dirty.clear()
-                if self.desired:
-                    self.reconcile()
-                    self._dirty.clear()
-                body = status_body(
-                    self.name, self.status(), self.conditions, self.generation, self.wall()
-                )
-                figures = json.dumps({k: v for k, v in body.items() if k != "updated"})
-                new_shape = shape(body)
-                age = self.clock.monotonic() - last_write
-                if not (
-                    new_shape != last_shape
-                    or (age >= self.refresh and figures != last_body)
-                    or age >= self.heartbeat
-                ):
-                    continue
-                try:
-                    await asyncio.to_thread(api.patch_status, self.name, body)
-                except LookupError:  # deleted: made again (its spec gone with it)
-                    log.warning("GPUShareNode %s: deleted; making it again", self.name)
-                    await self._ensure(api)
-                    await asyncio.to_thread(api.patch_status, self.name, body)
-                self.writes += 1
-                last_shape, last_body, last_write = new_shape, figures, self.clock.monotonic()
-                self._sessions_changed(body["sessions"])
+                await self._next_turn(last.at)
+                await self._write_if_due(api, last)
             except Absent as e:
                 self._once(
                     "absent",
@@ -383,7 +350,7 @@ class NodeObject:
                 )
                 self._stop_watch()
                 watching = False
-                last_shape = ""
+                last.shape = ""
                 await asyncio.sleep(self.absent_retry)
             except asyncio.CancelledError:
                 raise
@@ -393,8 +360,66 @@ class NodeObject:
                     logging.WARNING,
                     f"GPUShareNode {self.name}: {e}; retrying",
                 )
-                last_shape = ""
+                last.shape = ""
                 await asyncio.sleep(self.min_interval)
+
+    async def _start_watch(self, api: ObjectApi) -> None:
+        """The object found or made, its spec applied, and its watch started on a thread."""
+        await self._ensure(api)
+        assert self._loop is not None
+        threading.Thread(
+            target=self._watch,
+            args=(api, self._loop),
+            daemon=True,
+            name="gpushare-gsn",
+        ).start()
+        if "absent" in self._said:
+            self._said.discard("absent")
+            log.info("GPUShareNode %s: the API has it now: publishing", self.name)
+        log.info(
+            "GPUShareNode %s: status every %g-%g s, spec applied live",
+            self.name,
+            self.min_interval,
+            self.refresh,
+        )
+
+    async def _next_turn(self, last_write: float) -> None:
+        """Until a change (or ``min_interval``), and no sooner than ``min_interval``
+        after the last write; then the spec applied anew (a key set otherwise since is
+        set back)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._dirty.wait(), timeout=self.min_interval)
+        wait = last_write + self.min_interval - self.clock.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)  # coalesced: what changes meanwhile rides along
+        self._dirty.clear()
+        if self.desired:
+            self.reconcile()
+            self._dirty.clear()
+
+    async def _write_if_due(self, api: ObjectApi, last: _Written) -> None:
+        """The status written where its shape changed, its figures changed and
+        ``refresh`` passed, or ``heartbeat`` passed; ``last`` brought up to it. An
+        object deleted meanwhile is made again (its spec gone with it)."""
+        body = status_body(self.name, self.status(), self.conditions, self.generation, self.wall())
+        figures = json.dumps({k: v for k, v in body.items() if k != "updated"})
+        new_shape = shape(body)
+        age = self.clock.monotonic() - last.at
+        if not (
+            new_shape != last.shape
+            or (age >= self.refresh and figures != last.figures)
+            or age >= self.heartbeat
+        ):
+            return
+        try:
+            await asyncio.to_thread(api.patch_status, self.name, body)
+        except LookupError:  # deleted: made again (its spec gone with it)
+            log.warning("GPUShareNode %s: deleted; making it again", self.name)
+            await self._ensure(api)
+            await asyncio.to_thread(api.patch_status, self.name, body)
+        self.writes += 1
+        last.shape, last.figures, last.at = new_shape, figures, self.clock.monotonic()
+        self._sessions_changed(body["sessions"])
 
     def _stop_watch(self) -> None:
         self._watch_gen = getattr(self, "_watch_gen", 0) + 1

@@ -68,40 +68,25 @@ class Exposition:
                     out.extend([r[i] for r in rows])
             return b"".join(out)  # one copy (joining per family first took 10x as long)
 
-    def _gpu_text(self, gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:  # noqa: C901
+    def _gpu_text(self, gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:
         yield _BUILD
         yield _header("gpushare_gpu_info", "gauge", "Each GPU the node arbitrates.")
         for g, lab in gpus:
             yield f"gpushare_gpu_info{lab.with_('name', _escape(g.name))} 1.0\n"
         for metric, h, fig in _GPU_GAUGES:
             yield from _per_gpu(f"gpushare_{metric}", "gauge", h, fig, gpus)
-        yield _header("gpushare_mode", "gauge", "1 for the GPU's arbitration mode.")
-        for g, lab in gpus:
-            for m in MODES:
-                yield f"gpushare_mode{lab.with_('mode', m)} {_one_if(g.mode == m)}\n"
-        yield _header("gpushare_policy", "gauge", "1 for the GPU's share policy.")
-        for g, lab in gpus:
-            for pol in POLICIES:
-                yield f"gpushare_policy{lab.with_('policy', pol)} {_one_if(g.policy == pol)}\n"
+        yield from _one_of(
+            "gpushare_mode", "1 for the GPU's arbitration mode.", "mode", MODES,
+            lambda g: g.mode, gpus,
+        )  # fmt: skip
+        yield from _one_of(
+            "gpushare_policy", "1 for the GPU's share policy.", "policy", POLICIES,
+            lambda g: g.policy, gpus,
+        )  # fmt: skip
         for metric, h, fig in _GPU_COUNTERS:
             yield from _per_gpu(f"gpushare_{metric}_total", "counter", h, fig, gpus)
-        yield _header("gpushare_sessions", "gauge", "Sessions by state.")
-        for g, lab in gpus:
-            counts = dict.fromkeys([x.value for x in State], 0)
-            for s in g.sessions:
-                counts[s.state] += 1
-            for state, n in counts.items():
-                yield f"gpushare_sessions{lab.with_('state', state)} {value(n)}\n"
-        yield _header(
-            "gpushare_gang_regroups_total",
-            "counter",
-            "Parked ranks of a distributed job let go on to their next safe point (one of"
-            " its ranks was blocked in a collective).",
-        )
-        for g, lab in gpus:
-            for k in g.gangs:
-                yield f"gpushare_gang_regroups_total{lab.with_('gang', _escape(k.gang))}"
-                yield f" {value(k.regroups_total)}\n"
+        yield from _sessions_by_state(gpus)
+        yield from _gang_regroups(gpus)
 
     def _rows(self, kind: _Rows, items: list[tuple[GpuStatus, Any]]) -> list[list[bytes]]:
         """Each row's lines per family, the last scrape's where nothing they show changed."""
@@ -130,6 +115,45 @@ def _per_gpu(
     yield _header(name, kind, help_)
     for g, lab in gpus:
         yield f"{name}{lab.plain} {value(fig(g))}\n"
+
+
+def _one_of(
+    name: str,
+    help_: str,
+    label: str,
+    choices: tuple[str, ...],
+    of: Callable[[GpuStatus], str],
+    gpus: list[tuple[GpuStatus, Labels]],
+) -> Iterator[str]:
+    """A gauge per GPU and choice, 1 for the GPU's own (``of``) and 0 for the others."""
+    yield _header(name, "gauge", help_)
+    for g, lab in gpus:
+        for c in choices:
+            yield f"{name}{lab.with_(label, c)} {_one_if(of(g) == c)}\n"
+
+
+def _sessions_by_state(gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:
+    """Each GPU's count of sessions in each state (0 for a state none is in)."""
+    yield _header("gpushare_sessions", "gauge", "Sessions by state.")
+    for g, lab in gpus:
+        counts = dict.fromkeys([x.value for x in State], 0)
+        for s in g.sessions:
+            counts[s.state] += 1
+        for state, n in counts.items():
+            yield f"gpushare_sessions{lab.with_('state', state)} {value(n)}\n"
+
+
+def _gang_regroups(gpus: list[tuple[GpuStatus, Labels]]) -> Iterator[str]:
+    yield _header(
+        "gpushare_gang_regroups_total",
+        "counter",
+        "Parked ranks of a distributed job let go on to their next safe point (one of"
+        " its ranks was blocked in a collective).",
+    )
+    for g, lab in gpus:
+        for k in g.gangs:
+            yield f"gpushare_gang_regroups_total{lab.with_('gang', _escape(k.gang))}"
+            yield f" {value(k.regroups_total)}\n"
 
 
 # --- for Python callers (and tests): the exposition as prometheus_client's families -----

@@ -3,17 +3,16 @@ its messages, each decoded, checked and handed to its GPU's arbiter. A workload 
 only on its own session; anything else is refused through the guard.
 
 Every field of a hello is bounded (names as Kubernetes bounds them, no control
-characters, weights and portions finite and in range) and refused with a message naming
-it; a session that outlived a node restart gets its old id back only if the node matches
-it to its record (``gpushare.node.keep.recovery``), and its lease only with the lease's token.
+characters, weights and portions finite and in range: ``gpushare.node.serve.hello_bounds``)
+and refused with a message naming it; a session that outlived a node restart gets its
+old id back only if the node matches it to its record (``gpushare.node.keep.recovery``),
+and its lease only with the lease's token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import unicodedata
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, overload
 
@@ -32,6 +31,7 @@ from gpushare.node.host.sockets import read_frame
 from gpushare.node.keep.config import NodeConfig
 from gpushare.node.keep.recovery import IdsUnavailable, Recovery, SessionRecord
 from gpushare.node.kube.k8s import PodCache, PodInfo
+from gpushare.node.serve.hello_bounds import check_hello
 from gpushare.node.serve.hello_figures import (
     bucket_of,
     family_of,
@@ -41,98 +41,12 @@ from gpushare.node.serve.hello_figures import (
     request_of,
     who_of,
 )
-from gpushare.settings import SHARING_MODES
 from gpushare.status import Claimed
-from gpushare.units import is_fraction
 
 log = logging.getLogger("gpushare.node.workload_server")
 
 # What an administrator's tool sends first: said to have come to the wrong socket.
 ADMIN_REQUESTS = (p.StatusRequest, p.SetConfig, p.EndSession, p.EventsRequest)
-
-# The longest each text of a hello may be: Kubernetes' bounds for names (a DNS
-# subdomain, 253) and labels (63); a UUID; a job id as long as a name.
-TEXT_BOUNDS = {
-    "name": 253,
-    "pod": 253,
-    "namespace": 63,
-    "container": 63,
-    "pod_uid": 36,
-    "gpu_uuid": 64,
-    "backend": 32,
-    "gang": 253,
-    "token": 64,
-}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
-# Unicode's control, format (bidi overrides and isolates, zero-width characters), line and
-# paragraph separators, surrogates and private use: each would show a name other than it
-# is (U+202E writes the rest of a line backwards) in ctl status, top, logs and events.
-_UNSEEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co"})
-
-
-def unsafe_text(text: str) -> str:
-    """The first character of ``text`` that would not show as itself ('' when none)."""
-    if text.isascii():
-        m = _CONTROL.search(text)
-        return m.group() if m else ""
-    return next((c for c in text if unicodedata.category(c) in _UNSEEN), "")
-
-
-MAX_GANG = 4096
-MAX_WORLD = 1 << 20  # ranks of a job on all nodes
-
-
-def check_hello(h: p.Hello) -> None:
-    """Every bound a hello's fields must keep, or :class:`Refused` naming the field."""
-    for name, most in TEXT_BOUNDS.items():
-        text: str = getattr(h, name)
-        if len(text) > most:
-            raise Refused(
-                "attach", f"hello: {name} is {len(text)} characters long, the most is {most}"
-            )
-        bad = unsafe_text(text)
-        if bad:
-            raise Refused(
-                "attach",
-                f"hello: {name} holds control characters (U+{ord(bad):04X},"
-                f" {unicodedata.name(bad, 'a control character')}): name it with printable"
-                " characters only",
-            )
-    _check_words(h)
-    if h.portion is not None and not is_fraction(h.portion):
-        raise Refused(
-            "attach",
-            f"hello: portion must be a fraction in (0, 1] (KAI's GPU_PORTION), not {h.portion}",
-        )
-    pl = h.portion_limit
-    if pl is not None and not (h.portion is not None and is_fraction(pl, low=h.portion)):
-        raise Refused(
-            "attach",
-            "hello: portion_limit must be a fraction in [portion, 1] beside a portion"
-            f" (KAI's gpu-memory.portion.limit), not {pl}",
-        )
-    if not 0 <= h.gang_size <= MAX_GANG or not -1 <= h.rank < max(h.gang_size, 1):
-        raise Refused(
-            "attach",
-            f"hello: gang_size must be in [0, {MAX_GANG}] and rank in [-1, gang_size),"
-            f" not {h.gang_size} and {h.rank}",
-        )
-    if not 0 <= h.world_size <= MAX_WORLD:
-        raise Refused(
-            "attach", f"hello: world_size must be in [0, {MAX_WORLD}], not {h.world_size}"
-        )
-    for name in ("session", "lease"):
-        if not 0 <= getattr(h, name) < 2**63:
-            raise Refused("attach", f"hello: {name} must be a number >= 0")
-
-
-def _check_words(h: p.Hello) -> None:
-    if h.sharing and h.sharing not in SHARING_MODES:
-        raise Refused(
-            "attach",
-            f"hello: sharing must be one of {', '.join(SHARING_MODES)} (KAI's"
-            f" gpu-compute-sharing-mode) or empty, not {h.sharing!r}",
-        )
 
 
 def _check_version(h: p.Hello) -> None:
@@ -185,51 +99,19 @@ class WorkloadServer:
     def socket_path(self) -> str:
         return self._config().socket
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: C901
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             conn = self.guard.accept(writer, name=False)
         except OSError:  # gone before the kernel could say who it was
             writer.close()
             return
         arb: Arbiter | None = None
-        cfg = self._config()
         try:
-            try:
-                self.guard.may_wait(conn)  # refused at once: nothing more spent on it
-                self.guard.name(conn)  # its process, named for good as soon as may be
-                await self.guard.admit(conn)  # a bounded number say hello at once
-                hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
-            except TimeoutError:
-                raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
-            finally:
-                self.guard.said_hello(conn)
-            if isinstance(hello, ADMIN_REQUESTS):
-                raise p.ProtocolError(
-                    f"{self.socket_path()} is this node's workload socket: ctl, top and"
-                    f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
-                    " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
-                )
-            if not isinstance(hello, p.Hello):
-                raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+            hello = await self._hello(conn, reader)
             if reader.at_eof():  # its client gave up waiting (a burst on a slow node):
                 return  # no session for nobody, the node's time goes to the next
             arb = await self._attach_on_record(conn, hello)
-            while True:
-                msg = await read_frame(reader)
-                await self.guard.spend(conn)
-                if not conn.may_hold_memory and _claims_memory(msg, conn):
-                    conn.send(p.Error(code="value", message=NO_MEMORY_YET))
-                    continue
-                try:
-                    actions = self._message(arb, conn.session, msg)
-                    if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
-                        conn.ask = msg.ask  # accepted: the grants that follow answer it
-                    if isinstance(msg, p.Release | p.Report | p.SwapDone):
-                        self.recovery.save_soon()  # its memory and lease, on record soon
-                    self.decisions.act(arb, actions)
-                except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
-                    # answered (the field named), nothing changed, the session goes on
-                    conn.send(p.Error(code=e.code, message=str(e)))
+            await self._serve(arb, conn, reader)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except (Refused, p.ProtocolError) as e:
@@ -237,13 +119,62 @@ class WorkloadServer:
         finally:
             self.guard.leave_budget(conn)
             if arb is not None and conn.session in self.conns:
-                self.retire(arb.gpu, conn.session)
-                del self.conns[conn.session]
-                self.guard.left(conn)
-                self.utilization[arb.gpu].forget(conn.session)
-                self.decisions.act(arb, arb.detach(conn.session, reason=_gone(conn)))
-                self.recovery.save_soon()
+                self._leave(arb, conn)
             writer.close()
+
+    async def _hello(self, conn: Conn, reader: asyncio.StreamReader) -> p.Hello:
+        """A connection's first message, its hello, read once the guard admits it (a
+        bounded number at once, each within ``hello_timeout``); or :class:`Refused`, or
+        :class:`~gpushare.protocol.ProtocolError` for anything but a hello."""
+        cfg = self._config()
+        try:
+            self.guard.may_wait(conn)  # refused at once: nothing more spent on it
+            self.guard.name(conn)  # its process, named for good as soon as may be
+            await self.guard.admit(conn)  # a bounded number say hello at once
+            hello = await asyncio.wait_for(read_frame(reader), cfg.hello_timeout)
+        except TimeoutError:
+            raise Refused("timeout", f"no hello within {cfg.hello_timeout:g} s") from None
+        finally:
+            self.guard.said_hello(conn)
+        if isinstance(hello, ADMIN_REQUESTS):
+            raise p.ProtocolError(
+                f"{self.socket_path()} is this node's workload socket: ctl, top and"
+                f" timeline talk to its admin socket, {cfg.admin_socket} (--socket"
+                " ADMIN_SOCKET, or GPUSHARE_ADMIN_SOCKET)"
+            )
+        if not isinstance(hello, p.Hello):
+            raise p.ProtocolError(f"first message must be hello, not {type(hello).__name__}")
+        return hello
+
+    async def _serve(self, arb: Arbiter, conn: Conn, reader: asyncio.StreamReader) -> None:
+        """An attached session's messages, each handed to its arbiter, until its
+        connection ends (:class:`asyncio.IncompleteReadError`, or a refusal)."""
+        while True:
+            msg = await read_frame(reader)
+            await self.guard.spend(conn)
+            if not conn.may_hold_memory and _claims_memory(msg, conn):
+                conn.send(p.Error(code="value", message=NO_MEMORY_YET))
+                continue
+            try:
+                actions = self._message(arb, conn.session, msg)
+                if isinstance(msg, p.Acquire) or (isinstance(msg, p.Release) and msg.again):
+                    conn.ask = msg.ask  # accepted: the grants that follow answer it
+                if isinstance(msg, p.Release | p.Report | p.SwapDone):
+                    self.recovery.save_soon()  # its memory and lease, on record soon
+                self.decisions.act(arb, actions)
+            except ArbiterError as e:  # not valid now, or a figure the node knows wrong:
+                # answered (the field named), nothing changed, the session goes on
+                conn.send(p.Error(code=e.code, message=str(e)))
+
+    def _leave(self, arb: Arbiter, conn: Conn) -> None:
+        """An attached session's connection gone: its figures kept, it detached (its
+        actions delivered) and its record saved soon."""
+        self.retire(arb.gpu, conn.session)
+        del self.conns[conn.session]
+        self.guard.left(conn)
+        self.utilization[arb.gpu].forget(conn.session)
+        self.decisions.act(arb, arb.detach(conn.session, reason=_gone(conn)))
+        self.recovery.save_soon()
 
     def _gpu_of(self, h: p.Hello) -> int:
         """The GPU a hello asks for (by UUID, or index), or :class:`Refused`."""
