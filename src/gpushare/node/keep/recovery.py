@@ -588,7 +588,7 @@ COUNT_MOST = 2**62
 PID_MOST = 1 << 22  # the kernel's PID_MAX_LIMIT
 UID_MOST = 2**32 - 1
 SIZE_MOST = 2**50  # gpushare.units.MAX_SIZE: 1024 TiB
-TEXT_MOST = 253  # a name, as Kubernetes bounds one (workload_server.TEXT_BOUNDS)
+TEXT_MOST = 253  # a name, as Kubernetes bounds one (hello_bounds.TEXT_BOUNDS)
 STOPPED_MOST = 4096  # processes a freeze stopped, per session
 
 

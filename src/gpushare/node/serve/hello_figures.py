@@ -32,7 +32,7 @@ def who_of(uid: int, identity: CgroupIdentity) -> str:
 
 def gang_of(h: p.Hello, uid: int, identity: CgroupIdentity) -> tuple[str, bool]:
     """The node's key of the job a hello says it is a rank of ("" for none), and whether
-    the job spans nodes (its figures bounded by :func:`check_hello`). The key joins the
+    the job spans nodes (its figures bounded by `hello_bounds.check_hello`). The key joins the
     job's id to what the kernel says (the pod, else the uid): a rank can join only a job
     of its own pod or user, whatever id it claims."""
     if not h.gang:
