@@ -284,9 +284,6 @@ GRANDFATHERED = {
     "src/gpushare/node/serve/workload_server.py::handle",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
-    "tests/core/model.py::apply",
-    "tests/core/model.py::_on_grant",
-    "tests/core/model.py::swap_in",
     "tests/core/test_running_totals.py::apply",
     "tests/node/observe/exporter_before.py::collect",
 }
@@ -324,7 +321,6 @@ GRANDFATHERED_RADON = {
     "tests/cluster/test_manifests.py::test_install_as_documented",
     "tests/cluster/test_node.py::test_node_makes_only_the_calls_its_role_allows_and_uses_them_all",
     "tests/cluster/test_image.py::test_container_runs_the_node_as_the_daemonset_does",
-    "tests/core/model.py::Model.apply",
     "benchmarks/requests.py::figures",
     "benchmarks/soak.py::main",
     "benchmarks/gpu_check.py::main",
