@@ -284,7 +284,6 @@ GRANDFATHERED = {
     "src/gpushare/node/serve/workload_server.py::handle",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
-    "tests/core/test_running_totals.py::apply",
     "tests/node/observe/exporter_before.py::collect",
 }
 
