@@ -284,7 +284,6 @@ GRANDFATHERED = {
     "src/gpushare/node/serve/workload_server.py::handle",
     "src/gpushare/tools/top_ui.py::draw",
     "src/gpushare/tools/top_ui.py::key",
-    "tests/node/observe/exporter_before.py::collect",
 }
 
 
@@ -312,7 +311,6 @@ RADON_WORST_ALLOWED = 20
 GRANDFATHERED_RADON = {
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
-    "tests/node/observe/exporter_before.py::NodeCollector.collect",
     "tests/client/test_gpu_check.py::test_the_staged_gpu_check_runs_dry_end_to_end",
     "tests/client/test_gpu_check.py::"
     "test_the_plan_keeps_each_stage_and_part_within_the_machines_budget",
