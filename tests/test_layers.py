@@ -310,7 +310,6 @@ def test_only_the_grandfathered_functions_pass_the_complexity_ceiling() -> None:
 RADON_WORST_ALLOWED = 20
 GRANDFATHERED_RADON = {
     # tests and benchmarks: one long scenario each, read top to bottom
-    "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
     "tests/client/test_gpu_check.py::test_the_staged_gpu_check_runs_dry_end_to_end",
     "tests/client/test_gpu_check.py::"
     "test_the_plan_keeps_each_stage_and_part_within_the_machines_budget",
