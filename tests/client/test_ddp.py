@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,7 +145,7 @@ def took_turns(events: list[dict], gpu: int, round_robin: bool) -> None:
 
 
 def holds_and_waits(
-    events: list[dict], gpu: int, job_of: dict[int, str]
+    events: list[dict[str, Any]], gpu: int, job_of: dict[int, str]
 ) -> tuple[list[tuple[str, float]], list[tuple[str, float, float]]]:
     """On ``gpu``, in the log's order: when each job's holds began, (job, when), and each
     rank's wait, (job, asked, granted); asserting as it goes that no job is granted while

@@ -76,7 +76,9 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
     assert min(held.values()) > 0.7 * max(held.values()), held
 
 
-def sampled_until_done(node, procs) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def sampled_until_done(
+    node: NodeProcess, procs: list[subprocess.Popen[str]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """GPU 0's status, a look every 50 ms while any of ``procs`` runs (the invariants hold
     in every one), and each process's summary once they are done."""
     samples = []
