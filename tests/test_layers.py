@@ -313,7 +313,6 @@ GRANDFATHERED_RADON = {
     "tests/client/test_gpu_check.py::test_the_staged_gpu_check_runs_dry_end_to_end",
     "tests/client/test_gpu_check.py::"
     "test_the_plan_keeps_each_stage_and_part_within_the_machines_budget",
-    "tests/cluster/test_image.py::test_container_runs_the_node_as_the_daemonset_does",
     "benchmarks/requests.py::figures",
     "benchmarks/soak.py::main",
     "benchmarks/gpu_check.py::main",
