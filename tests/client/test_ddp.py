@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +138,18 @@ def took_turns(events: list[dict], gpu: int, round_robin: bool) -> None:
     jobs, which one rank's wait on one GPU does not show (seen: a job held one GPU for
     two quanta in a row while the other job's rank there waited), so not there."""
     job_of = {e["session"]: e["gang"] for e in events if e["event"] == "attach"}
+    starts, waits = holds_and_waits(events, gpu, job_of)
+    assert {job for job, _ in starts} == set(job_of.values()), starts  # each held it
+    if round_robin:
+        assert_no_job_held_twice_past_a_waiter(starts, waits)
+
+
+def holds_and_waits(
+    events: list[dict[str, Any]], gpu: int, job_of: dict[int, str]
+) -> tuple[list[tuple[str, float]], list[tuple[str, float, float]]]:
+    """On ``gpu``, in the log's order: when each job's holds began, (job, when), and each
+    rank's wait, (job, asked, granted); asserting as it goes that no job is granted while
+    another holds (mode exclusive)."""
     holding: dict[int, int] = {}  # session -> its lease, holding this GPU now
     starts: list[tuple[str, float]] = []  # (job, when): a job's hold begins
     waits: list[tuple[str, float, float]] = []  # (job, asked, granted): a rank's wait
@@ -157,8 +170,15 @@ def took_turns(events: list[dict], gpu: int, round_robin: bool) -> None:
             holding[e["session"]] = e["lease"]
         elif e["event"] == "release" and holding.get(e["session"]) == e["lease"]:
             del holding[e["session"]]
-    assert {job for job, _ in starts} == set(job_of.values()), starts  # each held it
+    return starts, waits
+
+
+def assert_no_job_held_twice_past_a_waiter(
+    starts: list[tuple[str, float]], waits: list[tuple[str, float, float]]
+) -> None:
+    """Round-robin: a job starts two holds in a row only if no rank of the other job
+    waited from before the first of them began until after the second began."""
     for (x, began), (y, again) in itertools.pairwise(starts):
-        if round_robin and x == y:  # x again: no one of the other job waited through its last hold
+        if x == y:  # x again: no one of the other job waited through its last hold
             starved = [w for w in waits if w[0] != x and w[1] < began and w[2] > again]
             assert not starved, (x, began, again, starved)

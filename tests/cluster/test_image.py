@@ -149,15 +149,51 @@ def test_container_runs_the_node_as_the_daemonset_does(
     objs = rendered()
     pod = objs["DaemonSet"]["spec"]["template"]["spec"]
     (spec,) = pod["containers"]
-    cfg = image_config(container.image)
-    # Kubernetes: `command` replaces the image's ENTRYPOINT, `args` its CMD.
-    argv = (spec.get("command") or cfg["Entrypoint"]) + (spec.get("args") or cfg.get("Cmd", []))
-    assert argv[0] == "gpushare" and "--kubernetes" in argv
+    argv = daemonset_argv(container, spec)
 
     # The volumes, where the DaemonSet mounts them: the ConfigMap's files; a host
     # directory each for the hostPath volumes (here: this test's own).
     node_name = unique("gpu-node")
     metrics_port = free_port()
+    sources, mounts = volumes_as_mounted(objs, pod, spec, tmp_path, metrics_port)
+    # What kubelet adds: the service account's token, the CA, the namespace, and the
+    # API server's address (the in-cluster config reads these).
+    add_what_kubelet_adds(mounts, tmp_path, node_token, deployed)
+    env = daemonset_env(spec, node_name, deployed)
+
+    ns = unique("img")
+    kube.pod(ns, unique("train"), node_name)  # a pod on this node, for its first list
+    container.run(argv, mounts, env)
+    run_dir, admin = run_dir_and_admin_socket(objs, spec, sources)
+    wait_for_the_admin_socket(container, admin)
+
+    assert_probes_answer(container, spec, mounts, admin, metrics_port)
+    assert_serves_a_workload_on_the_host(run_dir, admin)
+    assert_listed_through_the_in_cluster_config(container, node_name)
+    assert_events_in_the_state_volume(spec, sources)
+    assert_stops_on_sigterm(container, admin)
+
+
+def daemonset_argv(container: Container, spec: dict[str, Any]) -> list[str]:
+    """The node's command line as the DaemonSet's container gives it to the image."""
+    cfg = image_config(container.image)
+    # Kubernetes: `command` replaces the image's ENTRYPOINT, `args` its CMD.
+    argv: list[str] = (spec.get("command") or cfg["Entrypoint"]) + (
+        spec.get("args") or cfg.get("Cmd", [])
+    )
+    assert argv[0] == "gpushare" and "--kubernetes" in argv
+    return argv
+
+
+def volumes_as_mounted(
+    objs: dict[str, dict[str, Any]],
+    pod: dict[str, Any],
+    spec: dict[str, Any],
+    tmp_path: Path,
+    metrics_port: int,
+) -> tuple[dict[str, Path], list[str]]:
+    """A directory for each of the pod's volumes (by name), and the mounts of them that
+    the container's volumeMounts say."""
     sources: dict[str, Path] = {}
     for v in pod["volumes"]:
         d = tmp_path / "vol" / v["name"]
@@ -177,8 +213,13 @@ def test_container_runs_the_node_as_the_daemonset_does(
         f"{sources[m['name']]}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")
         for m in spec["volumeMounts"]
     ]
-    # What kubelet adds: the service account's token, the CA, the namespace, and the
-    # API server's address (the in-cluster config reads these).
+    return sources, mounts
+
+
+def add_what_kubelet_adds(
+    mounts: list[str], tmp_path: Path, node_token: str, deployed: Cluster
+) -> None:
+    """The service account's files that kubelet mounts: its token, the CA, the namespace."""
     sa = tmp_path / "vol" / "serviceaccount"
     sa.mkdir()
     (sa / "token").write_text(node_token)
@@ -187,16 +228,24 @@ def test_container_runs_the_node_as_the_daemonset_does(
     # (At /run/secrets, where /var/run/secrets leads in the image: buildah's chroot
     # puts a tmpfs on /run that hides a mount made through the /var/run symlink.)
     mounts.append(f"{sa}:/run/secrets/kubernetes.io/serviceaccount:ro")
+
+
+def daemonset_env(spec: dict[str, Any], node_name: str, deployed: Cluster) -> dict[str, str]:
+    """The container's environment, its node's name filled in, and the API server's
+    address that kubelet adds."""
     env = {e["name"]: e.get("value", "") for e in spec.get("env", [])}
     for e in spec.get("env", []):
         if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
             env[e["name"]] = node_name
     env |= {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(deployed.port)}
     assert env["NODE_NAME"] == node_name
+    return env
 
-    ns = unique("img")
-    kube.pod(ns, unique("train"), node_name)  # a pod on this node, for its first list
-    container.run(argv, mounts, env)
+
+def run_dir_and_admin_socket(
+    objs: dict[str, dict[str, Any]], spec: dict[str, Any], sources: dict[str, Path]
+) -> tuple[Path, Path]:
+    """The host's side of /run/gpushare, and the admin socket's path on the host."""
     run_dir = sources[
         next(m["name"] for m in spec["volumeMounts"] if m["mountPath"] == "/run/gpushare")
     ]
@@ -210,13 +259,20 @@ def test_container_runs_the_node_as_the_daemonset_does(
         ]
         / admin_path.name
     )
+    return run_dir, admin
 
+
+def wait_for_the_admin_socket(container: Container, admin: Path) -> None:
     def up() -> bool:
         assert container.proc and container.proc.poll() is None, container.log.read_text()
         return admin.exists()
 
     wait_until(up, timeout=120, what="the node's admin socket in the hostPath volume")
 
+
+def assert_probes_answer(
+    container: Container, spec: dict[str, Any], mounts: list[str], admin: Path, metrics_port: int
+) -> None:
     # Status: the liveness probe's command, in the container.
     probe = spec["livenessProbe"]["exec"]["command"]
     r = container.exec(probe, mounts)
@@ -232,7 +288,10 @@ def test_container_runs_the_node_as_the_daemonset_does(
     m = re.search(r'gpushare_build_info\{[^}]*version="([^"]+)"', metrics)
     assert m and m.group(1) == __version__, metrics[:2000]
     assert "gpushare_tq_seconds" in metrics
-    # A workload on the host, through the socket in the hostPath volume.
+
+
+def assert_serves_a_workload_on_the_host(run_dir: Path, admin: Path) -> None:
+    """A workload on the host, through the socket in the hostPath volume."""
     w = subprocess.run(
         [sys.executable, "-m", "gpushare.tools.workloads", "batch", "--socket",
          str(run_dir / "gpushare.sock"), "--seconds", "0.3", "--memory", "64MiB"],
@@ -242,7 +301,10 @@ def test_container_runs_the_node_as_the_daemonset_does(
     with AdminClient(str(admin)) as a:
         after = a.status()
     assert after.gpus[0].grants_total >= 1
-    # The in-cluster config: the node listed its node's pods with the mounted token.
+
+
+def assert_listed_through_the_in_cluster_config(container: Container, node_name: str) -> None:
+    """The in-cluster config: the node listed its node's pods with the mounted token."""
     try:
         wait_until(
             lambda: f"pods on node {node_name}: 1 known" in container.log.read_text(),
@@ -252,12 +314,17 @@ def test_container_runs_the_node_as_the_daemonset_does(
         raise AssertionError(
             "no list through the in-cluster config:\n" + container.log.read_text()[-3000:]
         ) from None
-    # The event log in the state volume (a hostPath: it outlives the pod).
+
+
+def assert_events_in_the_state_volume(spec: dict[str, Any], sources: dict[str, Path]) -> None:
+    """The event log in the state volume (a hostPath: it outlives the pod)."""
     state = sources[next(m["name"] for m in spec["volumeMounts"]
                          if m["mountPath"] == "/var/lib/gpushare")]  # fmt: skip
     assert (state / "events.jsonl").read_text().strip()
 
-    # SIGTERM, as the kubelet stops a pod: the node stops cleanly and removes its sockets.
+
+def assert_stops_on_sigterm(container: Container, admin: Path) -> None:
+    """SIGTERM, as the kubelet stops a pod: the node stops cleanly and removes its sockets."""
     pid = container.node_pid()
     assert pid, "the node's process in the container"
     os.kill(pid, signal.SIGTERM)

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -47,12 +48,24 @@ def get(c: Cluster, *args: str) -> dict:
 def test_install_as_documented(fresh: Cluster):
     c = fresh
     plain, kai = str(K8S / "overlays" / "plain"), str(K8S / "overlays" / "kai")
-    # Out of order, the server says what is missing.
+    assert_refused_out_of_order(c, plain, kai)
+    install_in_order(c, plain, kai)
+    ds = assert_kept_as_rendered(c)
+    assert_selectors_select_the_pods(c, ds)
+    apply_the_examples(c)
+    assert_uninstalled(c, kai)
+
+
+def assert_refused_out_of_order(c: Cluster, plain: str, kai: str) -> None:
+    """Out of order, the server says what is missing."""
     r = c.kubectl("apply", "--dry-run=server", "-k", plain, check=False)
     assert r.returncode != 0 and f'namespaces "{NS}" not found' in r.stderr, r.stderr
     r = c.kubectl("apply", "-k", kai, check=False)
     assert r.returncode != 0 and 'no matches for kind "ServiceMonitor"' in r.stderr, r.stderr
 
+
+def install_in_order(c: Cluster, plain: str, kai: str) -> None:
+    """The documented steps 1 and 2, and what the server then keeps."""
     # 1. The Prometheus Operator's CRD (only for an overlay with a ServiceMonitor).
     c.kubectl("apply", "-f", str(SERVICEMONITOR_CRD))
     c.kubectl("wait", "--for=condition=established", "--timeout=60s",
@@ -68,6 +81,10 @@ def test_install_as_documented(fresh: Cluster):
     r = c.kubectl("apply", "--server-side", "--force-conflicts", "-k", kai, check=False)
     assert r.returncode == 0, r.stderr
 
+
+def assert_kept_as_rendered(c: Cluster) -> dict[str, Any]:
+    """Every object of the kai overlay is on the server, the DaemonSet's args and the
+    ConfigMap as rendered; the DaemonSet as the server keeps it."""
     objs = rendered(c, "kai")
     for o in objs:
         ns = o["metadata"].get("namespace")
@@ -81,9 +98,12 @@ def test_install_as_documented(fresh: Cluster):
     )
     cm = get(c, "configmap", "gpushare-config", "-n", NS)
     assert 'policy = "weighted"' in cm["data"]["node.toml"]  # kai's, over plain's
+    return ds
 
-    # The selectors as the server evaluates them: the Service and the ServiceMonitor
-    # select by the labels the DaemonSet's pods carry.
+
+def assert_selectors_select_the_pods(c: Cluster, ds: dict[str, Any]) -> None:
+    """The selectors as the server evaluates them: the Service and the ServiceMonitor
+    select by the labels the DaemonSet's pods carry."""
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
     sel = ",".join(f"{k}={v}" for k, v in get(c, "service", "gpushare-metrics", "-n", NS)
                    ["spec"]["selector"].items())  # fmt: skip
@@ -96,7 +116,9 @@ def test_install_as_documented(fresh: Cluster):
     port_names = {p["name"] for p in svcs[0]["spec"]["ports"]}
     assert {e["port"] for e in sm["spec"]["endpoints"]} <= port_names
 
-    # 3. Workloads, in their own namespace.
+
+def apply_the_examples(c: Cluster) -> None:
+    """3. Workloads, in their own namespace."""
     c.kubectl("create", "namespace", "team-a")
     for ex in EXAMPLES:
         r = c.kubectl("apply", "-n", "team-a", "-f", str(ex), check=False)
@@ -104,8 +126,10 @@ def test_install_as_documented(fresh: Cluster):
     pods = get(c, "pods", "-n", "team-a")["items"]
     assert {p["spec"].get("schedulerName") for p in pods} == {"kai-scheduler"}
 
-    # Uninstall: every object of the overlay goes. (The namespace stays Terminating:
-    # there is no namespace controller here to empty it.)
+
+def assert_uninstalled(c: Cluster, kai: str) -> None:
+    """Uninstall: every object of the overlay goes. (The namespace stays Terminating:
+    there is no namespace controller here to empty it.)"""
     c.kubectl("delete", "--wait=false", "-k", kai)
     for kind in ("clusterrole", "clusterrolebinding"):
         r = c.kubectl("get", kind, "gpushare-node", check=False)

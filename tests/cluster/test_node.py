@@ -55,6 +55,16 @@ def test_session_gets_its_pods_names_in_status_and_metrics(k8s_node, kube: Kube)
 def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, deployed: Cluster):
     k = k8s_node()
     ns = unique("audit")
+    sessions_named_through_list_and_watch(k, ns)
+    wait_for_the_calls_in_the_audit_log(k, deployed)
+    assert_none_denied(k, deployed)
+    assert_each_names_its_node(k, deployed)
+    assert_uses_all_its_role_grants(k, deployed)
+
+
+def sessions_named_through_list_and_watch(k: K8sNode, ns: str) -> None:
+    """A session in a pod the node's list finds, and one in a pod made after it (the
+    watch's): both named from the API."""
     pod, uid, cid = k.pod(ns)
     sid = k.session_in(ns, pod, uid, cid)
     wait_until(lambda: k.names(sid)[3] == "kubernetes", timeout=30, what="the pod's names")
@@ -62,34 +72,42 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
     sid2 = k.session_in(ns, pod2, uid2, cid2)
     wait_until(lambda: k.names(sid2)[3] == "kubernetes", timeout=30, what="the watched pod")
 
-    def mine() -> list[dict[str, Any]]:  # this node's requests: its token's pod says so
-        pod_name = "authentication.kubernetes.io/pod-name"
-        return [
-            e
-            for e in deployed.audit(SA_USER)
-            if e["user"].get("extra", {}).get(pod_name) == [k.daemon_pod]
-        ]
 
+def calls(k: K8sNode, deployed: Cluster) -> list[dict[str, Any]]:
+    """This node's calls in the audit log: its token's pod says so."""
+    pod_name = "authentication.kubernetes.io/pod-name"
+    return [
+        e
+        for e in deployed.audit(SA_USER)
+        if e["user"].get("extra", {}).get(pod_name) == [k.daemon_pod]
+    ]
+
+
+def wait_for_the_calls_in_the_audit_log(k: K8sNode, deployed: Cluster) -> None:
+    """The node's writes, then (the node stopped) its list and watch, in the audit log."""
     # its GPUShareNode made and its status written; an Event for each pod's session
     wait_until(
         lambda: (
-            {e["verb"] for e in mine()} >= {"create", "patch"}
-            and sum(e["objectRef"]["resource"] == "events" for e in mine()) >= 2
+            {e["verb"] for e in calls(k, deployed)} >= {"create", "patch"}
+            and sum(e["objectRef"]["resource"] == "events" for e in calls(k, deployed)) >= 2
         ),
         timeout=30,
         what="the node's object, status and Events",
     )
     k.node.stop()  # a watch is audited when it ends
     try:
-        wait_until(lambda: {e["verb"] for e in mine()} >= {"list", "watch"}, timeout=30)
+        wait_until(lambda: {e["verb"] for e in calls(k, deployed)} >= {"list", "watch"}, timeout=30)
     except AssertionError:
         raise AssertionError(
             "the node's list and watch are not in the audit log:\n"
             + "\n".join(f"{e['verb']} {e['requestURI']}" for e in deployed.audit(SA_USER))
         ) from None
+
+
+def assert_none_denied(k: K8sNode, deployed: Cluster) -> None:
     # 429 is the server's priority and fairness shedding load (a busy test machine), not
     # a refusal of the role: the node tries again, as client-go does
-    codes = [(e, e["responseStatus"]["code"]) for e in mine()]
+    codes = [(e, e["responseStatus"]["code"]) for e in calls(k, deployed)]
     denied = [e for e, code in codes if code >= 400 and code != 429]
     assert not denied, [
         (
@@ -100,21 +118,28 @@ def test_node_makes_only_the_calls_its_role_allows_and_uses_them_all(k8s_node, d
         )
         for e in denied
     ]
-    # Each names its node: the node never lists or watches the whole cluster's pods, nor
-    # reads or writes another node's GPUShareNode.
+
+
+def assert_each_names_its_node(k: K8sNode, deployed: Cluster) -> None:
+    """Each names its node: the node never lists or watches the whole cluster's pods, nor
+    reads or writes another node's GPUShareNode."""
     selector = f"fieldSelector=spec.nodeName%3D{k.name}"
-    pods = [e for e in mine() if e["objectRef"]["resource"] == "pods"]
+    pods = [e for e in calls(k, deployed) if e["objectRef"]["resource"] == "pods"]
     assert pods and all(selector in e["requestURI"] for e in pods), [e["requestURI"] for e in pods]
-    gsn = [e for e in mine() if e["objectRef"]["resource"] == "gpusharenodes"]
+    gsn = [e for e in calls(k, deployed) if e["objectRef"]["resource"] == "gpusharenodes"]
     for e in gsn:
         if e["verb"] in ("list", "watch"):
             assert f"fieldSelector=metadata.name%3D{k.name}" in e["requestURI"], e["requestURI"]
         else:  # create (its name is in the body, not the URI), patch of its status
             assert e["objectRef"].get("name") == k.name, e
+
+
+def assert_uses_all_its_role_grants(k: K8sNode, deployed: Cluster) -> None:
+    """The (verb, resource) pairs the node used are those its ClusterRole grants."""
     used = {
         (e["verb"], e["objectRef"]["resource"] + ("/" + e["objectRef"]["subresource"]
                                                   if e["objectRef"].get("subresource") else ""))
-        for e in mine()
+        for e in calls(k, deployed)
     }  # fmt: skip
     plain = deployed.kubectl("kustomize", str(K8S / "overlays" / "plain")).stdout
     (role,) = [

@@ -32,6 +32,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpushare.core.actions import (
     Action,
@@ -158,59 +159,75 @@ class Model:
         self.check = check
         self.max_holders = 0
         self.max_on_gpu = 0
+        # what the clients do on each kind of action in an arbiter's answer
+        self._handlers: dict[type[Action], Callable[[Any], None]] = {
+            EventAction: self._on_event,
+            GrantAction: lambda a: self._on_grant(self.clients[a.session], a),
+            RevokeAction: self._on_revoke,
+            EscalateAction: self._on_escalate,
+            SwapOutAction: self._on_swap_out,
+            PrefetchAction: self._on_prefetch,
+            RoomAction: self._on_room,
+        }
 
     # --- plumbing -------------------------------------------------------------------
     def at(self, delay: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.heap, (self.clock.monotonic() + delay, next(self.seq), fn))
 
-    def apply(self, actions: list[Action]) -> None:  # noqa: C901
+    def apply(self, actions: list[Action]) -> None:
+        """Act on an arbiter's answer as the clients would, then check what is on the GPU."""
         for a in actions:
-            if isinstance(a, EventAction):
-                self.events.append(a.record)
-            elif isinstance(a, GrantAction):
-                self._on_grant(self.clients[a.session], a)
-            elif isinstance(a, RevokeAction):
-                c = self.clients[a.session]
-                if c.kind == "ddp":  # seen after its delay, acted on at its next safe point
-                    assert not a.swap_out, "a gang member asked to swap out as it yields"
-                    # A revoke right behind its grant (a regroup) is read with it.
-                    soon = c.lease == a.lease and c.grant_times[-1] == self.clock.monotonic()
-                    delay = 0.0 if soon else c.yield_delay
-                    self.at(delay, lambda c=c, a=a: self._ddp_revoked(c, a.lease))
-                elif not c.stuck:
-                    delay = c.yield_delay if c.delays is None else next(c.delays)
-                    self.at(delay, lambda c=c, a=a: self._yield(c, a))
-            elif isinstance(a, EscalateAction):
-                if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
-                    self._stop_work(self.clients[a.session])
-                    self.clients[a.session].holding = False
-                    self.clients[a.session].frozen = True
-                elif a.escalation == "kill":
-                    self.at(
-                        0.0, lambda sid=a.session: self.kill(sid) if sid in self.clients else None
-                    )
-            elif isinstance(a, SwapOutAction):
-                c = self.clients[a.session]
-                assert not c.holding, "the planner asked a holder to swap out"
-                assert not c.pf_running, "the planner asked a prefetching session to swap out"
-                self._swap_out(c, a.bytes)
-            elif isinstance(a, PrefetchAction):
-                c = self.clients[a.session]
-                assert c.prefetch, "a prefetch asked of a client that cannot"
-                assert c.wants and not c.holding, "a prefetch asked of a holder or idle session"
-                assert a.seq > c.pf_seq and a.room > c.pf_room, "a prefetch ask went back"
-                c.pf_room, c.pf_seq = a.room, a.seq
-                if not c.pf_running:
-                    c.pf_running = True
-                    self.serial(c, lambda done, c=c: self._prefetch(c, done))
-            elif isinstance(a, RoomAction):
-                c = self.clients[a.session]
-                assert a.room > c.room or not c.room, "a room shrank"
-                c.room = 0 if a.room >= c.limit else a.room
-                if c.parked:
-                    go, c.parked = c.parked, None
-                    self.at(0.0, go)
+            handle = self._handlers.get(type(a))
+            if handle is not None:  # the others (thaw, limits) change nothing modelled
+                handle(a)
         self._observe()
+
+    def _on_event(self, a: EventAction) -> None:
+        self.events.append(a.record)
+
+    def _on_revoke(self, a: RevokeAction) -> None:
+        c = self.clients[a.session]
+        if c.kind == "ddp":  # seen after its delay, acted on at its next safe point
+            assert not a.swap_out, "a gang member asked to swap out as it yields"
+            # A revoke right behind its grant (a regroup) is read with it.
+            soon = c.lease == a.lease and c.grant_times[-1] == self.clock.monotonic()
+            delay = 0.0 if soon else c.yield_delay
+            self.at(delay, lambda c=c, a=a: self._ddp_revoked(c, a.lease))
+        elif not c.stuck:
+            delay = c.yield_delay if c.delays is None else next(c.delays)
+            self.at(delay, lambda c=c, a=a: self._yield(c, a))
+
+    def _on_escalate(self, a: EscalateAction) -> None:
+        if a.escalation == "freeze":  # SIGSTOP: it issues no GPU work
+            self._stop_work(self.clients[a.session])
+            self.clients[a.session].holding = False
+            self.clients[a.session].frozen = True
+        elif a.escalation == "kill":
+            self.at(0.0, lambda sid=a.session: self.kill(sid) if sid in self.clients else None)
+
+    def _on_swap_out(self, a: SwapOutAction) -> None:
+        c = self.clients[a.session]
+        assert not c.holding, "the planner asked a holder to swap out"
+        assert not c.pf_running, "the planner asked a prefetching session to swap out"
+        self._swap_out(c, a.bytes)
+
+    def _on_prefetch(self, a: PrefetchAction) -> None:
+        c = self.clients[a.session]
+        assert c.prefetch, "a prefetch asked of a client that cannot"
+        assert c.wants and not c.holding, "a prefetch asked of a holder or idle session"
+        assert a.seq > c.pf_seq and a.room > c.pf_room, "a prefetch ask went back"
+        c.pf_room, c.pf_seq = a.room, a.seq
+        if not c.pf_running:
+            c.pf_running = True
+            self.serial(c, lambda done, c=c: self._prefetch(c, done))
+
+    def _on_room(self, a: RoomAction) -> None:
+        c = self.clients[a.session]
+        assert a.room > c.room or not c.room, "a room shrank"
+        c.room = 0 if a.room >= c.limit else a.room
+        if c.parked:
+            go, c.parked = c.parked, None
+            self.at(0.0, go)
 
     def _observe(self) -> None:
         # Holders of different jobs (a gang is one job): one at most in mode exclusive.
@@ -318,7 +335,7 @@ class Model:
         c.want_since = self.clock.monotonic()
         self.apply(self.arb.acquire(c.sid))
 
-    def _on_grant(self, c: Client, a: GrantAction) -> None:  # noqa: C901
+    def _on_grant(self, c: Client, a: GrantAction) -> None:
         now = self.clock.monotonic()
         c.lease = a.lease
         c.grant_times.append(now)
@@ -330,65 +347,71 @@ class Model:
         c.pf_room = 0  # a prefetch in flight stops at its next chunk
         assert not a.room or c.fills, "a room for a client that cannot fill"
         c.room = a.room
-
-        def swap_in(done: Callable[[], None]) -> None:  # noqa: C901
-            back = c.in_host
-            t0 = self.clock.monotonic()
-
-            def finished() -> None:
-                if c.room and c.sid in self.clients:  # as the real client: the burst
-                    c.parked = finished  # waits until its whole limit has room
-                    return
-                c.swapping_in = False
-                if c.holding and c.work_since is None:
-                    c.work_since = self.clock.monotonic()
-                done()
-                if c.sid not in self.clients:
-                    return
-                secs = self.clock.monotonic() - t0
-                self.apply(
-                    self.arb.swap_done(
-                        c.sid,
-                        direction="in",
-                        nbytes=back,
-                        seconds=secs,
-                        resident=c.on_gpu,
-                        swapped=c.in_host,
-                    )
-                )
-                if c.holding:  # the workload grows to its limit while it holds
-                    assert not c.room, "grew past its room"
-                    c.on_gpu = c.limit
-                    self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
-                if c.kind == "ddp":
-                    self._ddp_go(c)
-                elif c.kind == "server":
-                    self._serve(c)
-
-            if not c.fills:  # all at once: the bytes land as the copy starts
-                c.on_gpu += back
-                c.in_host = 0
-                self._observe()
-                self.at(back / self.bw, finished)
-                return
-
-            def chunk() -> None:
-                if c.sid not in self.clients:
-                    return done()
-                if not c.in_host:
-                    return finished()
-                k = min(CHUNK, c.in_host)
-                if c.room and c.on_gpu + k > c.room:
-                    c.parked = chunk  # until a RoomAction
-                    return
-                self._copy_in(c, k, chunk)
-
-            chunk()
-
-        self.serial(c, swap_in)
+        self.serial(c, lambda done: self._swap_in(c, done))
         if c.kind == "bursty":
             lease = c.lease
             self.at(c.burst_s, lambda: self._burst_end(c, lease))
+
+    def _swap_in(self, c: Client, done: Callable[[], None]) -> None:
+        """The grant's swap-in, once the client's earlier swaps are done: all at once for
+        an older client, chunk by chunk within its room for one that fills."""
+        back = c.in_host
+        t0 = self.clock.monotonic()
+
+        def finished() -> None:
+            if c.room and c.sid in self.clients:  # as the real client: the burst
+                c.parked = finished  # waits until its whole limit has room
+                return
+            self._swapped_in(c, back, t0, done)
+
+        if not c.fills:  # all at once: the bytes land as the copy starts
+            c.on_gpu += back
+            c.in_host = 0
+            self._observe()
+            self.at(back / self.bw, finished)
+            return
+
+        def chunk() -> None:
+            if c.sid not in self.clients:
+                return done()
+            if not c.in_host:
+                return finished()
+            k = min(CHUNK, c.in_host)
+            if c.room and c.on_gpu + k > c.room:
+                c.parked = chunk  # until a RoomAction
+                return
+            self._copy_in(c, k, chunk)
+
+        chunk()
+
+    def _swapped_in(self, c: Client, back: int, t0: float, done: Callable[[], None]) -> None:
+        """The swap-in of ``back`` bytes begun at ``t0`` is done: the client works, says
+        so, grows to its limit while it holds, and goes on as its kind does."""
+        c.swapping_in = False
+        if c.holding and c.work_since is None:
+            c.work_since = self.clock.monotonic()
+        done()
+        if c.sid not in self.clients:
+            return
+        secs = self.clock.monotonic() - t0
+        self.apply(
+            self.arb.swap_done(
+                c.sid,
+                direction="in",
+                nbytes=back,
+                seconds=secs,
+                resident=c.on_gpu,
+                swapped=c.in_host,
+            )
+        )
+        if c.holding:  # the workload grows to its limit while it holds
+            assert not c.room, "grew past its room"
+            c.on_gpu = c.limit
+            self.apply(self.arb.report(c.sid, resident=c.on_gpu, swapped=c.in_host))
+        if c.kind == "ddp":
+            self._ddp_go(c)
+        elif c.kind == "server":
+            self._serve(c)
 
     def _burst_end(self, c: Client, lease: int) -> None:
         if c.sid not in self.clients or not c.holding or c.lease != lease:

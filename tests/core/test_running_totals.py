@@ -5,6 +5,7 @@ any sequence of inputs, valid or refused."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -60,61 +61,79 @@ inputs = st.one_of(
 )
 
 
-def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:  # noqa: C901
+def attach(a: Arbiter, clock: ManualClock, args: list[Any]) -> None:
+    sid, limit, weight, fills, how = args
+    half = limit // 2 if how != "new" else 0
+    a.attach(
+        sid + 1,
+        AttachRecord(
+            name=f"s{sid}",
+            memory_limit=limit,
+            weight=weight,
+            fills=fills,
+            resident=half,
+            swapped=half,
+            holding=how.startswith("resumed holding"),
+            lease=7 if how.startswith("resumed holding") else 0,
+            verified=how.endswith("verified"),
+        ),
+    )
+
+
+def release(a: Arbiter, clock: ManualClock, args: list[Any]) -> None:
+    sid, resident, swapped, again, swapping_out = args
+    a.release(sid, resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
+
+
+def swap_done(a: Arbiter, clock: ManualClock, args: list[Any]) -> None:
+    sid, direction, resident, swapped, error = args
+    a.swap_done(
+        sid,
+        direction=direction,
+        nbytes=G,
+        seconds=0.1,
+        resident=resident,
+        swapped=swapped,
+        error=error,
+    )
+
+
+def recovery(a: Arbiter, clock: ManualClock, args: list[Any]) -> None:
+    if args[0]:
+        a.begin_recovery()
+    else:
+        a.end_recovery()
+
+
+def tick(a: Arbiter, clock: ManualClock, args: list[Any]) -> None:
+    clock.advance(args[0])
+    a.tick()
+
+
+# each input of ``inputs`` by its kind: what it does to the arbiter
+OPS: dict[str, Callable[[Arbiter, ManualClock, list[Any]], object]] = {
+    "attach": attach,
+    "detach": lambda a, clock, args: a.detach(args[0]),
+    "acquire": lambda a, clock, args: a.acquire(args[0]),
+    "release": release,
+    "swap_done": swap_done,
+    "report": lambda a, clock, args: a.report(args[0], resident=args[1], swapped=args[2]),
+    "over_limit": lambda a, clock, args: a.over_limit(args[0], used=args[1]),
+    "set_config": lambda a, clock, args: a.set_config(
+        {"mode": args[0], "policy": args[1], "tq_s": args[2]}
+    ),
+    "recovery": recovery,
+    "tick": tick,
+}
+
+
+def apply(a: Arbiter, clock: ManualClock, op: tuple[Any, ...]) -> None:
     kind, *args = op
     # mostly those there
     if kind not in ("attach", "set_config", "tick", "recovery") and a.sessions:
         ids = sorted(a.sessions)
         args[0] = ids[args[0] % len(ids)] if args[0] < 9 else max(ids) + 1
-    if kind == "attach":
-        sid, limit, weight, fills, how = args
-        half = limit // 2 if how != "new" else 0
-        a.attach(
-            sid + 1,
-            AttachRecord(
-                name=f"s{sid}",
-                memory_limit=limit,
-                weight=weight,
-                fills=fills,
-                resident=half,
-                swapped=half,
-                holding=how.startswith("resumed holding"),
-                lease=7 if how.startswith("resumed holding") else 0,
-                verified=how.endswith("verified"),
-            ),
-        )
-    elif kind == "detach":
-        a.detach(args[0])
-    elif kind == "acquire":
-        a.acquire(args[0])
-    elif kind == "release":
-        sid, resident, swapped, again, swapping_out = args
-        a.release(sid, resident=resident, swapped=swapped, again=again, swapping_out=swapping_out)
-    elif kind == "swap_done":
-        sid, direction, resident, swapped, error = args
-        a.swap_done(
-            sid,
-            direction=direction,
-            nbytes=G,
-            seconds=0.1,
-            resident=resident,
-            swapped=swapped,
-            error=error,
-        )
-    elif kind == "report":
-        a.report(args[0], resident=args[1], swapped=args[2])
-    elif kind == "over_limit":
-        a.over_limit(args[0], used=args[1])
-    elif kind == "set_config":
-        a.set_config({"mode": args[0], "policy": args[1], "tq_s": args[2]})
-    elif kind == "recovery":
-        if args[0]:
-            a.begin_recovery()
-        else:
-            a.end_recovery()
-    else:
-        clock.advance(args[0])
-        a.tick()
+    OPS[kind](a, clock, args)
 
 
 def scanned_deadline(a: Arbiter) -> float | None:

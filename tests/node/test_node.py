@@ -60,29 +60,50 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
         )
         for i in range(3)
     ]
-    cap = 80 * G
-    samples = []
-    while any(pr.poll() is None for pr in procs):
-        st = node.status()["gpus"][0]
-        samples.append(st)
-        time.sleep(0.05)  # a look every 50 ms: the invariants hold in every one
-    outs = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
+    samples, outs = sampled_until_done(node, procs)
     assert all(o["failures"] == 0 for o in outs)
-    # exclusive access and no capacity overrun, as status showed it all along
-    assert all(len(s["holders"]) <= 1 for s in samples)
-    assert all(s["used_bytes"] <= cap for s in samples)
-    assert any(s["simulated"] for s in samples)
-    assert max(sum(x["swapped_bytes"] for x in s["sessions"]) for s in samples) > 0
+    assert_exclusive_within_capacity(samples, 80 * G)
     # the events: revokes at quantum ends, swaps, and fair shares
     ev = node.event_list()
     kinds = {e["event"] for e in ev}
     assert {"attach", "grant", "revoke", "release", "swap_out", "swap_in", "detach"} <= kinds
-    # Round-robin shares over the whole rounds while all three contend: the quanta revoked
-    # one after another, once each has had its first (its memory filled in a first burst,
-    # the rest of that quantum continued after it: as short as the fill was long on a
-    # loaded machine) and until a burst ends (over 12 s, a partial last round would weigh
-    # one quantum against none).
     releases = [e for e in ev if e["event"] == "release"]
+    leases = whole_rounds_revoked(releases)
+    assert len(leases) >= 3, [(e["session"], e["reason"]) for e in releases]
+    for i in range(0, len(leases), 3):  # each round serves each session once
+        assert {e["session"] for e in leases[i : i + 3]} == {1, 2, 3}, leases
+    held = {s: sum(e["seconds"] for e in leases if e["session"] == s) for s in (1, 2, 3)}
+    assert min(held.values()) > 0.7 * max(held.values()), held
+
+
+def sampled_until_done(
+    node: NodeProcess, procs: list[subprocess.Popen[str]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """GPU 0's status, a look every 50 ms while any of ``procs`` runs (the invariants hold
+    in every one), and each process's summary once they are done."""
+    samples = []
+    while any(pr.poll() is None for pr in procs):
+        st = node.status()["gpus"][0]
+        samples.append(st)
+        time.sleep(0.05)
+    outs = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
+    return samples, outs
+
+
+def assert_exclusive_within_capacity(samples: list[dict[str, Any]], cap: int) -> None:
+    """Exclusive access and no capacity overrun, as status showed it all along."""
+    assert all(len(s["holders"]) <= 1 for s in samples)
+    assert all(s["used_bytes"] <= cap for s in samples)
+    assert any(s["simulated"] for s in samples)
+    assert max(sum(x["swapped_bytes"] for x in s["sessions"]) for s in samples) > 0
+
+
+def whole_rounds_revoked(releases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The releases of whole round-robin rounds while all three contend: the quanta
+    revoked one after another, once each has had its first (its memory filled in a first
+    burst, the rest of that quantum continued after it: as short as the fill was long on
+    a loaded machine) and until a burst ends (over 12 s, a partial last round would weigh
+    one quantum against none)."""
     start = 1 + max(
         next(i for i, e in enumerate(releases) if e["session"] == s and e["reason"] == "revoked")
         for s in (1, 2, 3)
@@ -92,12 +113,7 @@ def test_acceptance_three_30gib_on_80gib_exclusive_tq1(node_factory):
         if e["reason"] != "revoked":
             break
         leases.append(e)
-    leases = leases[: len(leases) // 3 * 3]
-    assert len(leases) >= 3, [(e["session"], e["reason"]) for e in releases]
-    for i in range(0, len(leases), 3):  # each round serves each session once
-        assert {e["session"] for e in leases[i : i + 3]} == {1, 2, 3}, leases
-    held = {s: sum(e["seconds"] for e in leases if e["session"] == s) for s in (1, 2, 3)}
-    assert min(held.values()) > 0.7 * max(held.values()), held
+    return leases[: len(leases) // 3 * 3]
 
 
 def test_killed_holder_lease_goes_to_next_waiter(node_factory):

@@ -1,7 +1,9 @@
 """The exporter as it was before gpushare wrote its text itself (gpushare at commit
-81033a6: prometheus_client's families, rendered by its ``generate_latest``), kept
-verbatim as the reference that the exporter's output is checked against: every series
-it has is still there, with the same help, type, labels and values, byte for byte."""
+81033a6: prometheus_client's families, rendered by its ``generate_latest``), kept as the
+reference that the exporter's output is checked against: every series it has is still
+there, with the same help, type, labels and values, byte for byte. Since kept, its
+collect is split in two, the per-GPU and the per-session families (issue 37); what it
+writes is as it was."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpushare._version import __version__
 from gpushare.core.sessions import WAIT_BUCKETS, State
 from gpushare.settings import MODES, POLICIES
-from gpushare.status import NodeStatus, SessionStatus, WorkloadStatus
+from gpushare.status import GpuStatus, NodeStatus, SessionStatus, WorkloadStatus
 
 DEFAULT_PORT = 9423
 GPU_LABELS = ["gpu", "gpu_uuid", "simulated"]
@@ -62,14 +64,31 @@ class NodeCollector(Collector):
     def __init__(self, snapshot: Callable[[], NodeStatus]) -> None:
         self.snapshot = snapshot
 
-    def collect(self) -> Iterator[Metric]:  # noqa: C901
+    def collect(self) -> Iterator[Metric]:
         st = self.snapshot()
         info = InfoMetricFamily("gpushare_build", "gpushare version and Python.")
         info.add_metric([], {"version": __version__, "python": platform.python_version()})
         yield info
 
-        ginfo = InfoMetricFamily("gpushare_gpu", "Each GPU the node arbitrates.", labels=GPU_LABELS)
-        g_gauges = {
+        gpus, sessions = _GpuFamilies(), _SessionFamilies()
+        for g in st.gpus:
+            gpus.add(g)
+            for s in g.sessions:
+                sessions.add(g, s)
+        yield from gpus.families()
+        yield from sessions.families()
+        yield from session_info(st)
+        yield from workload_totals(st)
+
+
+class _GpuFamilies:
+    """The per-GPU families, filled a GPU at a time (its sessions counted by state)."""
+
+    def __init__(self) -> None:
+        self.ginfo = InfoMetricFamily(
+            "gpushare_gpu", "Each GPU the node arbitrates.", labels=GPU_LABELS
+        )
+        self.g_gauges = {
             k: GaugeMetricFamily(f"gpushare_gpu_{k}", h, labels=GPU_LABELS)
             for k, h in [
                 ("memory_bytes", "The GPU's memory."),
@@ -80,106 +99,114 @@ class NodeCollector(Collector):
                 ("holders", "Sessions holding a lease."),
             ]
         }
-        tq = GaugeMetricFamily("gpushare_tq_seconds", "The time quantum.", labels=GPU_LABELS)
-        mode = GaugeMetricFamily(
+        self.tq = GaugeMetricFamily("gpushare_tq_seconds", "The time quantum.", labels=GPU_LABELS)
+        self.mode = GaugeMetricFamily(
             "gpushare_mode", "1 for the GPU's arbitration mode.", labels=[*GPU_LABELS, "mode"]
         )
-        policy = GaugeMetricFamily(
+        self.policy = GaugeMetricFamily(
             "gpushare_policy", "1 for the GPU's share policy.", labels=[*GPU_LABELS, "policy"]
         )
-        ggrants = CounterMetricFamily(
+        self.ggrants = CounterMetricFamily(
             "gpushare_gpu_grants", "Leases granted on the GPU.", labels=GPU_LABELS
         )
-        shared = CounterMetricFamily(
+        self.shared = CounterMetricFamily(
             "gpushare_shared_utilization_seconds",
             "GPU busy-seconds in shared periods that no per-process sample attributed.",
             labels=GPU_LABELS,
         )
-        states = GaugeMetricFamily(
+        self.states = GaugeMetricFamily(
             "gpushare_sessions", "Sessions by state.", labels=[*GPU_LABELS, "state"]
         )
-        s_counters = [
+
+    def add(self, g: GpuStatus) -> None:
+        gl = [str(g.index), g.uuid, "true" if g.simulated else "false"]
+        self.ginfo.add_metric(gl, {"name": g.name})
+        self.g_gauges["memory_bytes"].add_metric(gl, g.memory_bytes)
+        self.g_gauges["usable_bytes"].add_metric(gl, g.usable_bytes)
+        self.g_gauges["used_bytes"].add_metric(gl, g.used_bytes)
+        self.g_gauges["utilization_ratio"].add_metric(gl, g.utilization_ratio)
+        self.g_gauges["queue_length"].add_metric(gl, len(g.queue))
+        self.g_gauges["holders"].add_metric(gl, len(g.holders))
+        self.tq.add_metric(gl, g.tq_s)
+        for m in MODES:
+            self.mode.add_metric([*gl, m], 1.0 if g.mode == m else 0.0)
+        for pol in POLICIES:
+            self.policy.add_metric([*gl, pol], 1.0 if g.policy == pol else 0.0)
+        self.shared.add_metric(gl, g.shared_utilization_seconds_total)
+        self.ggrants.add_metric(gl, g.grants_total)
+        counts = {s.value: 0 for s in State}
+        for s in g.sessions:
+            counts[s.state] += 1
+        for state_name, n in counts.items():
+            self.states.add_metric([*gl, state_name], n)
+
+    def families(self) -> Iterator[Metric]:
+        yield self.ginfo
+        yield from self.g_gauges.values()
+        yield from (self.tq, self.mode, self.policy, self.shared, self.ggrants, self.states)
+
+
+class _SessionFamilies:
+    """The per-session families, filled a session at a time."""
+
+    def __init__(self) -> None:
+        self.s_counters = [
             (figure, CounterMetricFamily(f"gpushare_{name}", h, labels=SESSION_LABELS))
             for name, figure, h in _SESSION_COUNTERS
         ]
-        s_gauges = [
+        self.s_gauges = [
             (figure, GaugeMetricFamily(f"gpushare_{name}", h, labels=SESSION_LABELS))
             for name, figure, h in _SESSION_GAUGES
         ]
-        swaps = CounterMetricFamily(
+        self.swaps = CounterMetricFamily(
             "gpushare_swaps", "Swaps by direction.", labels=[*SESSION_LABELS, "direction"]
         )
-        swap_bytes = CounterMetricFamily(
+        self.swap_bytes = CounterMetricFamily(
             "gpushare_swap_bytes",
             "Bytes swapped by direction.",
             labels=[*SESSION_LABELS, "direction"],
         )
-        swap_secs = CounterMetricFamily(
+        self.swap_secs = CounterMetricFamily(
             "gpushare_swap_seconds",
             "Seconds spent swapping.",
             labels=[*SESSION_LABELS, "direction"],
         )
-        waits = HistogramMetricFamily(
+        self.waits = HistogramMetricFamily(
             "gpushare_wait_seconds",
             "Seconds from asking for the GPU to being granted it.",
             labels=SESSION_LABELS,
         )
-        sstate = GaugeMetricFamily(
+        self.sstate = GaugeMetricFamily(
             "gpushare_session_state",
             "1 for the session's state.",
             labels=[*SESSION_LABELS, "state"],
         )
 
-        for g in st.gpus:
-            gl = [str(g.index), g.uuid, "true" if g.simulated else "false"]
-            ginfo.add_metric(gl, {"name": g.name})
-            g_gauges["memory_bytes"].add_metric(gl, g.memory_bytes)
-            g_gauges["usable_bytes"].add_metric(gl, g.usable_bytes)
-            g_gauges["used_bytes"].add_metric(gl, g.used_bytes)
-            g_gauges["utilization_ratio"].add_metric(gl, g.utilization_ratio)
-            g_gauges["queue_length"].add_metric(gl, len(g.queue))
-            g_gauges["holders"].add_metric(gl, len(g.holders))
-            tq.add_metric(gl, g.tq_s)
-            for m in MODES:
-                mode.add_metric([*gl, m], 1.0 if g.mode == m else 0.0)
-            for pol in POLICIES:
-                policy.add_metric([*gl, pol], 1.0 if g.policy == pol else 0.0)
-            shared.add_metric(gl, g.shared_utilization_seconds_total)
-            ggrants.add_metric(gl, g.grants_total)
-            counts = {s.value: 0 for s in State}
-            for s in g.sessions:
-                counts[s.state] += 1
-                sl = [str(g.index), g.uuid, s.namespace, s.pod, s.container, str(s.id)]
-                for figure, fam in s_counters:
-                    fam.add_metric(sl, figure(s))
-                for figure, gauge in s_gauges:
-                    gauge.add_metric(sl, figure(s))
-                for d, n, nbytes, secs in (
-                    ("out", s.swap_out_total, s.swap_out_bytes_total, s.swap_out_seconds_total),
-                    ("in", s.swap_in_total, s.swap_in_bytes_total, s.swap_in_seconds_total),
-                ):
-                    swaps.add_metric([*sl, d], n)
-                    swap_bytes.add_metric([*sl, d], nbytes)
-                    swap_secs.add_metric([*sl, d], secs)
-                cum, buckets = 0, []
-                for le, k in zip(
-                    [*WAIT_BUCKETS, float("inf")], s.wait_seconds_buckets, strict=True
-                ):
-                    cum += k
-                    buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cum))
-                waits.add_metric(sl, buckets, sum_value=s.wait_seconds_completed_total)
-                for stt in State:
-                    sstate.add_metric([*sl, stt.value], 1.0 if s.state == stt.value else 0.0)
-            for state_name, n in counts.items():
-                states.add_metric([*gl, state_name], n)
-        yield ginfo
-        yield from g_gauges.values()
-        yield from (tq, mode, policy, shared, ggrants, states)
-        yield from (fam for _, fam in s_counters)
-        yield from (gauge for _, gauge in s_gauges)
-        yield from (swaps, swap_bytes, swap_secs, waits, sstate)
-        yield from session_info(st)
-        yield from workload_totals(st)
+    def add(self, g: GpuStatus, s: SessionStatus) -> None:
+        sl = [str(g.index), g.uuid, s.namespace, s.pod, s.container, str(s.id)]
+        for figure, fam in self.s_counters:
+            fam.add_metric(sl, figure(s))
+        for figure, gauge in self.s_gauges:
+            gauge.add_metric(sl, figure(s))
+        for d, n, nbytes, secs in (
+            ("out", s.swap_out_total, s.swap_out_bytes_total, s.swap_out_seconds_total),
+            ("in", s.swap_in_total, s.swap_in_bytes_total, s.swap_in_seconds_total),
+        ):
+            self.swaps.add_metric([*sl, d], n)
+            self.swap_bytes.add_metric([*sl, d], nbytes)
+            self.swap_secs.add_metric([*sl, d], secs)
+        cum, buckets = 0, []
+        for le, k in zip([*WAIT_BUCKETS, float("inf")], s.wait_seconds_buckets, strict=True):
+            cum += k
+            buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cum))
+        self.waits.add_metric(sl, buckets, sum_value=s.wait_seconds_completed_total)
+        for stt in State:
+            self.sstate.add_metric([*sl, stt.value], 1.0 if s.state == stt.value else 0.0)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (fam for _, fam in self.s_counters)
+        yield from (gauge for _, gauge in self.s_gauges)
+        yield from (self.swaps, self.swap_bytes, self.swap_secs, self.waits, self.sstate)
 
 
 @lru_cache(maxsize=1024)
