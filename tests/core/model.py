@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gpushare.core.actions import (
     Action,
@@ -393,17 +393,7 @@ class Model:
         done()
         if c.sid not in self.clients:
             return
-        secs = self.clock.monotonic() - t0
-        self.apply(
-            self.arb.swap_done(
-                c.sid,
-                direction="in",
-                nbytes=back,
-                seconds=secs,
-                resident=c.on_gpu,
-                swapped=c.in_host,
-            )
-        )
+        self._say_swapped(c, "in", back, t0)
         if c.holding:  # the workload grows to its limit while it holds
             assert not c.room, "grew past its room"
             c.on_gpu = c.limit
@@ -543,6 +533,20 @@ class Model:
 
         chunk()
 
+    def _say_swapped(self, c: Client, direction: Literal["in", "out"], n: int, t0: float) -> None:
+        """The client tells the arbiter its swap of ``n`` bytes begun at ``t0`` is done."""
+        secs = self.clock.monotonic() - t0
+        self.apply(
+            self.arb.swap_done(
+                c.sid,
+                direction=direction,
+                nbytes=n,
+                seconds=secs,
+                resident=c.on_gpu,
+                swapped=c.in_host,
+            )
+        )
+
     def _copy_in(self, c: Client, k: int, then: Callable[[], None]) -> None:
         """``k`` bytes from host memory to the GPU: on the GPU at once (the copy holds its
         destination), reported to the arbiter when the copy lands, then ``then``."""
@@ -566,17 +570,7 @@ class Model:
             def finished() -> None:
                 done()
                 if c.sid in self.clients:
-                    secs = self.clock.monotonic() - t0
-                    self.apply(
-                        self.arb.swap_done(
-                            c.sid,
-                            direction="out",
-                            nbytes=moved,
-                            seconds=secs,
-                            resident=c.on_gpu,
-                            swapped=c.in_host,
-                        )
-                    )
+                    self._say_swapped(c, "out", moved, t0)
 
             def chunk() -> None:
                 if c.sid not in self.clients:
