@@ -71,18 +71,13 @@ def _attach_pair(a, h_weight=1.0, g_weight=1.0):
 def _h_bursts_while_g_grows(a, clock, until):
     """H's 0.2 s bursts, G asking to grow at each boundary, until ``until``; the swap-outs
     of H asked meanwhile."""
-    out = []
-    while clock.monotonic() + 0.3 <= until:
-        clock.advance(0.2)
-        out += a.release(1, resident=38 * GiB, swapped=0)
-        if 2 in a.holders:
-            out += a.release(2, resident=1 * GiB, swapped=0, again=True, need=78 * GiB)
-        clock.advance(0.1)  # past H's anticipation window
-        out += a.tick()
-        if a.sessions[1].state.name == "IDLE":
-            out += a.acquire(1)
-        a.verify()
-    return [x.bytes for x in actions_of(out, SwapOutAction) if x.session == 1]
+
+    def g_asks():
+        if 2 not in a.holders:
+            return []
+        return a.release(2, resident=1 * GiB, swapped=0, again=True, need=78 * GiB)
+
+    return _h_bursts(a, clock, until, at_boundary=g_asks)
 
 
 def test_a_grower_waits_for_a_shorter_quantum_of_its_neighbour_not_tq(clock):
@@ -187,13 +182,15 @@ def _g_grown_then_h(clock, prefetch=False, turn_s=0.0):
     return a
 
 
-def _h_bursts(a, clock, until):
-    """H's 0.2 s bursts until ``until``; the swap-outs of H asked meanwhile."""
+def _h_bursts(a, clock, until, at_boundary=list):
+    """H's 0.2 s bursts until ``until``, ``at_boundary()``'s actions after each; the
+    swap-outs of H asked meanwhile."""
     out = []
     while clock.monotonic() + 0.3 <= until:
         clock.advance(0.2)
         out += a.release(1, resident=38 * GiB, swapped=0)
-        clock.advance(0.1)
+        out += at_boundary()
+        clock.advance(0.1)  # past H's anticipation window
         out += a.tick()
         if a.sessions[1].state.name == "IDLE":
             out += a.acquire(1)
