@@ -316,9 +316,6 @@ GRANDFATHERED_RADON = {
     # tests and benchmarks: one long scenario each, read top to bottom
     "tests/node/test_node.py::test_acceptance_three_30gib_on_80gib_exclusive_tq1",
     "tests/node/observe/exporter_before.py::NodeCollector.collect",
-    "tests/client/test_gpu_check.py::test_the_staged_gpu_check_runs_dry_end_to_end",
-    "tests/client/test_gpu_check.py::"
-    "test_the_plan_keeps_each_stage_and_part_within_the_machines_budget",
     "tests/client/test_ddp.py::took_turns",
     "tests/cluster/test_manifests.py::test_install_as_documented",
     "tests/cluster/test_node.py::test_node_makes_only_the_calls_its_role_allows_and_uses_them_all",
