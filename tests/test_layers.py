@@ -273,7 +273,6 @@ def test_a_module_of_701_lines_fails_the_length_gate(tmp_path: Path) -> None:
 # list (and loses its mark).
 GRANDFATHERED = {
     "benchmarks/scheduling.py::worker",
-    "benchmarks/soak.py::main",
     "src/gpushare/client/hooks.py::install",
     "src/gpushare/client/runner.py::child_env",
     "src/gpushare/client/swap/cuda.py::self_test",
@@ -322,7 +321,6 @@ GRANDFATHERED_RADON = {
     "tests/cluster/test_image.py::test_container_runs_the_node_as_the_daemonset_does",
     "tests/core/model.py::Model.apply",
     "benchmarks/requests.py::figures",
-    "benchmarks/soak.py::main",
     "benchmarks/scheduling.py::run",
 }
 
