@@ -320,7 +320,6 @@ GRANDFATHERED_RADON = {
     "tests/cluster/test_node.py::test_node_makes_only_the_calls_its_role_allows_and_uses_them_all",
     "tests/cluster/test_image.py::test_container_runs_the_node_as_the_daemonset_does",
     "tests/core/model.py::Model.apply",
-    "benchmarks/requests.py::figures",
     "benchmarks/scheduling.py::run",
 }
 
