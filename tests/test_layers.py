@@ -272,7 +272,6 @@ def test_a_module_of_701_lines_fails_the_length_gate(tmp_path: Path) -> None:
 # a new function over the ceiling is split instead, and one brought under it leaves the
 # list (and loses its mark).
 GRANDFATHERED = {
-    "benchmarks/scheduling.py::worker",
     "src/gpushare/client/hooks.py::install",
     "src/gpushare/client/runner.py::child_env",
     "src/gpushare/client/swap/cuda.py::self_test",
@@ -320,7 +319,6 @@ GRANDFATHERED_RADON = {
     "tests/cluster/test_node.py::test_node_makes_only_the_calls_its_role_allows_and_uses_them_all",
     "tests/cluster/test_image.py::test_container_runs_the_node_as_the_daemonset_does",
     "tests/core/model.py::Model.apply",
-    "benchmarks/scheduling.py::run",
 }
 
 
