@@ -34,8 +34,6 @@ import contextlib
 import json
 import math
 import os
-import platform
-import resource
 import shutil
 import signal
 import subprocess
@@ -45,6 +43,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gpu_check_io import OUT_FILES as OUT_FILES  # the files that come back
+from gpu_check_io import facts, figure, gpu_memory, host_memory, put, row, write
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -105,17 +106,6 @@ PARTS = [
     Part("lm_pair_tq30", 3, "two of those LMs under gpushare, TQ 30 s (a second call)"),
     Part("bounds", 3, "request < limit on the GPU: bound lent, limit held, bytes intact"),
 ]
-
-TARGETS = {
-    "swap_out_first": (">=", 0.9),
-    "swap_in_first": (">=", 0.9),
-    "swap_out_steady": (">=", 0.9),
-    "swap_in_steady": (">=", 0.9),
-    "switch_overlap_vs_sequential": ("<=", 0.7),
-    "lm_aggregate_tq10": (">=", 0.9),
-    "lm_aggregate_tq30": (">=", 0.95),
-    "lm_uncontended": (">=", 0.99),
-}
 
 
 @dataclass(frozen=True)
@@ -308,7 +298,15 @@ def plan(m: Machine, dry: bool = False, pin_gibs: float = PIN_GIBS) -> list[Plan
     out.append(row("tms", est, b + PROC_HOST, b + PROC_GPU, bytes=b))
     order = {p.name: i for i, p in enumerate(PARTS)}
     out.sort(key=lambda r: order[r.part.name])
-    for r in out:  # a machine too small for a part plans it out, saying so
+    _plan_out_what_does_not_fit(out, m, pin_gibs)
+    return out
+
+
+def _plan_out_what_does_not_fit(rows: list[Planned], m: Machine, pin_gibs: float) -> None:
+    """A machine too small for a part plans it out, saying so: a size of nothing, or more
+    host or GPU memory than the budget."""
+    host, gpu = host_budget(m), gpu_budget(m)
+    for r in rows:
         sizes = [
             v for k, v in r.params.items() if k in ("bytes", "fill", "moved", "over") and v <= 0
         ]
@@ -317,7 +315,6 @@ def plan(m: Machine, dry: bool = False, pin_gibs: float = PIN_GIBS) -> list[Plan
                 f"{m.name} is too small for it (host budget {host / GiB:.1f} GiB, pinning"
                 f" {pin_gibs:g} GiB/s for {PIN_PART_S:.0f} s at most)"
             )
-    return out
 
 
 def plan_table(m: Machine, rows: list[Planned], stages: set[int] | None = None) -> str:
@@ -354,64 +351,12 @@ def plan_table(m: Machine, rows: list[Planned], stages: set[int] | None = None) 
     return "\n".join(lines)
 
 
-# --- this machine ---------------------------------------------------------------------------
-
-
-def _meminfo(proc: str = "/proc") -> dict[str, int]:
-    out: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for line in Path(proc, "meminfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            parts = v.split()
-            if parts and parts[0].isdigit():
-                out[k] = int(parts[0]) * 1024
-    return out
-
-
-def cgroup_memory(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
-    """This process's cgroup (v2) memory limit and use, or None where it has no limit."""
-    with contextlib.suppress(OSError, ValueError):
-        rel = ""
-        for line in Path(proc, "self", "cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                rel = line[3:].strip().lstrip("/")
-        d = Path(cgroup, rel)
-        limit = (d / "memory.max").read_text().strip()
-        if limit != "max":
-            return int(limit), int((d / "memory.current").read_text().strip())
-    return None
-
-
-def gpu_memory() -> int | None:
-    """GPU 0's memory from NVML (no CUDA context made), else nvidia-smi; None: no GPU."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML, no driver, no GPU: try the tool
-        pass
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return int(smi.stdout.split()[0]) * MiB
-    return None
+# --- this machine (read by gpu_check_io.py) ------------------------------------------------
 
 
 def this_machine(dry: bool) -> Machine:
     """This machine as the plan sees it; a dry run's GPU is the simulated one."""
-    mem = _meminfo()
-    total, free = mem.get("MemTotal", 0), mem.get("MemAvailable", 0)
-    cg = cgroup_memory()
-    if cg is not None:
-        total, free = min(total, cg[0]), min(free, cg[0] - cg[1])
+    total, free = host_memory()
     gpu = DRY_GPU if dry else gpu_memory()
     if gpu is None:
         raise SystemExit(
@@ -420,54 +365,6 @@ def this_machine(dry: bool) -> Machine:
         )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return Machine("this machine" + (" (dry)" if dry else ""), total, free, gpu, cores or 1)
-
-
-def _run(cmd: list[str], timeout: float = 30) -> str:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        return (r.stdout.strip() or r.stderr.strip())[:2000]
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unavailable ({e})"
-
-
-def facts() -> dict[str, Any]:
-    """The device's facts, read before anything runs: what a failed run needs to say why."""
-    f: dict[str, Any] = {"python": platform.python_version(), "executable": sys.executable}
-    f["platform"] = platform.platform()
-    f["glibc"] = " ".join(platform.libc_ver())
-    cc = shutil.which("cc") or shutil.which("gcc")
-    f["c_compiler"] = _run([cc, "--version"]).splitlines()[0] if cc else None
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    f["memlock"] = {"soft": soft, "hard": hard, "unlimited": soft == resource.RLIM_INFINITY}
-    cg = cgroup_memory()
-    f["cgroup_memory"] = {"limit": cg[0], "current": cg[1]} if cg else None
-    mem = _meminfo()
-    f["host_memory"] = {"total": mem.get("MemTotal"), "available": mem.get("MemAvailable")}
-    f["cores"] = os.cpu_count()
-    probe = (
-        "import json, torch; c = torch.cuda.is_available();"
-        "print(json.dumps({'torch': torch.__version__, 'torch_cuda': torch.version.cuda,"
-        "'cuda_available': c, 'devices': torch.cuda.device_count() if c else 0}))"
-    )
-    text = _run([sys.executable, "-c", probe], timeout=90)
-    try:
-        f.update(json.loads(text.splitlines()[-1]))
-    except (ValueError, IndexError):
-        f["torch"] = f"unavailable: {text[-500:]}"
-    f["nvidia_smi"] = _run(
-        [
-            "nvidia-smi",
-            "--query-gpu=name,memory.total,memory.used,driver_version,mig.mode.current",
-            "--format=csv,noheader",
-        ]
-    )
-    f["gpu_bytes"] = gpu_memory()
-    with contextlib.suppress(ImportError):
-        import msgspec
-
-        f["msgspec"] = msgspec.__version__
-    f["gpushare_shim"] = os.environ.get("GPUSHARE_SHIM")
-    return f
 
 
 # --- running the parts --------------------------------------------------------------------
@@ -562,101 +459,6 @@ def _pytest_summary(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _get(parts: dict[str, dict[str, Any]], name: str, key: str) -> float | None:
-    v = parts.get(name, {}).get("result", {}).get(key)
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def ratios(parts: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    d2h, h2d = _get(parts, "copy", "d2h_gbs"), _get(parts, "copy", "h2d_gbs")
-    r: dict[str, float | None] = {}
-    for which in ("first", "steady"):
-        r[f"swap_out_{which}"] = _ratio(_get(parts, "swap", f"out_{which}_gbs"), d2h)
-        r[f"swap_in_{which}"] = _ratio(_get(parts, "swap", f"in_{which}_gbs"), h2d)
-        r[f"tms_pause_{which}"] = _ratio(_get(parts, "tms", f"pause_{which}_gbs"), d2h)
-        r[f"tms_resume_{which}"] = _ratio(_get(parts, "tms", f"resume_{which}_gbs"), h2d)
-    r["switch_overlap_vs_sequential"] = _ratio(
-        _get(parts, "switch_overlap", "switch_median_s"),
-        _get(parts, "switch_sequential", "switch_median_s"),
-    )
-    bare = _get(parts, "lm_bare", "tokens_per_s")
-    for tq in (10, 30):
-        r[f"lm_aggregate_tq{tq}"] = _ratio(_get(parts, f"lm_pair_tq{tq}", "tokens_per_s"), bare)
-    r["holder_throughput_while_prefetching"] = _get(
-        parts, "prefetch_overlap", "holder_throughput_while_prefetching"
-    )
-    r["lm_uncontended"] = _ratio(_get(parts, "lm_gpushare", "tokens_per_s"), bare)
-    return r
-
-
-def _figures(rec: dict[str, Any]) -> str:
-    res = rec.get("result", {})
-    keep = [
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-        for k, v in res.items()
-        if isinstance(v, int | float | str) and k not in ("path",) and len(str(v)) < 40
-    ]
-    return ", ".join(keep)[:300].replace("|", "/")
-
-
-def row(rec: dict[str, Any]) -> str:
-    return (
-        f"| {rec['stage']} | {rec['name']} | {rec['status']} | {rec['seconds']:.1f} |"
-        f" {rec['timeout_s']:.0f} | {_figures(rec)} |"
-    )
-
-
-HEADER = (
-    "| stage | part | status | seconds | timeout | figures |\n"
-    "| ---: | --- | --- | ---: | ---: | --- |"
-)
-OUT_FILES = ("facts.json", "plan.md", "results.json", "results.md", "logs.txt")
-
-
-def write(out: Path, doc: dict[str, Any]) -> None:
-    """The results folder's files, each written whole and renamed into place."""
-    parts = {p["name"]: p for p in doc["parts"]}
-    doc["ratios"] = ratios(parts)
-    slim = {**doc, "parts": [{k: v for k, v in p.items() if k != "log"} for p in doc["parts"]]}
-    _put(out / "results.json", json.dumps(slim, indent=1, default=str))
-    lines = [
-        f"# gpushare GPU check{' (dry run: no figure means anything)' if doc['dry'] else ''}",
-        "",
-        f"facts: {_facts_line(doc.get('facts', {}))}",
-        "",
-        *([f"error: {doc['error']}", ""] if doc.get("error") else []),
-        HEADER,
-        *(row(p) for p in doc["parts"]),
-        "",
-        "| ratio | value | target |",
-        "| --- | ---: | --- |",
-    ]
-    for k, v in doc["ratios"].items():
-        op, t = TARGETS.get(k, ("", None))
-        value = "n/a" if v is None else f"{v:.3f}"
-        lines.append(f"| {k} | {value} | {'' if t is None else f'{op} {t}'} |")
-    _put(out / "results.md", "\n".join(lines) + "\n")
-    logs = [
-        f"===== {p['name']} ({p['status']}, {p['seconds']} s)\n{p['log']}" for p in doc["parts"]
-    ]
-    _put(out / "logs.txt", "\n".join(logs))
-
-
-def _facts_line(f: dict[str, Any]) -> str:
-    keys = ("python", "torch", "torch_cuda", "c_compiler", "glibc", "nvidia_smi")
-    return "; ".join(f"{k} {' '.join(str(f.get(k)).split())[-200:]}" for k in keys if k in f)
-
-
-def _put(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _dry_env(work: Path, env: dict[str, str]) -> None:
     """A fake libcuda for the driver parts, the language model tiny on the CPU."""
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -686,7 +488,10 @@ def _skipped(part: Part, why: str) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901
+# --- the command ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument(
         "--out",
@@ -712,69 +517,123 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         metavar="PART=SECONDS",
         help="a part's own timeout (tests of the harness)",
     )
+    return ap
+
+
+def _print_plan(ap: argparse.ArgumentParser, args: argparse.Namespace, stages: set[int]) -> int:
+    """``--plan MACHINE``: the plan alone, nothing run."""
+    if args.plan != "here" and args.plan not in MACHINES:
+        ap.error(f"--plan {args.plan}: choose one of {', '.join(MACHINES)} or 'here'")
+    m = MACHINES[args.plan] if args.plan != "here" else this_machine(args.dry)
+    print(plan_table(m, plan(m, args.dry, args.pin_gibs), stages))
+    return 0
+
+
+def _parts_env() -> dict[str, str]:
+    """The parts' environment: this one, unbuffered, with this tree's ``src`` first."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _facts_first(out: Path, dry: bool) -> dict[str, Any]:
+    """The results document, the facts in it and written on their own: whatever fails
+    after, the run says on what."""
+    doc: dict[str, Any] = {"started": time.time(), "dry": dry, "parts": []}
+    doc["facts"] = facts()
+    put(out / "facts.json", json.dumps(doc["facts"], indent=1, default=str))
+    write(out, doc)
+    return doc
+
+
+def _machine(out: Path, doc: dict[str, Any], dry: bool) -> Machine:
+    """What the plan is sized from; no GPU found is said in the files that come back too."""
+    try:
+        return MACHINES["dry"] if dry else this_machine(False)
+    except SystemExit as e:
+        doc["error"] = str(e)
+        write(out, doc)
+        raise
+
+
+@dataclass
+class Run:
+    """The stages as they run: the plan as it stands (planned again once ``copy`` has
+    measured slower pinning), each part's record, the results written after every part."""
+
+    args: argparse.Namespace
+    out: Path
+    work: Path
+    env: dict[str, str]
+    m: Machine
+    planned: list[Planned]
+    doc: dict[str, Any]
+    own: dict[str, float]  # --timeout: a part's own timeout
+    only: set[str]
+    stages: set[int]
+    t_all: float = field(default_factory=time.monotonic)
+
+    def stage(self, stage: int) -> None:
+        deadline = time.monotonic() + STAGE_SECONDS[stage]
+        for name in [p.part.name for p in self.planned]:
+            p = next(r for r in self.planned if r.part.name == name)  # as planned now
+            if p.part.stage != stage or (self.only and p.part.name not in self.only):
+                continue
+            left = math.inf if self.args.dry else deadline - time.monotonic()
+            rec = self.part(p, stage, left)
+            self.doc["parts"].append(rec)
+            self.replan_if_pinning_is_slow(name, rec)
+            self.doc["seconds"] = round(time.monotonic() - self.t_all, 1)
+            write(self.out, self.doc)  # after every part: a hang later loses nothing
+            print(row(rec), flush=True)
+
+    def part(self, p: Planned, stage: int, left: float) -> dict[str, Any]:
+        """The part's record: planned out, its stage's time spent, or run."""
+        timeout = min(self.own.get(p.part.name, p.timeout_s), left)
+        if p.skip:
+            return _skipped(p.part, p.skip)
+        if left < MIN_PART_SECONDS:
+            return _skipped(p.part, f"stage {stage}'s {STAGE_SECONDS[stage]:.0f} s spent")
+        what = f"stage {stage} {p.part.name} ({p.part.what}), up to {timeout:.0f} s"
+        print(f"gpu_check: {what}", flush=True)
+        return run_part(p, self.work, self.args.dry, timeout, self.env)
+
+    def replan_if_pinning_is_slow(self, name: str, rec: dict[str, Any]) -> None:
+        """Pinning slower than the plan assumed: the parts after this one pin what they
+        can in the same time (smaller), so that they keep to it."""
+        rate = figure({name: rec}, "copy", "pin_gibs") if name == "copy" else None
+        if rate and rate < 0.9 * self.args.pin_gibs:
+            self.planned = plan(self.m, self.args.dry, rate)
+            self.doc["replanned"] = {"pin_gibs": rate, "after": name}
+            put(self.out / "plan.md", plan_table(self.m, self.planned, self.stages) + "\n")
+            print(f"gpu_check: pinning runs at {rate:.2f} GiB/s: planned again", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     stages = {int(s) for s in args.stages.split(",") if s.strip()}
     if args.plan:
-        if args.plan != "here" and args.plan not in MACHINES:
-            ap.error(f"--plan {args.plan}: choose one of {', '.join(MACHINES)} or 'here'")
-        m = MACHINES[args.plan] if args.plan != "here" else this_machine(args.dry)
-        print(plan_table(m, plan(m, args.dry, args.pin_gibs), stages))
-        return 0
+        return _print_plan(ap, args, stages)
     own = {k: float(v) for k, _, v in (t.partition("=") for t in args.timeout)}
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-check-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    # The facts first, on their own: whatever fails after, the run says on what.
-    doc: dict[str, Any] = {"started": time.time(), "dry": args.dry, "parts": []}
-    doc["facts"] = facts()
-    _put(out / "facts.json", json.dumps(doc["facts"], indent=1, default=str))
-    write(out, doc)
-    try:
-        m = MACHINES["dry"] if args.dry else this_machine(False)
-    except SystemExit as e:  # said in the files that come back, too
-        doc["error"] = str(e)
-        write(out, doc)
-        raise
+    env = _parts_env()
+    doc = _facts_first(out, args.dry)
+    m = _machine(out, doc, args.dry)
     planned = plan(m, args.dry, args.pin_gibs)
     doc["machine"] = m.__dict__
-    _put(out / "plan.md", plan_table(m, planned, stages) + "\n")
+    put(out / "plan.md", plan_table(m, planned, stages) + "\n")
     print(plan_table(m, planned, stages), flush=True)
     if args.dry:
         _dry_env(work, env)
-    t_all = time.monotonic()
+    run = Run(args, out, work, env, m, planned, doc, own, only, stages)
     for stage in sorted(stages):
-        deadline = time.monotonic() + STAGE_SECONDS[stage]
-        for name in [p.part.name for p in planned]:
-            p = next(r for r in planned if r.part.name == name)  # as planned now
-            if p.part.stage != stage or (only and p.part.name not in only):
-                continue
-            left = math.inf if args.dry else deadline - time.monotonic()
-            timeout = min(own.get(p.part.name, p.timeout_s), left)
-            if p.skip:
-                rec = _skipped(p.part, p.skip)
-            elif left < MIN_PART_SECONDS:
-                rec = _skipped(p.part, f"stage {stage}'s {STAGE_SECONDS[stage]:.0f} s spent")
-            else:
-                what = f"stage {stage} {p.part.name} ({p.part.what}), up to {timeout:.0f} s"
-                print(f"gpu_check: {what}", flush=True)
-                rec = run_part(p, work, args.dry, timeout, env)
-            doc["parts"].append(rec)
-            rate = _get({name: rec}, "copy", "pin_gibs") if name == "copy" else None
-            if rate and rate < 0.9 * args.pin_gibs:
-                # Pinning is slower than the plan assumed: the parts after this one pin
-                # what they can in the same time (smaller), so that they keep to it.
-                planned = plan(m, args.dry, rate)
-                doc["replanned"] = {"pin_gibs": rate, "after": name}
-                _put(out / "plan.md", plan_table(m, planned, stages) + "\n")
-                print(f"gpu_check: pinning runs at {rate:.2f} GiB/s: planned again", flush=True)
-            doc["seconds"] = round(time.monotonic() - t_all, 1)
-            write(out, doc)  # after every part: a hang later loses nothing
-            print(row(rec), flush=True)
+        run.stage(stage)
     print((out / "results.md").read_text())
     bad = [p["name"] for p in doc["parts"] if p["status"] in ("failed", "timeout")]
     return 1 if bad else 0

@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,44 +80,75 @@ def run_arm(tmp: Path, arm: str, seconds: float, tq: float, seed0: int) -> dict[
     return figures(arm, outs, ev)
 
 
-def figures(arm: str, outs: list[dict[str, Any]], ev: list[dict[str, Any]]) -> dict[str, Any]:
-    holding: set[int] = set()
-    area, last, t0, t1 = 0.0, None, None, None
-    grow_at: dict[int, float] = {}
-    waited_grows = 0
-    for e in ev:
+@dataclass
+class Holders:
+    """The node's events seen in order: the time-weighted sum of holders, the first grant
+    and the last detach, and the growths that waited for room (a ``release`` with reason
+    ``grow`` not answered by a grant within 50 ms)."""
+
+    area: float = 0.0  # holders x seconds
+    first_grant: float | None = None
+    last_detach: float | None = None
+    waited_grows: int = 0
+    holding: set[int] = field(default_factory=set)
+    grow_at: dict[int, float] = field(default_factory=dict)  # released to grow, by session
+    last: float | None = None
+
+    @classmethod
+    def walk(cls, ev: list[dict[str, Any]]) -> Holders:
+        h = cls()
+        for e in ev:
+            h.see(e)
+        return h
+
+    def see(self, e: dict[str, Any]) -> None:
         t = e["ts"]
-        if last is not None:
-            area += len(holding) * (t - last)
-        last = t
+        if self.last is not None:
+            self.area += len(self.holding) * (t - self.last)
+        self.last = t
         if e["event"] == "grant":
-            t0 = t if t0 is None else t0
-            holding.add(e["session"])
-            g = grow_at.pop(e["session"], None)
-            if g is not None and t - g > 0.05:
-                waited_grows += 1
+            self.granted(e["session"], t)
         elif e["event"] in ("release", "detach") and "session" in e:
-            holding.discard(e["session"])
+            self.holding.discard(e["session"])
             if e.get("reason") == "grow":
-                grow_at[e["session"]] = t
+                self.grow_at[e["session"]] = t
         if e["event"] == "detach":
-            t1 = t
-    span = (t1 or 0) - (t0 or 0)
-    reclaims = sum(1 for e in ev if e["event"] == "reclaim")
+            self.last_detach = t
+
+    def granted(self, session: int, t: float) -> None:
+        self.first_grant = t if self.first_grant is None else self.first_grant
+        self.holding.add(session)
+        g = self.grow_at.pop(session, None)
+        if g is not None and t - g > 0.05:
+            self.waited_grows += 1
+
+    def span(self) -> float:
+        return (self.last_detach or 0) - (self.first_grant or 0)
+
+
+def count(ev: list[dict[str, Any]], event: str, **fields: Any) -> int:
+    """The events of this kind (with these fields' values)."""
+    return sum(1 for e in ev if e["event"] == event and all(e[k] == v for k, v in fields.items()))
+
+
+def figures(arm: str, outs: list[dict[str, Any]], ev: list[dict[str, Any]]) -> dict[str, Any]:
+    h = Holders.walk(ev)
+    span = h.span()
+    reclaims = count(ev, "reclaim")
     steps = sum(o["steps"] for o in outs)
     waits = [o["wait_mean_s"] for o in outs]
     return {
         "arm": arm,
         "span_s": span,
-        "holders_mean": area / span if span > 0 else 0.0,
+        "holders_mean": h.area / span if span > 0 else 0.0,
         "goodput_steps_per_s": steps / span if span > 0 else 0.0,
         "wait_mean_s": sum(waits) / len(waits),
         "swapped_out_gib": sum(e.get("bytes", 0) for e in ev if e["event"] == "swap_out") / GIB,
-        "escalations": sum(1 for e in ev if e["event"] == "escalate"),
-        "ended": sum(1 for e in ev if e["event"] == "detach" and e["reason"] == "ended"),
+        "escalations": count(ev, "escalate"),
+        "ended": count(ev, "detach", reason="ended"),
         "failures": sum(o["failures"] for o in outs),
         "reclaims": reclaims,
-        "would_be_kills": reclaims + waited_grows,
+        "would_be_kills": reclaims + h.waited_grows,
         "grows": sum(o.get("grows", 0) for o in outs),
     }
 

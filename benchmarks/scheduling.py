@@ -70,12 +70,65 @@ PARTS = ("short", "long", "interactive", "weighted")
 # --- a workload process -----------------------------------------------------------------
 
 
-def worker(spec: dict[str, Any]) -> None:  # noqa: C901
+class Recorder:
+    """A session's work as it goes: steps of ``step`` seconds, a safe point after each,
+    merged into intervals where one follows another at once; each burst's wait and the
+    bytes swapped out when it asked."""
+
+    def __init__(self, s: gpushare.Session, spec: dict[str, Any], end: float) -> None:
+        self.s, self.spec, self.end = s, spec, end
+        self.backend: Any = s.backend
+        self.steps: list[list[float]] = []
+        self.waits: list[list[float]] = []  # seconds waited, bytes swapped out when it asked
+
+    def work(self, n: int) -> None:
+        step, steps = self.spec["step"], self.steps
+        for _ in range(n):
+            t0 = time.monotonic()
+            time.sleep(step)
+            t1 = time.monotonic()
+            if steps and t0 - steps[-1][1] < 2e-4:
+                steps[-1][1] = t1
+            else:
+                steps.append([t0, t1])
+            self.s.checkpoint()
+            if time.monotonic() >= self.end and self.spec["kind"] == "batch":
+                return
+
+    def burst(self, n: int) -> None:
+        swapped, t_ask = self.backend.swapped_bytes, time.monotonic()
+        with self.s.gpu():
+            self.waits.append([time.monotonic() - t_ask, swapped])
+            self.work(n)
+
+
+def _batch(r: Recorder, rng: random.Random) -> None:
+    r.burst(1 << 62)  # one burst, to the end
+
+
+def _short(r: Recorder, rng: random.Random) -> None:
+    while time.monotonic() < r.end:
+        r.burst(round(0.1 / r.spec["scale"] / r.spec["step"]))
+
+
+def _interactive(r: Recorder, rng: random.Random) -> None:
+    """Think first (a notebook's user), then a cell."""
+    scale, step = r.spec["scale"], r.spec["step"]
+    while True:
+        time.sleep(rng.uniform(0.5, 1.5) / scale)
+        if time.monotonic() >= r.end:
+            break
+        r.burst(max(1, round(rng.uniform(0.05, 0.2) / scale / step)))
+
+
+KINDS = {"batch": _batch, "short": _short}  # any other kind: interactive
+
+
+def worker(spec: dict[str, Any]) -> None:
     """One session: allocate, wait for the go file, work as ``kind`` says, record steps
     (merged into intervals) and each burst's wait, check the memory's pattern; write them
     as JSON."""
     rng = random.Random(spec["seed"])
-    step = spec["step"]
     s = gpushare.attach(
         spec["memory"], socket=spec["socket"], name=spec["name"], weight=spec["weight"]
     )
@@ -86,41 +139,8 @@ def worker(spec: dict[str, Any]) -> None:  # noqa: C901
     Path(spec["out"] + ".ready").touch()
     while not os.path.exists(spec["go"]):
         time.sleep(0.002)
-    end = time.monotonic() + spec["seconds"]
-    steps: list[list[float]] = []
-    waits: list[list[float]] = []  # seconds waited, bytes swapped out when it asked
-
-    def work(n: int) -> None:
-        for _ in range(n):
-            t0 = time.monotonic()
-            time.sleep(step)
-            t1 = time.monotonic()
-            if steps and t0 - steps[-1][1] < 2e-4:
-                steps[-1][1] = t1
-            else:
-                steps.append([t0, t1])
-            s.checkpoint()
-            if time.monotonic() >= end and spec["kind"] == "batch":
-                return
-
-    def burst(n: int) -> None:
-        swapped, t_ask = backend.swapped_bytes, time.monotonic()
-        with s.gpu():
-            waits.append([time.monotonic() - t_ask, swapped])
-            work(n)
-
-    kind = spec["kind"]
-    if kind == "batch":
-        burst(1 << 62)
-    elif kind == "short":
-        while time.monotonic() < end:
-            burst(round(0.1 / spec["scale"] / step))
-    else:  # interactive: think first (a notebook's user), then a cell
-        while True:
-            time.sleep(rng.uniform(0.5, 1.5) / spec["scale"])
-            if time.monotonic() >= end:
-                break
-            burst(max(1, round(rng.uniform(0.05, 0.2) / spec["scale"] / step)))
+    r = Recorder(s, spec, time.monotonic() + spec["seconds"])
+    KINDS.get(spec["kind"], _interactive)(r, rng)
     # Every chunk swapped in was checked (CRC-32) as it came back; the whole pattern is
     # checked once at the end (checking it at every grant would be CPU work counted as
     # GPU time, a tenth of a short quantum).
@@ -128,7 +148,7 @@ def worker(spec: dict[str, Any]) -> None:  # noqa: C901
         if not mem.verify(spec["seed"]):
             raise SystemExit("memory pattern lost in a swap")
     s.close()
-    Path(spec["out"]).write_text(json.dumps({"steps": steps, "waits": waits}))
+    Path(spec["out"]).write_text(json.dumps({"steps": r.steps, "waits": r.waits}))
 
 
 # --- a run: a node and its workloads ------------------------------------------------------
@@ -172,6 +192,68 @@ class Result:
         return sum(s.work(self.t0, self.t1) for s in self.sessions if kind in (None, s.kind))
 
 
+def start_workers(
+    d: Path,
+    sessions: list[Session],
+    sock: str,
+    seconds: float,
+    scale: float,
+    step: float,
+    procs: list[subprocess.Popen[bytes]],
+) -> list[str]:
+    """A workload process per session, each working ``seconds`` (scaled) once the go
+    file is there, started one at a time: each allocates alone (the others' memory may
+    swap meanwhile). Each is added to ``procs`` as it starts (a failed start leaves the
+    others there, to be killed); their output files."""
+    outs = []
+    for i, sess in enumerate(sessions):
+        out = str(d / f"s{i}.json")
+        spec = {
+            "socket": sock,
+            "name": f"{sess.kind}-{i}",
+            "kind": sess.kind,
+            "memory": sess.memory,
+            "weight": sess.weight,
+            "seconds": seconds,
+            "step": step,  # safe points as often at any scale
+            "scale": scale,
+            "seed": i + 1,
+            "out": out,
+            "go": str(d / "go"),
+        }
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)]))
+        outs.append(out)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(out + ".ready"):
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"a benchmark worker failed to start: {spec['name']}")
+            time.sleep(0.01)
+    return outs
+
+
+def window(d: Path, sessions: list[Session], t0: float, t1: float) -> Result:
+    """What the node's events say of the measured window ``t0``..``t1`` (monotonic)."""
+    events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+    wall = time.time() - time.monotonic()  # events carry Unix time
+    within = [e for e in events if t0 <= e["ts"] - wall <= t1]
+    grants = [e for e in within if e["event"] == "grant"]
+    attached = [e for e in events if e["event"] == "attach"]
+    index = {e["session"]: int(e["name"].rsplit("-", 1)[1]) for e in attached}
+    grant_times: list[list[float]] = [[] for _ in sessions]
+    for e in grants:
+        grant_times[index[e["session"]]].append(e["ts"])
+    return Result(
+        t0,
+        t1,
+        sessions,
+        len(grants),
+        sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out"),
+        sum(1 for e in grants if e.get("continued")),
+        grant_times,
+        sum(1 for e in grants if e.get("turn")),
+    )
+
+
 def run(
     tmp: Path,
     sessions: list[Session],
@@ -212,37 +294,13 @@ def run(
         *node_flags,
         env=None if node_src is None else {**os.environ, "PYTHONPATH": str(node_src)},
     )
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         wait_for_socket(admin, node)
-        go = str(d / "go")
         warm = (tq * len(sessions) if warm_s is None else warm_s) / scale
-        outs = []
-        for i, sess in enumerate(sessions):
-            out = str(d / f"s{i}.json")
-            spec = {
-                "socket": sock,
-                "name": f"{sess.kind}-{i}",
-                "kind": sess.kind,
-                "memory": sess.memory,
-                "weight": sess.weight,
-                "seconds": warm + seconds / scale,
-                "step": step,  # safe points as often at any scale
-                "scale": scale,
-                "seed": i + 1,
-                "out": out,
-                "go": go,
-            }
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)]))
-            outs.append(out)
-            # one at a time: each allocates alone (the others' memory may swap meanwhile)
-            deadline = time.monotonic() + 60
-            while not os.path.exists(out + ".ready"):
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"a benchmark worker failed to start: {spec['name']}")
-                time.sleep(0.01)
+        outs = start_workers(d, sessions, sock, warm + seconds / scale, scale, step, procs)
         t_go = time.monotonic()
-        Path(go).touch()
+        Path(d / "go").touch()
         for pr in procs:
             if pr.wait(timeout=warm + seconds / scale + 120) != 0:
                 raise SystemExit(f"a benchmark worker failed with {pr.returncode}")
@@ -255,26 +313,7 @@ def run(
     for sess, out in zip(sessions, outs, strict=True):
         data = json.loads(Path(out).read_text())
         sess.steps, sess.waits = data["steps"], data["waits"]
-    t0, t1 = t_go + warm, t_go + warm + seconds / scale
-    events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
-    wall = time.time() - time.monotonic()  # events carry Unix time
-    within = [e for e in events if t0 <= e["ts"] - wall <= t1]
-    grants = [e for e in within if e["event"] == "grant"]
-    attached = [e for e in events if e["event"] == "attach"]
-    index = {e["session"]: int(e["name"].rsplit("-", 1)[1]) for e in attached}
-    grant_times: list[list[float]] = [[] for _ in sessions]
-    for e in grants:
-        grant_times[index[e["session"]]].append(e["ts"])
-    return Result(
-        t0,
-        t1,
-        sessions,
-        len(grants),
-        sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out"),
-        sum(1 for e in grants if e.get("continued")),
-        grant_times,
-        sum(1 for e in grants if e.get("turn")),
-    )
+    return window(d, sessions, t_go + warm, t_go + warm + seconds / scale)
 
 
 def three(kind: str, memory: int = 30 * GIB) -> list[Session]:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -195,11 +196,140 @@ class Soak:
         with AdminClient(self.admin) as c:
             return sum(len(g.sessions) for g in c.status().gpus)
 
+    @property
+    def node_pid(self) -> int:
+        assert self.node is not None
+        return self.node.pid
 
-def main() -> int:  # noqa: C901
+    def wait_attached(self, sessions: int) -> None:
+        """Every session attached (two minutes at most), then two seconds more: each
+        allocates and fills its memory in a first burst."""
+        t_wait = time.monotonic()
+        while self.sessions() < sessions and time.monotonic() - t_wait < 120:
+            time.sleep(0.2)
+        time.sleep(2.0)
+
+    def restart_node(self, done: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The node killed and started again (the clients reconnect at once): its figures
+        before the kill and at the new start."""
+        assert self.node is not None
+        before = node_figures(self.node.pid)
+        self.grants_before_restart = done  # the new node counts from zero
+        self.node.send_signal(signal.SIGKILL)
+        self.node.wait()
+        return before, self.start_node()
+
+    def kill_a_client(self, rng: random.Random) -> None:
+        """A client process killed, with its sessions, and a new one in its place."""
+        slot = rng.randrange(self.nprocs)
+        self.procs[slot].send_signal(signal.SIGKILL)
+        self.procs[slot].wait()
+        self.start_client(slot)
+
+    def stop_all(self) -> None:
+        """The clients told to stop (killed after a minute), then the node."""
+        Path(self.stop).touch()
+        for pr in self.procs.values():
+            try:
+                pr.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+        assert self.node is not None
+        self.node.terminate()
+        self.node.wait(timeout=20)
+
+
+@dataclass
+class Progress:
+    """The soak so far: grants counted from the start line, client kills, the restart."""
+
+    done: int = 0
+    kills: int = 0
+    restarted: bool = False
+    restart: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def line(self, seconds: float) -> str:
+        return (
+            f"\r{seconds:6.1f} s  {self.done:>7} grants  {self.kills} client kills"
+            f"{'  node restarted' if self.restarted else ''}"
+        )
+
+
+def soak_until_done(soak: Soak, a: argparse.Namespace, rng: random.Random, t0: float) -> Progress:
+    """Grants from ``t0`` until ``--grants`` (or ``--max-seconds``): a client killed every
+    ``--kill-every`` seconds, the node killed and restarted once, halfway."""
+    p = Progress()
+    next_kill = t0 + a.kill_every
+    while time.monotonic() - t0 < a.max_seconds:
+        time.sleep(0.5)
+        try:
+            p.done = soak.grants_before_restart + soak.grants()
+        except Exception:
+            continue
+        print(p.line(time.monotonic() - t0), end="", flush=True)
+        if p.done >= a.grants:
+            break
+        if not p.restarted and p.done >= a.grants // 2:
+            p.restart["before_kill"], p.restart["start"] = soak.restart_node(p.done)
+            p.restarted = True
+        if time.monotonic() >= next_kill:
+            soak.kill_a_client(rng)
+            p.kills += 1
+            next_kill = time.monotonic() + a.kill_every
+    return p
+
+
+def read_clients(outs: list[str]) -> tuple[list[list[float]], dict[str, int]]:
+    """Every client file's rows (gpu, asked, granted, released) and the sum of each
+    file's last totals; a line torn by a kill is left out."""
+    rows: list[list[float]] = []
+    totals = {"bursts": 0, "checks": 0, "failures": 0, "errors": 0, "checksums": 0}
+    for o in outs:
+        if not os.path.exists(o):
+            continue
+        last_totals: dict[str, int] = {}
+        for line in Path(o).read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # torn by a kill
+            if isinstance(rec, dict):
+                last_totals = rec["totals"]
+            else:
+                rows.append(rec)
+        for k, v in last_totals.items():
+            totals[k] += v
+    return rows, totals
+
+
+def print_report(result: dict[str, Any], totals: dict[str, int]) -> None:
+    done, elapsed = result["grants"], result["seconds"]
+    print()
+    print(
+        f"{done} grants in {elapsed:.1f} s: {done / elapsed:.0f} grants/s over {result['gpus']}"
+        f" simulated GPUs, {result['sessions']} sessions, {result['client_kills']} client"
+        f" kills, node restarted: {result['node_restarted']}"
+    )
+    print(
+        f"handoff p50 {result['handoff_p50_ms']:.2f} ms, p99 {result['handoff_p99_ms']:.2f} ms"
+        f" ({result['handoffs_measured']} measured)"
+    )
+    print(
+        f"pattern checks {totals['checks']} (failures {totals['failures']}), swap-in chunk"
+        f" checksums verified {totals['checksums']}, session"
+        f" errors {totals['errors']}"
+    )
+    print(
+        f"node fds and RSS: first {json.dumps(result['node_first'])}; after the restart"
+        f" {json.dumps(result['node_after_restart'])}"
+    )
+    print(json.dumps(result))
+
+
+def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        a = sys.argv[2:]
-        client(a[0], int(a[1]), int(a[2]), a[3], a[4], a[5])
+        c = sys.argv[2:]
+        client(c[0], int(c[1]), int(c[2]), c[3], c[4], c[5])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grants", type=int, default=100_000)
@@ -215,87 +345,29 @@ def main() -> int:  # noqa: C901
         first_start = soak.start_node()
         for slot in range(soak.nprocs):
             soak.start_client(slot)
-        t_wait = time.monotonic()
-        while soak.sessions() < a.sessions and time.monotonic() - t_wait < 120:
-            time.sleep(0.2)
-        time.sleep(2.0)  # each session allocates and fills its memory in a first burst
-        first_attached = node_figures(soak.node.pid)  # type: ignore[union-attr]
+        soak.wait_attached(a.sessions)
+        first_attached = node_figures(soak.node_pid)
         soak.grants_before_restart = -soak.grants()  # count from the start line
         Path(soak.go).touch()
         t0 = time.monotonic()
-        kills = 0
-        restarted = False
-        restart = {}
-        next_kill = t0 + a.kill_every
-        done = 0
-        while time.monotonic() - t0 < a.max_seconds:
-            time.sleep(0.5)
-            try:
-                done = soak.grants_before_restart + soak.grants()
-            except Exception:
-                continue
-            print(
-                f"\r{time.monotonic() - t0:6.1f} s  {done:>7} grants  {kills} client kills"
-                f"{'  node restarted' if restarted else ''}",
-                end="",
-                flush=True,
-            )
-            if done >= a.grants:
-                break
-            if not restarted and done >= a.grants // 2:
-                restart["before_kill"] = node_figures(soak.node.pid)  # type: ignore[union-attr]
-                soak.grants_before_restart = done  # the new node counts from zero
-                soak.node.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-                soak.node.wait()  # type: ignore[union-attr]
-                restart["start"] = soak.start_node()  # the clients reconnect at once
-                restarted = True
-            if time.monotonic() >= next_kill:
-                slot = rng.randrange(soak.nprocs)
-                soak.procs[slot].send_signal(signal.SIGKILL)
-                soak.procs[slot].wait()
-                soak.start_client(slot)
-                kills += 1
-                next_kill = time.monotonic() + a.kill_every
+        p = soak_until_done(soak, a, rng, t0)
         elapsed = time.monotonic() - t0
-        end_figures = node_figures(soak.node.pid)  # type: ignore[union-attr]
-        Path(soak.stop).touch()
-        for pr in soak.procs.values():
-            try:
-                pr.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pr.kill()
-        soak.node.terminate()  # type: ignore[union-attr]
-        soak.node.wait(timeout=20)  # type: ignore[union-attr]
-        rows: list[list[float]] = []
-        totals = {"bursts": 0, "checks": 0, "failures": 0, "errors": 0, "checksums": 0}
-        for o in soak.outs:
-            if not os.path.exists(o):
-                continue
-            last_totals: dict[str, int] = {}
-            for line in Path(o).read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # torn by a kill
-                if isinstance(rec, dict):
-                    last_totals = rec["totals"]
-                else:
-                    rows.append(rec)
-            for k, v in last_totals.items():
-                totals[k] += v
+        end_figures = node_figures(soak.node_pid)
+        soak.stop_all()
+        rows, totals = read_clients(soak.outs)
         hs = [
             h
             for g in range(a.gpus)
             for h in handoffs([(r[1], r[2], r[3]) for r in rows if r[0] == g])
         ]
     result: dict[str, Any] = {
-        "grants": done,
+        "grants": p.done,
         "seconds": elapsed,
-        "grants_per_s": done / elapsed,
+        "grants_per_s": p.done / elapsed,
         "sessions": a.sessions,
         "gpus": a.gpus,
-        "client_kills": kills,
-        "node_restarted": restarted,
+        "client_kills": p.kills,
+        "node_restarted": p.restarted,
         "handoffs_measured": len(hs),
         "handoff_p50_ms": percentile(hs, 0.5) * 1e3,
         "handoff_p99_ms": percentile(hs, 0.99) * 1e3,
@@ -306,30 +378,11 @@ def main() -> int:  # noqa: C901
         "node_first": {
             "start": first_start,
             "all_attached": first_attached,
-            "before_kill": restart.get("before_kill"),
+            "before_kill": p.restart.get("before_kill"),
         },
-        "node_after_restart": {"start": restart.get("start"), "end": end_figures},
+        "node_after_restart": {"start": p.restart.get("start"), "end": end_figures},
     }
-    print()
-    print(
-        f"{done} grants in {elapsed:.1f} s: {done / elapsed:.0f} grants/s over {a.gpus}"
-        f" simulated GPUs, {a.sessions} sessions, {kills} client kills, node restarted:"
-        f" {restarted}"
-    )
-    print(
-        f"handoff p50 {result['handoff_p50_ms']:.2f} ms, p99 {result['handoff_p99_ms']:.2f} ms"
-        f" ({len(hs)} measured)"
-    )
-    print(
-        f"pattern checks {totals['checks']} (failures {totals['failures']}), swap-in chunk"
-        f" checksums verified {totals['checksums']}, session"
-        f" errors {totals['errors']}"
-    )
-    print(
-        f"node fds and RSS: first {json.dumps(result['node_first'])}; after the restart"
-        f" {json.dumps(result['node_after_restart'])}"
-    )
-    print(json.dumps(result))
+    print_report(result, totals)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return 0 if totals["failures"] == 0 else 1

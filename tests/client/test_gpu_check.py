@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,32 +32,52 @@ def _machines() -> list[Machine]:
     return [MACHINES["h200"], gpu_check.this_machine(dry=True), SMALL]
 
 
-@pytest.mark.parametrize("m", _machines(), ids=lambda m: m.name)
-def test_the_plan_keeps_each_stage_and_part_within_the_machines_budget(m: Machine) -> None:
-    rows = gpu_check.plan(m)
-    assert [r.part.name for r in rows] == [p.name for p in PARTS]
-    run = [r for r in rows if not r.skip]
+def _assert_each_stage_fits(m: Machine, run: list[gpu_check.Planned]) -> None:
+    """Each stage's part timeouts within STAGE_FILL of its time; the run's stages and their
+    preparation within the run's budget, which leaves a rerun room in 15 minutes."""
     for stage, seconds in gpu_check.STAGE_SECONDS.items():
         used = sum(r.timeout_s for r in run if r.part.stage == stage)
         assert used <= gpu_check.STAGE_FILL * seconds, (m.name, stage, used)
     budget = gpu_check.PREPARE_S + sum(gpu_check.STAGE_SECONDS[s] for s in gpu_check.RUN_STAGES)
     assert budget <= gpu_check.RUN_BUDGET_S <= 8 * 60  # a rerun fits in 15 minutes
+
+
+def _capacity(m: Machine, r: gpu_check.Planned) -> int:
+    """The node's capacity in a part that starts one: the GPU less the reserve."""
+    return m.gpu_bytes - int(r.params["reserve"])
+
+
+def _assert_the_node_parts_fit(m: Machine, r: gpu_check.Planned, gpu: int) -> None:
+    """A part with a node: its capacity within the GPU's budget; two sessions that take
+    turns, each able to swap out what it is asked to; three of which one is always in
+    host memory."""
+    p = r.params
+    if "reserve" in p:
+        cap = _capacity(m, r)
+        assert 0 < cap <= gpu
+    if r.part.name.startswith("switch") or r.part.name.startswith("lm_pair"):
+        cap = _capacity(m, r)
+        assert 2 * p["limit"] > cap  # the two take turns
+        # what one may be asked to swap out fits in what it pinned
+        assert 2 * p["limit"] - cap <= p["host"]
+    if r.part.name == "prefetch_overlap":
+        cap = _capacity(m, r)
+        assert 2 * p["limit"] <= cap < 3 * p["fill"]  # one always in host memory
+        assert p["fill"] < p["limit"] <= p["host"]
+
+
+@pytest.mark.parametrize("m", _machines(), ids=lambda m: m.name)
+def test_the_plan_keeps_each_stage_and_part_within_the_machines_budget(m: Machine) -> None:
+    rows = gpu_check.plan(m)
+    assert [r.part.name for r in rows] == [p.name for p in PARTS]
+    run = [r for r in rows if not r.skip]
+    _assert_each_stage_fits(m, run)
     host, gpu = gpu_check.host_budget(m), gpu_check.gpu_budget(m)
     assert host <= m.host_bytes / 2 and gpu <= m.gpu_bytes
     for r in run:
         assert 0 < r.host_bytes <= host and 0 <= r.gpu_bytes <= gpu, (m.name, r)
         assert r.timeout_s >= r.estimate_s * gpu_check.MARGIN - 1, r
-        p = r.params
-        if "reserve" in p:  # the node's capacity: the GPU less the reserve
-            cap = m.gpu_bytes - p["reserve"]
-            assert 0 < cap <= gpu
-        if r.part.name.startswith("switch") or r.part.name.startswith("lm_pair"):
-            assert 2 * p["limit"] > cap  # the two take turns
-            # what one may be asked to swap out fits in what it pinned
-            assert 2 * p["limit"] - cap <= p["host"]
-        if r.part.name == "prefetch_overlap":
-            assert 2 * p["limit"] <= cap < 3 * p["fill"]  # one always in host memory
-            assert p["fill"] < p["limit"] <= p["host"]
+        _assert_the_node_parts_fit(m, r, gpu)
     if m.name == "h200":  # everything runs on the lent machine
         assert not [r.part.name for r in rows if r.skip]
 
@@ -114,9 +135,9 @@ def test_plan_h200_prints_a_row_per_part_and_the_totals() -> None:
     assert bad.returncode == 2 and "choose one of h200" in bad.stderr
 
 
-@pytest.mark.skipif(not shutil.which("cc"), reason="the dry run builds a fake libcuda with cc")
-def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
-    pytest.importorskip("torch", reason="the dry run trains its tiny LM with PyTorch's CPU build")
+def _run_the_check_dry(tmp_path: Path) -> Path:
+    """``sh benchmarks/gpu_check.sh`` dry, all three stages, as on the lent machine, with
+    ``swap`` made to hang and ``copy`` made to measure slow pinning; its results folder."""
     out = tmp_path / "results"
     env = {
         **os.environ,
@@ -138,7 +159,12 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
         timeout=900,
     )
     assert pr.returncode == 1, pr.stdout + pr.stderr  # one part timed out
-    # What comes back from the device: at most 8 files, 16 MiB each, no folder.
+    return out
+
+
+def _assert_what_comes_back(out: Path) -> dict[str, Any]:
+    """What comes back from the device: at most 8 files, 16 MiB each, no folder; the
+    facts among them, in the results too. The results document."""
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(gpu_check.OUT_FILES), files
     assert all((out / f).stat().st_size < 16 * 2**20 for f in files)
@@ -146,8 +172,14 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     for key in ("python", "glibc", "c_compiler", "memlock", "cgroup_memory", "host_memory"):
         assert key in facts, key
     assert facts["torch"] and facts["host_memory"]["available"] > 0
-    doc = json.loads((out / "results.json").read_text())
+    doc: dict[str, Any] = json.loads((out / "results.json").read_text())
     assert doc["facts"] == facts and doc["machine"]["name"] == "dry"
+    return doc
+
+
+def _assert_every_part_ran(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every part ran, in order: the hung one timed out, those that need a GPU skipped
+    saying so, every other one ok. The others, by name."""
     parts = {p["name"]: p for p in doc["parts"]}
     assert [p["name"] for p in doc["parts"]] == [p.name for p in PARTS]  # every one ran
     hung = parts.pop("swap")
@@ -158,19 +190,29 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     assert not bad, json.dumps(bad, indent=1)
     assert all(p["seconds"] > 0 for p in parts.values())
     assert parts["selftest"]["result"]["intact"]
-    # The parts after copy ran as planned again for the rate it measured: smaller.
+    return parts
+
+
+def _assert_planned_again_after_copy(doc: dict[str, Any], parts: dict[str, Any]) -> None:
+    """The parts after copy ran as planned again for the rate it measured: smaller."""
     assert doc["replanned"] == {"pin_gibs": 0.5, "after": "copy"}
     before = {r.part.name: r for r in gpu_check.plan(MACHINES["dry"], dry=True)}
     after = {r.part.name: r for r in gpu_check.plan(MACHINES["dry"], dry=True, pin_gibs=0.5)}
     for name in ("switch_overlap", "lm_pair_tq10", "prefetch_overlap"):
         assert parts[name]["planned"]["host_bytes"] == after[name].host_bytes
         assert after[name].host_bytes < before[name].host_bytes
+
+
+def _assert_the_parts_figures(parts: dict[str, Any]) -> None:
     assert "skipped" in parts["cuda_tests"]["result"]["summary"]  # pytest -m gpu ran
     assert parts["switch_overlap"]["result"]["switches"] > 0
     assert parts["lm_pair_tq10"]["result"]["switches"] > 0
     assert parts["lm_pair_tq30"]["result"]["switches"] > 0
     pre = parts["prefetch_overlap"]["result"]  # the next holder swapped in during a quantum
     assert pre["prefetches"] > 0 and pre["steps_while_prefetching"] > 0, pre
+
+
+def _assert_the_tables_and_logs(out: Path) -> None:
     md = (out / "results.md").read_text()
     rows = [x for x in md.splitlines() if re.match(r"\| [123] \|", x)]
     assert len(rows) == len(PARTS) and "| swap | timeout |" in md
@@ -178,6 +220,17 @@ def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
     assert "===== swap (timeout" in logs and "===== lm_pair_tq30 (ok" in logs
     plan_md = (out / "plan.md").read_text()
     assert plan_md.splitlines()[-1].startswith("total: ")
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="the dry run builds a fake libcuda with cc")
+def test_the_staged_gpu_check_runs_dry_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the dry run trains its tiny LM with PyTorch's CPU build")
+    out = _run_the_check_dry(tmp_path)
+    doc = _assert_what_comes_back(out)
+    parts = _assert_every_part_ran(doc)
+    _assert_planned_again_after_copy(doc, parts)
+    _assert_the_parts_figures(parts)
+    _assert_the_tables_and_logs(out)
 
 
 @pytest.fixture(scope="module")
