@@ -96,7 +96,7 @@ def _apply_skips() -> None:
         skip_code(_skip.pop())
 
 
-def install(session: Session) -> list[Any]:  # noqa: C901
+def install(session: Session) -> list[Any]:
     """Register the global hooks; returns their handles (``.remove()`` undoes them)."""
     import torch
     from torch.nn.modules.module import (
@@ -107,16 +107,43 @@ def install(session: Session) -> list[Any]:  # noqa: C901
 
     cuda = torch.cuda.is_available()
     forks = _forks
-    depth = threading.local()  # module forwards under way in this thread
     compiling = _compiling()
-    # Read, not called, in the nested forward: under torch.compile(model) the hooks run
-    # under dynamo's frame callback, which counted a property's frame as one of its own.
-    lease = session._lease
+    ours = _ours(torch, cuda, forks)
+    gate = _gate(session, ours, compiling)
+    forward_pre, forward_post = _forward_hooks(session, gate, forks, compiling)
+    _compile_session[:] = [session]
+    _skip_in_dynamo(gate, forward_pre, forward_post, _compile_start, _compile_end)
+    _on_dynamo_loaded()  # where the program loaded it before attaching
+    handles = [
+        register_module_forward_pre_hook(forward_pre),
+        register_module_forward_hook(forward_post, always_call=True),
+        register_optimizer_step_pre_hook(gate),
+    ]
+    return [
+        *handles,
+        *_gate_tensor_methods(gate, compiling),
+        *_gate_factories(gate, compiling),
+        *_hold_through_backward(session, ours, compiling),
+        _gate_compiled_in_place(forward_pre, forward_post),
+        _skip_when_compiled(),
+        *_say_spawned_ranks_run_ungated(),
+    ]
 
+
+def _ours(torch: Any, cuda: bool, forks: int) -> Callable[[], bool]:
     def ours() -> bool:
         """This process's session (not a forked child), outside any CUDA graph capture
         (no yielding, nor swapping, there)."""
         return _forks == forks and not (cuda and torch.cuda.is_current_stream_capturing())
+
+    return ours
+
+
+def _gate(
+    session: Session, ours: Callable[[], bool], compiling: Callable[[], bool]
+) -> Callable[..., None]:
+    """The safe point of every gated call: the session's checkpoint, stepping aside in
+    compiled code and in a forked child."""
 
     def gate(*_args: Any, **_kwargs: Any) -> None:
         if _compiled_calls.n or compiling() or (_compiles_open[0] and _compiles.n):
@@ -124,8 +151,20 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         if ours():
             session.checkpoint()
 
-    # A forward may outlast idle_release (one big module, a compiled model): from the
-    # outermost module's start to its end the burst is not ended for idleness.
+    return gate
+
+
+def _forward_hooks(
+    session: Session, gate: Callable[..., None], forks: int, compiling: Callable[[], bool]
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The global forward pre and post hooks. A forward may outlast idle_release (one big
+    module, a compiled model): from the outermost module's start to its end the burst is
+    not ended for idleness."""
+    depth = threading.local()  # module forwards under way in this thread
+    # Read, not called, in the nested forward: under torch.compile(model) the hooks run
+    # under dynamo's frame callback, which counted a property's frame as one of its own.
+    lease = session._lease
+
     def forward_pre(*_args: Any) -> None:
         if (
             _compiled_calls.n
@@ -156,23 +195,7 @@ def install(session: Session) -> list[Any]:  # noqa: C901
         if n == 1:
             session.end_work()
 
-    _compile_session[:] = [session]
-    _skip_in_dynamo(gate, forward_pre, forward_post, _compile_start, _compile_end)
-    _on_dynamo_loaded()  # where the program loaded it before attaching
-    handles = [
-        register_module_forward_pre_hook(forward_pre),
-        register_module_forward_hook(forward_post, always_call=True),
-        register_optimizer_step_pre_hook(gate),
-    ]
-    return [
-        *handles,
-        *_gate_tensor_methods(gate, compiling),
-        *_gate_factories(gate, compiling),
-        *_hold_through_backward(session, ours, compiling),
-        _gate_compiled_in_place(forward_pre, forward_post),
-        _skip_when_compiled(),
-        *_say_spawned_ranks_run_ungated(),
-    ]
+    return forward_pre, forward_post
 
 
 # PyTorch warns, at calls of a ``torch.compile(module)`` while global module hooks are

@@ -44,7 +44,7 @@ STOP_GRACE_S = 10.0  # after SIGTERM, a program whose session was ended is kille
 SESSION: Session | None = None  # this process's session, once attached
 
 
-def child_env(  # noqa: C901
+def child_env(
     environ: dict[str, str],
     memory: str | None,
     weight: float | None,
@@ -57,9 +57,6 @@ def child_env(  # noqa: C901
 ) -> dict[str, str]:
     """The command's environment: what the sitecustomize in it needs. What had to be
     changed besides is said in ``notes``."""
-    from gpushare.client.swap.shim import ShimUnavailableError, shim_path
-    from gpushare.client.swap.torch import ALLOC_CONF_VARS, strip_alloc_conf
-
     notes = [] if notes is None else notes
     env = dict(environ)
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoattach")
@@ -80,27 +77,45 @@ def child_env(  # noqa: C901
     ):
         if value is not None:
             env[key] = str(value)
+    _strip_alloc_confs(env, notes)
+    _preload_shim(env, notes)
+    return env
+
+
+def _strip_alloc_confs(env: dict[str, str], notes: list[str]) -> None:
+    """The PYTORCH_CUDA_ALLOC_CONF settings that would take PyTorch's memory out of
+    gpushare's reach, out of ``env`` (a variable left empty goes), saying so."""
+    from gpushare.client.swap.torch import ALLOC_CONF_VARS, strip_alloc_conf
+
     for var in ALLOC_CONF_VARS:
-        if var in env:
-            kept, dropped = strip_alloc_conf(env[var])
-            if dropped:
-                notes.append(
-                    f"{var}: {', '.join(dropped)} taken out: PyTorch's memory would then be"
-                    " out of gpushare's reach (docs/torch-backend.md)"
-                )
-                if kept:
-                    env[var] = kept
-                else:
-                    del env[var]
+        if var not in env:
+            continue
+        kept, dropped = strip_alloc_conf(env[var])
+        if not dropped:
+            continue
+        notes.append(
+            f"{var}: {', '.join(dropped)} taken out: PyTorch's memory would then be"
+            " out of gpushare's reach (docs/torch-backend.md)"
+        )
+        if kept:
+            env[var] = kept
+        else:
+            del env[var]
+
+
+def _preload_shim(env: dict[str, str], notes: list[str]) -> None:
+    """gpushare's allocator library first in ``LD_PRELOAD`` (once); where it was not
+    built, a note that the torch backend cannot start on a real GPU."""
+    from gpushare.client.swap.shim import ShimUnavailableError, shim_path
+
     try:
         lib = shim_path()
     except ShimUnavailableError as e:
         notes.append(f"{e}: on a real GPU the torch backend cannot start")
-    else:
-        preload = env.get("LD_PRELOAD", "")
-        if lib not in preload.replace(":", " ").split():
-            env["LD_PRELOAD"] = f"{lib} {preload}".strip()
-    return env
+        return
+    preload = env.get("LD_PRELOAD", "")
+    if lib not in preload.replace(":", " ").split():
+        env["LD_PRELOAD"] = f"{lib} {preload}".strip()
 
 
 def skipped_site(command: Sequence[str]) -> str:

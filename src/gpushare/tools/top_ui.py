@@ -9,7 +9,9 @@ by one column, ``r`` reverses; ``h`` or ``?`` help; ``q`` quits.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,6 +49,7 @@ PALETTE = [
     ("error", "light red,bold", ""),
 ]
 SORT_KEYS = list(SORTS)  # s cycles through them in this order; 1-6 pick one
+BACK_KEYS = ("esc", "enter", "backspace", "left")  # from a session's details to the list
 # Fixed columns after the name: (title, width, right-aligned)
 COLUMNS = [
     ("ID", 4, True),
@@ -124,6 +127,23 @@ def header_columns(what: str) -> urwid.Columns:
     for title, width, right in COLUMNS:
         cols.append(("fixed", width, urwid.Text(title, align="right" if right else "left")))
     return urwid.Columns(cols, dividechars=1)
+
+
+def gpu_heading(st: NodeStatus, index: int) -> list[urwid.Widget]:
+    """A GPU's lines above its sessions: its figures (a simulated GPU said so in colour),
+    who holds it, and the column titles."""
+    line = gpu_line(st, index)
+    sim = " [SIMULATED]"
+    markup: list[Any] = (
+        [("gpu", line.split(sim)[0]), ("sim", sim), ("gpu", line.split(sim)[1])]
+        if sim in line
+        else [("gpu", line)]
+    )
+    return [
+        urwid.Text(markup),
+        urwid.Text("  " + holders_line(st, index)),
+        urwid.AttrMap(header_columns("SESSION"), "colhead"),
+    ]
 
 
 def detail_lines(g: int, s: SessionStatus) -> list[urwid.Widget]:
@@ -204,7 +224,7 @@ class TopView:
                 return (w.row.gpu, w.row.id)
         return None
 
-    def draw(self) -> None:  # noqa: C901
+    def draw(self) -> None:
         st = self.status
         if st is None:
             return
@@ -216,33 +236,31 @@ class TopView:
         if self.helping:
             self.footer.set_text(" any key: back   q: quit")
             self._show([urwid.Text(HELP)])
-            return
-        if self.detail is not None:
-            g, sid = self.detail
-            s = next(
-                (x for gs in st.gpus if gs.index == g for x in gs.sessions if x.id == sid), None
-            )
-            if s is None:
-                self.detail = None  # it detached: back to the list
-            else:
-                self.footer.set_text(" Esc: back   Up/Down: scroll   q: quit")
-                fresh, self.fresh = self.fresh, False
-                self._show(detail_lines(g, s), 0 if fresh else None, keep=not fresh)
-                return
+        elif not self._draw_detail(st):
+            self._draw_list(st)
+
+    def _draw_detail(self, st: NodeStatus) -> bool:
+        """The detailed session's fields; False where none is shown (or it detached)."""
+        if self.detail is None:
+            return False
+        g, sid = self.detail
+        s = next((x for gs in st.gpus if gs.index == g for x in gs.sessions if x.id == sid), None)
+        if s is None:
+            self.detail = None  # it detached: back to the list
+            return False
+        self.footer.set_text(" Esc: back   Up/Down: scroll   q: quit")
+        fresh, self.fresh = self.fresh, False
+        self._show(detail_lines(g, s), 0 if fresh else None, keep=not fresh)
+        return True
+
+    def _draw_list(self, st: NodeStatus) -> None:
+        """Each GPU with its sessions, the focus kept on the session it was on."""
         self.footer.set_text(" Enter: details   s/1-6: sort   r: reverse   h: help   q: quit")
         keep = self.focused()
         widgets: list[urwid.Widget] = []
         focus_at = first = None
         for index, rs in rows(st, self.shares, self.sort, self.reverse).items():
-            line = gpu_line(st, index)
-            sim = " [SIMULATED]"
-            markup: list[Any] = (
-                [("gpu", line.split(sim)[0]), ("sim", sim), ("gpu", line.split(sim)[1])]
-                if sim in line
-                else [("gpu", line)]
-            )
-            widgets += [urwid.Text(markup), urwid.Text("  " + holders_line(st, index))]
-            widgets.append(urwid.AttrMap(header_columns("SESSION"), "colhead"))
+            widgets += gpu_heading(st, index)
             for r in rs:
                 if keep == (r.gpu, r.id):
                     focus_at = len(widgets)
@@ -270,7 +288,7 @@ class TopView:
 
     # --- keys ---------------------------------------------------------------------
 
-    def key(self, key: str | tuple[str, int, int, int]) -> bool | None:  # noqa: C901
+    def key(self, key: str | tuple[str, int, int, int]) -> bool | None:
         if not isinstance(key, str):
             return None
         if key in ("q", "Q"):
@@ -278,22 +296,44 @@ class TopView:
         if self.helping:
             self.helping = False
         elif self.detail is not None:
-            if key in ("esc", "enter", "backspace", "left"):
+            if key in BACK_KEYS:
                 self.detail = None
-        elif key in ("h", "?"):
-            self.helping = True
-        elif key == "enter":
-            self.detail, self.fresh = self.chosen(), True
-        elif key == "s":
-            self.sort = SORT_KEYS[(SORT_KEYS.index(self.sort) + 1) % len(SORT_KEYS)]
-        elif key in ("1", "2", "3", "4", "5", "6"):
-            self.sort = SORT_KEYS[int(key) - 1]
-        elif key == "r":
-            self.reverse = not self.reverse
         else:
-            return None
+            action = self._list_actions().get(key)
+            if action is None:
+                return None
+            action()
         self.draw()
         return True
+
+    def _list_actions(self) -> dict[str, Callable[[], None]]:
+        """What each key does on the list of sessions (any other is not the view's)."""
+        by_column = {
+            str(n): functools.partial(self._sort_by, name) for n, name in enumerate(SORT_KEYS, 1)
+        }
+        return {
+            "h": self._open_help,
+            "?": self._open_help,
+            "enter": self._open_detail,
+            "s": self._next_sort,
+            "r": self._reverse,
+            **by_column,
+        }
+
+    def _open_help(self) -> None:
+        self.helping = True
+
+    def _open_detail(self) -> None:
+        self.detail, self.fresh = self.chosen(), True
+
+    def _next_sort(self) -> None:
+        self._sort_by(SORT_KEYS[(SORT_KEYS.index(self.sort) + 1) % len(SORT_KEYS)])
+
+    def _sort_by(self, name: str) -> None:
+        self.sort = name
+
+    def _reverse(self) -> None:
+        self.reverse = not self.reverse
 
 
 def live(client: AdminClient, interval: float) -> int:

@@ -337,74 +337,96 @@ class CudaDriver:
         self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
 
 
-def self_test(driver: Driver) -> None:  # noqa: C901
+def self_test(driver: Driver) -> None:
     """A small swap on the driver before any of a workload's memory depends on it:
     reserve a range, map two pieces, write it and read it back, unmap and release them,
     map new ones at the same address, write the host copy back, read and compare.
     Raises :class:`SwapError` naming what failed; leaves nothing behind."""
-    g = driver.granularity()
-    size = 2 * g
-    pattern = os.urandom(size)
-    mapped: list[tuple[int, int]] = []  # (va, handle)
-    unreleased: list[int] = []  # handles unmapped, not yet released
-    host: list[int] = []
-    made = {"va": 0, "stream": 0, "event": 0}
-
-    def back() -> None:  # new physical memory under the whole range
-        for off in (0, g):
-            h = driver.create(g)
-            try:
-                driver.map(made["va"] + off, g, h)  # on an error: nothing mapped
-            except BaseException:
-                unreleased.append(h)
-                raise
-            mapped.append((made["va"] + off, h))
-
-    def copy(to_host: bool, buf: int) -> bytes:
-        if to_host:
-            driver.copy_dtoh(buf, made["va"], size, made["stream"])
-        else:
-            driver.copy_htod(made["va"], buf, size, made["stream"])
-        driver.record(made["event"], made["stream"])
-        driver.wait(made["event"])
-        return ctypes.string_at(buf, size)
-
-    def out() -> None:  # a swap-out: each piece unmapped, then released
-        while mapped:
-            v, h = mapped[-1]
-            driver.unmap(v, g)
-            mapped.pop()
-            unreleased.append(h)
-            driver.release(h)
-            unreleased.remove(h)
-
+    test = _SelfTest(driver)
     try:
         with driver.context():
             try:
-                made["va"] = driver.reserve(size)
-                made["stream"] = driver.new_stream()
-                made["event"] = driver.new_event()
-                host.append(driver.host_alloc(size))
-                host.append(driver.host_alloc(size))
-                back()
-                ctypes.memmove(host[0], pattern, size)
-                copy(False, host[0])
-                if copy(True, host[1]) != pattern:
-                    raise SwapError("the bytes read back differ from those written")
-                out()
-                back()  # a swap-in, at the same address
-                ctypes.memset(host[0], 0, size)
-                copy(False, host[1])
-                if copy(True, host[0]) != pattern:
-                    raise SwapError("the bytes differ after unmapping and mapping again")
+                test.run()
             finally:
-                _give_back(driver, made, mapped, unreleased, host, size, g)
+                test.give_back()
     except SwapError as e:
         raise SwapError(
             f"gpushare's self-test of CUDA virtual memory failed ({e}); no memory of this"
             " workload was touched: check the NVIDIA driver (virtual memory management,"
             " CUDA >= 11.2), or run the workload without gpushare"
         ) from None
+
+
+class _SelfTest:
+    """The self-test's steps, and what it has made so far (for :func:`_give_back`)."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.g = driver.granularity()
+        self.size = 2 * self.g
+        self.pattern = os.urandom(self.size)
+        self.mapped: list[tuple[int, int]] = []  # (va, handle)
+        self.unreleased: list[int] = []  # handles unmapped, not yet released
+        self.host: list[int] = []
+        self.made = {"va": 0, "stream": 0, "event": 0}
+
+    def run(self) -> None:
+        """Make what the test needs, then swap the pattern out and in, comparing."""
+        driver, size, host = self.driver, self.size, self.host
+        self.made["va"] = driver.reserve(size)
+        self.made["stream"] = driver.new_stream()
+        self.made["event"] = driver.new_event()
+        host.append(driver.host_alloc(size))
+        host.append(driver.host_alloc(size))
+        self.back()
+        ctypes.memmove(host[0], self.pattern, size)
+        self.copy(False, host[0])
+        if self.copy(True, host[1]) != self.pattern:
+            raise SwapError("the bytes read back differ from those written")
+        self.out()
+        self.back()  # a swap-in, at the same address
+        ctypes.memset(host[0], 0, size)
+        self.copy(False, host[1])
+        if self.copy(True, host[0]) != self.pattern:
+            raise SwapError("the bytes differ after unmapping and mapping again")
+
+    def back(self) -> None:
+        """New physical memory under the whole range."""
+        g, va = self.g, self.made["va"]
+        for off in (0, g):
+            h = self.driver.create(g)
+            try:
+                self.driver.map(va + off, g, h)  # on an error: nothing mapped
+            except BaseException:
+                self.unreleased.append(h)
+                raise
+            self.mapped.append((va + off, h))
+
+    def copy(self, to_host: bool, buf: int) -> bytes:
+        """The range copied to or from host buffer ``buf``, waited for; the buffer's bytes."""
+        driver, made = self.driver, self.made
+        if to_host:
+            driver.copy_dtoh(buf, made["va"], self.size, made["stream"])
+        else:
+            driver.copy_htod(made["va"], buf, self.size, made["stream"])
+        driver.record(made["event"], made["stream"])
+        driver.wait(made["event"])
+        return ctypes.string_at(buf, self.size)
+
+    def out(self) -> None:
+        """A swap-out: each piece unmapped, then released."""
+        while self.mapped:
+            v, h = self.mapped[-1]
+            self.driver.unmap(v, self.g)
+            self.mapped.pop()
+            self.unreleased.append(h)
+            self.driver.release(h)
+            self.unreleased.remove(h)
+
+    def give_back(self) -> None:
+        _give_back(
+            self.driver, self.made, self.mapped, self.unreleased, self.host, self.size, self.g
+        )
 
 
 def _give_back(
