@@ -22,7 +22,7 @@ no room and waited for it (a ``release`` with reason ``grow`` not answered by a 
 within 50 ms): under NvFractions each is an out-of-memory error or an eviction of the
 workload using memory between its request and its limit; here each is a pause.
 
-    python benchmarks/requests.py [--quick] [--rounds N] [--seconds S] [--json out.json]
+    python benchmarks/memory_requests.py [--quick] [--rounds N] [--seconds S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run_arm(tmp: Path, arm: str, seconds: float, tq: float, seed0: int) -> dict[
             procs.append(
                 subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
-        outs = workload_results(procs, seconds * 20 + 120, "benchmarks/requests.py")
+        outs = workload_results(procs, seconds * 20 + 120, "benchmarks/memory_requests.py")
     finally:
         node.terminate()
         node.wait(timeout=30)
@@ -158,7 +158,7 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/requests.py")
+    ap = argparse.ArgumentParser(prog="python benchmarks/memory_requests.py")
     ap.add_argument("--quick", action="store_true", help="one round of 20 s per arm")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=40.0, help="each arm's run")
