@@ -11,6 +11,7 @@ refusing bad opaque parameters in one line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -121,15 +122,15 @@ class Plugin:
 
 @pytest.fixture
 def plugin(deployed: Cluster, node_factory, short_tmp: Path) -> Iterator[Any]:
-    """make(memory) -> (Plugin, Kubernetes node name): a gpushare node on one simulated GPU
-    of that memory, its Node object, and the plugin serving it."""
+    """make(memory, **node flags) -> (Plugin, Kubernetes node name): a gpushare node on one
+    simulated GPU of that memory, its Node object, and the plugin serving it."""
     binary = dra_binary()
     made: list[Plugin] = []
 
-    def make(memory: str = "4GiB") -> tuple[Plugin, str]:
+    def make(memory: str = "4GiB", **flags: object) -> tuple[Plugin, str]:
         name = unique("gpu-node")
         make_node(deployed, name, gpus=0)
-        n = node_factory(*sim(memory))
+        n = node_factory(*sim(memory, **flags))
         d = short_tmp / f"dra{len(made)}"
         d.mkdir()
         p = Plugin(binary, deployed, n, name, d)
@@ -393,6 +394,72 @@ def test_dra_prepare_gives_a_cdi_spec_that_attaches_with_the_claims_request_and_
     assert p.call("unprepare", ns, cl) == {}
     assert list(p.cdi.glob("*.json")) == []
     assert p.call("unprepare", ns, cl) == {}  # again: already unprepared, no error
+
+
+TURNS = """
+import json, sys, time, gpushare
+s = gpushare.attach(name="dra-turns")
+print(json.dumps({"id": s.id}), flush=True)
+sys.stdin.readline()  # both containers attached: go
+for _ in range(8):
+    with s.gpu():
+        time.sleep(0.1)
+    time.sleep(0.02)
+print(json.dumps({"bursts": 8}), flush=True)
+"""
+
+
+def holder_changes(events: list[dict[str, Any]], ids: set[str]) -> int:
+    """How many times the GPU went from one of ``ids`` to another, by the grants."""
+    order = [e["session"] for e in events if e["event"] == "grant" and e["session"] in ids]
+    return sum(a != b for a, b in itertools.pairwise(order))
+
+
+def test_dra_two_claims_on_one_gpu_take_turns_in_their_containers(dra: Cluster, kube: Kube, plugin):
+    """Two claims prepared on one GPU, each container given only its CDI env: both attach
+    with their claim's figures and, in exclusive mode, hold the GPU in turns."""
+    c, ns = dra, "dra"
+    p, node = plugin("4GiB", mode="exclusive", tq="0.2")
+    kube.namespace(ns)
+    params = {"memoryLimit": "1Gi", "sharingMode": "time-slicing"}
+    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
+    procs = []
+    try:
+        for _ in range(2):
+            cl = allocated(c, ns, claim_pod(c, ns, node, "1Gi", params)[0])
+            reply = p.call("prepare", ns, cl)
+            assert not reply.get("error"), reply
+            (cdi_id,) = reply["devices"][0]["cdi_device_ids"]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", TURNS],
+                    env=base | cdi_env(p, cdi_id),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        ids = set()
+        for w in procs:
+            assert w.stdout is not None
+            ids.add(json.loads(w.stdout.readline())["id"])
+        sessions = {s["id"]: s for s in p.node.status()["gpus"][0]["sessions"]}
+        assert ids <= set(sessions)
+        assert all(sessions[i]["memory_request_bytes"] == GIB for i in ids)
+        for w in procs:
+            assert w.stdin is not None
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        for w in procs:
+            out, _ = w.communicate(timeout=120)
+            assert w.returncode == 0 and json.loads(out.splitlines()[-1]) == {"bursts": 8}
+    finally:
+        for w in procs:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    # 8 bursts of 0.1 s each against TQ 0.2 s: neither holds the GPU for all of its own.
+    assert holder_changes(p.node.event_list(), ids) >= 2
 
 
 @pytest.mark.parametrize(
