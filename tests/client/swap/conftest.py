@@ -86,6 +86,11 @@ class FakeGpu:
             self._driver = CudaDriver(0, lib=str(self.libcuda))
         return self._driver
 
+    def close(self) -> None:
+        """The driver's hold on the primary context given back, if it was made."""
+        if self._driver is not None:
+            self._driver.close()
+
     @property
     def physical_bytes(self) -> int:
         return int(self.cu.fake_cuda_created())

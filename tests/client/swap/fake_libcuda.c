@@ -39,7 +39,8 @@
  * devices, peers of each other unless FAKE_CUDA_NO_PEERS=1 (memory lives on device 0
  * alone; the others can be granted access to it); FAKE_CUDA_FAIL=call:nth[:code] makes
  * the nth call of `call` fail (code default 999), for a process a test starts.
- * For tests: fake_cuda_fail(name, code, skip) makes the call after `skip` more calls of
+ * For tests (every cu* call but cuGetErrorString is counted, logged and can be made to
+ * fail): fake_cuda_fail(name, code, skip) makes the call after `skip` more calls of
  * `name` fail once; fake_cuda_calls(name) counts calls; fake_cuda_log() lists them;
  * fake_cuda_alive(what) counts what was made and not given back ("streams", "events",
  * "contexts", "handles": physical allocations not yet freed, "mappings",
@@ -284,14 +285,20 @@ static int account(long long n) { /* under mu */
 
 /* --- devices and contexts ------------------------------------------------------------- */
 
-CUresult cuInit(unsigned flags) { initialized = 1; return flags ? INVALID_VALUE : OK; }
+CUresult cuInit(unsigned flags) {
+    CALLED("cuInit");
+    initialized = 1;
+    return flags ? INVALID_VALUE : OK;
+}
 CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    CALLED("cuDeviceGet");
     if (!initialized) return NOT_INITIALIZED;
     if (ordinal < 0 || ordinal >= devices()) return INVALID_VALUE;
     *d = ordinal;
     return OK;
 }
 CUresult cuDeviceGetCount(int *n) {
+    CALLED("cuDeviceGetCount");
     if (!initialized) return NOT_INITIALIZED;
     *n = devices();
     return OK;
@@ -311,13 +318,19 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
     return ok ? OK : INVALID_VALUE;
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
+    CALLED("cuDevicePrimaryCtxRetain");
     if (d != 0) return INVALID_VALUE;
     *c = &ctx_token;
     __atomic_add_fetch(&ctx_refs, 1, __ATOMIC_SEQ_CST);
     return OK;
 }
-CUresult cuCtxGetCurrent(CUcontext *c) { *c = depth ? stack[depth - 1] : NULL; return OK; }
+CUresult cuCtxGetCurrent(CUcontext *c) {
+    CALLED("cuCtxGetCurrent");
+    *c = depth ? stack[depth - 1] : NULL;
+    return OK;
+}
 CUresult cuCtxSetCurrent(CUcontext c) {
+    CALLED("cuCtxSetCurrent");
     if (c != &ctx_token) return INVALID_VALUE;
     if (!depth) depth = 1;
     stack[depth - 1] = c;
@@ -336,6 +349,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *c) {
     return OK;
 }
 CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option) {
+    CALLED("cuMemGetAllocationGranularity");
     if (!good_prop(p) || (option != 0 /* MINIMUM */ && option != 1 /* RECOMMENDED */))
         return INVALID_VALUE;
     *g = granularity();
@@ -761,6 +775,7 @@ static CUresult enqueue(CUstream v, int kind, void *dst, const void *src, size_t
 }
 
 CUresult cuStreamCreate(CUstream *out, unsigned flags) {
+    CALLED("cuStreamCreate");
     NEEDS_CONTEXT();
     if (!out || (flags != 0 && flags != 1 /* NON_BLOCKING */)) return INVALID_VALUE;
     struct stream *s = new_stream();

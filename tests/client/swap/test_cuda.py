@@ -63,3 +63,32 @@ def test_a_driver_that_corrupts_copies_fails_the_self_test(gpu: FakeGpu, monkeyp
     monkeypatch.setenv("FAKE_CUDA_CORRUPT", "1")
     with pytest.raises(SwapError, match="bytes read back differ"):
         self_test(gpu.driver)
+
+
+# Every call CudaDriver makes before it exists (two devices: a peer asked about).
+SETUP_CALLS = [
+    "cuInit",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuDeviceGetCount",
+    "cuDeviceCanAccessPeer",
+    "cuCtxGetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuMemGetAllocationGranularity",
+]
+
+
+@pytest.mark.parametrize("call", SETUP_CALLS)
+def test_a_driver_failing_at_setup_names_the_call_and_holds_no_context(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, call: str
+):
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+    before = gpu.calls(call)
+    CudaDriver(0, lib=str(gpu.libcuda)).close()  # nothing failing: the calls it makes
+    made = gpu.calls(call) - before
+    assert made and gpu.alive("contexts") == 0
+    for skip in range(made):  # each of its calls there
+        gpu.fail(call, 999, skip)
+        with pytest.raises(CudaError, match=f"{call.removesuffix('_v2')} failed"):
+            CudaDriver(0, lib=str(gpu.libcuda))
+        assert gpu.alive("contexts") == 0  # the primary context's hold given back

@@ -68,6 +68,9 @@ SIGNATURES = {
     "cuStreamSynchronize": [vp],
     "cuStreamDestroy_v2": [vp],
     "cuMemcpyHtoDAsync_v2": [u64, vp, size_t, vp],
+    "cuMemcpyDtoHAsync_v2": [vp, u64, size_t, vp],
+    "cuMemHostAlloc": [ctypes.POINTER(vp), size_t, ctypes.c_uint],
+    "cuMemFreeHost": [vp],
     "cuMemsetD8Async": [u64, ctypes.c_ubyte, size_t, vp],
     "cuEventCreate": [ctypes.POINTER(vp), ctypes.c_uint],
     "cuEventRecord": [vp, vp],
@@ -187,6 +190,22 @@ def test_released_memory_still_mapped_stays_until_its_last_unmap(cuda: Cuda, gpu
     assert gpu.cu.fake_cuda_alive(b"handles") == 0
 
 
+def test_memory_mapped_twice_stays_until_both_mappings_go(cuda: Cuda, gpu: FakeGpu):
+    g = cuda.g
+    free0 = cuda.free_bytes()
+    va, vb = cuda.reserve(g), cuda.reserve(g)
+    rc, h = cuda.create(g)
+    assert rc == SUCCESS and cuda.map(va, g, h) == SUCCESS and cuda.map(vb, g, h) == SUCCESS
+    assert cuda.access(va, g) == SUCCESS and cuda.access(vb, g) == SUCCESS
+    ctypes.memset(va, 9, g)
+    assert cuda.lib.cuMemRelease(h) == SUCCESS
+    assert cuda.lib.cuMemUnmap(va, g) == SUCCESS
+    assert cuda.free_bytes() == free0 - g  # one mapping left
+    assert cuda.read(vb, g) == b"\x09" * g  # the same memory, through the other
+    assert cuda.lib.cuMemUnmap(vb, g) == SUCCESS
+    assert cuda.free_bytes() == free0 and gpu.cu.fake_cuda_alive(b"handles") == 0
+
+
 def test_fresh_memory_is_not_zeros(cuda: Cuda):
     va, _ = cuda.backed(cuda.g)
     assert cuda.read(va, cuda.g) != bytes(cuda.g)
@@ -200,19 +219,26 @@ def test_queued_copies_land_only_once_synchronized(cuda: Cuda, gpu: FakeGpu):
     assert cuda.lib.cuStreamCreate(ctypes.byref(stream), 1) == SUCCESS
     assert cuda.lib.cuEventCreate(ctypes.byref(event), 2) == SUCCESS
     src = ctypes.create_string_buffer(b"\x02" * g, g)
+    back = vp()
+    assert cuda.lib.cuMemHostAlloc(ctypes.byref(back), g, 0) == SUCCESS  # pinned
+    ctypes.memset(back, 0, g)
     gpu.cu.fake_cuda_hold(1)  # the stream's worker waits: as a busy GPU's copy engine
     try:
         assert cuda.lib.cuMemcpyHtoDAsync_v2(va, src, g, stream) == SUCCESS
         assert cuda.lib.cuMemsetD8Async(va, 3, 16, stream) == SUCCESS
+        assert cuda.lib.cuMemcpyDtoHAsync_v2(back, va, g, stream) == SUCCESS
         assert cuda.lib.cuEventRecord(event, stream) == SUCCESS
         assert cuda.lib.cuEventQuery(event) == NOT_READY
         assert ctypes.string_at(va, 4) == b"\x01" * 4  # not there yet: nothing waited
+        assert ctypes.string_at(back, 4) == bytes(4)  # nor the copy back
     finally:
         gpu.cu.fake_cuda_hold(0)
     assert cuda.lib.cuEventSynchronize(event) == SUCCESS
     assert cuda.lib.cuEventQuery(event) == SUCCESS
     got = ctypes.string_at(va, g)
     assert got == b"\x03" * 16 + b"\x02" * (g - 16)  # in stream order
+    assert ctypes.string_at(back, g) == got  # the copy back after both
+    assert cuda.lib.cuMemFreeHost(back) == SUCCESS
     assert cuda.lib.cuStreamDestroy_v2(stream) == SUCCESS
     assert cuda.lib.cuStreamSynchronize(stream) == INVALID_HANDLE
 

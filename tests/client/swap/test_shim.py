@@ -156,3 +156,28 @@ def test_the_library_is_built_once_and_cached(native: Native, tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     with pytest.raises(shim.ShimUnavailableError, match="building gpushare's allocator"):
         shim.shim_path()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "cuInit",
+        "cuDeviceGet",
+        "cuDevicePrimaryCtxRetain",
+        "cuDeviceGetCount",
+        "cuDeviceCanAccessPeer",
+        "cuMemGetAllocationGranularity",
+    ],
+)
+def test_a_failed_configure_names_the_call_and_holds_no_context(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, call: str
+):
+    from gpushare.errors import SwapError
+
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")  # a peer asked about
+    gpu.fail(call, 999)
+    with pytest.raises(SwapError, match=f"{call} failed"):
+        gpu.shim.configure(str(gpu.libcuda), 0, 4 * GRANULE, GRANULE)
+    assert gpu.alive("contexts") == 0  # the primary context's hold given back
+    gpu.shim.configure(str(gpu.libcuda), 0, 4 * GRANULE, GRANULE)  # and again, nothing failing
+    assert gpu.alive("contexts") == 1  # the library's one hold

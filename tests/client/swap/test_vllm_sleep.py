@@ -86,7 +86,8 @@ def test_vllms_allocator_calls_the_driver_as_vllms_extension_does(gpu: FakeGpu):
     calls = ["cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
     assert [c for c in gpu.log() if c in calls] == calls  # its own, past gpushare's wrapper
     alloc.free(va)
-    assert gpu.log()[-4:] == ["cuCtxSynchronize", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"]
+    freed = ["cuCtxSynchronize", "cuCtxGetCurrent", "cuMemUnmap", "cuMemRelease"]
+    assert gpu.log()[-5:] == [*freed, "cuMemAddressFree"]  # ensure_context before the unmap
     alive = gpu.cu.fake_cuda_alive
     alive.argtypes = [ctypes.c_char_p]
     assert [alive(w) for w in (b"handles", b"mappings", b"reservations")] == [0, 0, 0]

@@ -120,6 +120,15 @@ class CudaDriver:
         )
         self._ctx = ctx
         self._dev = dev
+        try:
+            self._set_up(device, dev)
+        except BaseException:  # the hold just taken given back: nothing will close it
+            self._cu.cuDevicePrimaryCtxRelease_v2(dev)
+            raise
+
+    def _set_up(self, device: int, dev: ctypes.c_int) -> None:
+        """What the driver needs besides the context: the allocation's properties, the
+        devices granted access, the granularity."""
         self._prop = _AllocationProp()
         self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, device)

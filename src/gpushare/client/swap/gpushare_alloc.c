@@ -299,26 +299,9 @@ static int load(const char *lib) {
         }                         \
     } while (0)
 
-/* Set up for one device; the limit and piece size in bytes. 0, or -1 / a CUDA error
- * (gs_error says which). Again only while no memory is held. */
-int gs_configure(const char *lib, int device, unsigned long long lim, unsigned long long piece) {
-    pthread_mutex_lock(&mu);
-    int busy = head != NULL;
-    pthread_mutex_unlock(&mu);
-    if (busy) {
-        snprintf(err, sizeof err, "gpushare's allocator already holds memory in this process");
-        return -1;
-    }
-    if (load(lib)) return -1;
-    CUdevice dev;
-    CHECK("cuInit", cu.Init(0));
-    CHECK("cuDeviceGet", cu.DeviceGet(&dev, device));
-    if (ctx) { /* configured before: one hold on the primary context, not one a call */
-        cu.DevicePrimaryCtxRelease(ctx_dev);
-        ctx = NULL;
-    }
-    CHECK("cuDevicePrimaryCtxRetain", cu.DevicePrimaryCtxRetain(&ctx, dev));
-    ctx_dev = dev;
+/* The device's properties, the devices granted access (it and its peers), the
+ * granularity; 0 or the CUDA error (gs_error says which). */
+static CUresult set_up(int device, CUdevice dev) {
     int count = 0;
     CHECK("cuDeviceGetCount", cu.DeviceGetCount(&count));
     memset(&prop, 0, sizeof prop);
@@ -342,8 +325,37 @@ int gs_configure(const char *lib, int device, unsigned long long lim, unsigned l
     int pushed = enter();
     CUresult rc = cu.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
     leave(pushed);
-    if (rc) {
-        fail("cuMemGetAllocationGranularity", rc);
+    if (rc) fail("cuMemGetAllocationGranularity", rc);
+    return rc;
+}
+
+/* Set up for one device; the limit and piece size in bytes. 0, or -1 / a CUDA error
+ * (gs_error says which), holding no context then. Again only while no memory is held. */
+int gs_configure(const char *lib, int device, unsigned long long lim, unsigned long long piece) {
+    pthread_mutex_lock(&mu);
+    int busy = head != NULL;
+    pthread_mutex_unlock(&mu);
+    if (busy) {
+        snprintf(err, sizeof err, "gpushare's allocator already holds memory in this process");
+        return -1;
+    }
+    if (load(lib)) return -1;
+    CUdevice dev;
+    CHECK("cuInit", cu.Init(0));
+    CHECK("cuDeviceGet", cu.DeviceGet(&dev, device));
+    pthread_mutex_lock(&mu);
+    configured = 0; /* until it is again: no context held meanwhile */
+    pthread_mutex_unlock(&mu);
+    if (ctx) { /* configured before: one hold on the primary context, not one a call */
+        cu.DevicePrimaryCtxRelease(ctx_dev);
+        ctx = NULL;
+    }
+    CHECK("cuDevicePrimaryCtxRetain", cu.DevicePrimaryCtxRetain(&ctx, dev));
+    ctx_dev = dev;
+    CUresult rc = set_up(device, dev);
+    if (rc) { /* the hold just taken given back */
+        cu.DevicePrimaryCtxRelease(dev);
+        ctx = NULL;
         return rc;
     }
     pthread_mutex_lock(&mu);
