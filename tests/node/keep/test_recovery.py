@@ -202,15 +202,21 @@ def test_the_holders_of_a_connection_are_its_uids_processes_that_have_it_open():
     try:
         assert peer_inode(a) == os.fstat(b.fileno()).st_ino
         r, w = os.pipe()
+        ready_r, ready_w = os.pipe()
         kids = []
         for uid in (os.getuid(), 65534):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the children keep b open, one as nobody
                 if uid != os.getuid():
                     os.setuid(uid)
+                os.write(ready_w, b"x")  # looked at only once it is who it will be
                 os.read(r, 1)
                 os._exit(0)
             kids.append(pid)
+        for _ in kids:  # on a loaded machine the fork returns before the child's setuid
+            assert os.read(ready_r, 1) == b"x"
+        os.close(ready_r)
+        os.close(ready_w)
         found = {x.pid for x in holders_of(peer_inode(a), os.getuid())}
         assert os.getpid() in found and kids[0] in found and kids[1] not in found
         os.write(w, b"xx")
