@@ -68,8 +68,10 @@ def test_a_node_killed_again_and_again_under_oversubscribed_load_keeps_every_inv
 ):
     node = node_factory(*sim("80GiB", mode="exclusive", tq="0.5"))
     env = {**os.environ, "GPUSHARE_RECONNECT_TIMEOUT": "60"}
+    # they run until told to stop (SIGTERM): not for a fixed time, which a loaded
+    # machine may spend on the restarts alone, leaving one of them no turn
     procs = [
-        node.workload("batch", "--memory", "30GiB", "--seconds", "14", "--seed", str(i),
+        node.workload("batch", "--memory", "30GiB", "--seconds", "600", "--seed", str(i),
                       "--name", f"w{i}", env=env)
         for i in range(4)
     ]  # fmt: skip
@@ -86,6 +88,12 @@ def test_a_node_killed_again_and_again_under_oversubscribed_load_keeps_every_inv
             node.proc.wait()
             time.sleep(away)  # the node away this long: the workloads go on (or wait)
             node.start()
+        # every workload has had two turns since the last recovery: the first of them
+        # came after others ran, so it checked its bytes
+        wait_until(lambda: turns_since_recovery(node, 4) >= {1, 2, 3, 4}, timeout=120,
+                   what="two turns each after the last recovery")  # fmt: skip
+        for pr in procs:
+            pr.send_signal(signal.SIGTERM)
         outs = [pr.communicate(timeout=120) for pr in procs]
     finally:
         poller.stop.set()
@@ -104,6 +112,16 @@ def test_a_node_killed_again_and_again_under_oversubscribed_load_keeps_every_inv
     assert len(recovered) == 4 and all(e["missing"] == 0 for e in recovered), recovered
     # every workload kept its id through every restart
     assert sorted(f["session"] for f in figures) == [1, 2, 3, 4]
+
+
+def turns_since_recovery(node, restarts: int) -> set[int]:
+    """The sessions granted at least twice since the ``restarts``-th recovery ended."""
+    evs = node.event_list()
+    ends = [i for i, e in enumerate(evs) if e["event"] == "recovery" and e["phase"] == "end"]
+    if len(ends) < restarts:
+        return set()
+    grants = [e["session"] for e in evs[ends[restarts - 1] + 1 :] if e["event"] == "grant"]
+    return {sid for sid in grants if grants.count(sid) >= 2}
 
 
 def granting_since_recovery(node, restarts: int) -> bool:
