@@ -1,16 +1,16 @@
 // gpushare-dra: gpushare's DRA kubelet plugin. It publishes one ResourceSlice
 // pool for its node (each GPU a shareable device whose consumable capacity is
-// its memory) and prepares claims by writing a CDI spec that hands the
-// container the node's socket and its GPUSHARE_* settings.
+// its memory); prepares claims by telling the node each one's share (which bounds
+// the sessions that name it) and writing a CDI spec that hands the container the
+// node's socket and its GPUSHARE_* settings; and shows each claim's live share on
+// its status.devices.
 package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"reflect"
 	"strings"
@@ -30,40 +30,6 @@ const (
 	driverName = "gpu.gpushare.io"
 	version    = "0.1.0" // this driver's, a semver as DRA version attributes are
 )
-
-// gpu is one entry of `gpushare ctl status --json`'s "gpus" (docs/contract.md).
-type gpu struct {
-	Index       int    `json:"index"`
-	Name        string `json:"name"`
-	UUID        string `json:"uuid"`
-	Simulated   bool   `json:"simulated"`
-	MemoryBytes int64  `json:"memory_bytes"`
-}
-
-type status struct {
-	GPUs    []gpu  `json:"gpus"`
-	Version string `json:"-"` // the node's gpushare version (`gpushare --version`)
-}
-
-// readStatus asks the node, through its admin socket, what GPUs it serves: the
-// driver publishes only what the node reports.
-func readStatus(ctl []string, admin string) (status, error) {
-	var st status
-	args := append(ctl[1:len(ctl):len(ctl)], "ctl", "--socket", admin, "status", "--json")
-	out, err := exec.Command(ctl[0], args...).Output()
-	if err != nil {
-		return st, fmt.Errorf("gpushare ctl status --json: %w", err)
-	}
-	if err := json.Unmarshal(out, &st); err != nil {
-		return st, fmt.Errorf("gpushare ctl status --json: %w", err)
-	}
-	out, err = exec.Command(ctl[0], append(ctl[1:len(ctl):len(ctl)], "--version")...).Output()
-	if err != nil {
-		return st, fmt.Errorf("gpushare --version: %w", err)
-	}
-	st.Version = strings.TrimPrefix(strings.TrimSpace(string(out)), "gpushare ")
-	return st, nil
-}
 
 func deviceName(g gpu) string { return fmt.Sprintf("gpu-%d", g.Index) }
 
@@ -140,11 +106,16 @@ func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, re
 	if err != nil {
 		return err
 	}
-	st, err := readStatus(ctl, admin)
+	n := nodeCtl{ctl: ctl, admin: admin}
+	st, err := n.status()
 	if err != nil {
 		return err
 	}
-	d := &driver{socket: socket, cdiDir: cdiDir, gpus: st.GPUs}
+	d := &driver{socket: socket, cdiDir: cdiDir, node: n, statuses: newClaimStatus(client), gpus: st.GPUs}
+	if err := d.loadPrepared(); err != nil {
+		return err
+	}
+	d.resend() // the node may have started again while the plugin was down
 	if err := os.MkdirAll(pluginDir, 0o750); err != nil {
 		return err
 	}
@@ -163,12 +134,16 @@ func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, re
 		return err
 	}
 	defer helper.Stop()
-	if err := helper.PublishResources(ctx, resources(nodeName, st)); err != nil {
+	published := resources(nodeName, st)
+	if err := helper.PublishResources(ctx, published); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "gpushare-dra: published %d GPU(s) for node %s\n", len(st.GPUs), nodeName)
-	// The node's GPUs are read again every resync: a change (the node restarted on
-	// other GPUs) is published. Where the node does not answer, the last pool stays.
+	d.refresh(ctx, st)
+	// The node is read again every resync: a change of its GPUs (the node restarted on
+	// other GPUs) is published; a node started again is told the prepared claims again;
+	// each claim's share on its status follows the node's figures. Where the node does
+	// not answer, the last pool stays.
 	tick := time.NewTicker(resync)
 	defer tick.Stop()
 	for {
@@ -177,19 +152,24 @@ func run(kubeconfig, nodeName string, ctl []string, admin, socket, pluginDir, re
 			return nil
 		case <-tick.C:
 		}
-		now, err := readStatus(ctl, admin)
+		now, err := n.status()
 		if err != nil {
 			klog.ErrorS(err, "reading the node's GPUs again; the published pool stays")
 			continue
 		}
-		if reflect.DeepEqual(now, st) {
-			continue
+		if now.Node.Started != st.Node.Started {
+			d.resend()
+			fmt.Fprintf(os.Stderr, "gpushare-dra: the node started again: told it %d prepared claim(s)\n", len(d.claims()))
 		}
 		st = now
 		d.setGPUs(st.GPUs)
-		if err := helper.PublishResources(ctx, resources(nodeName, st)); err != nil {
-			return err
+		if r := resources(nodeName, st); !reflect.DeepEqual(r, published) {
+			if err := helper.PublishResources(ctx, r); err != nil {
+				return err
+			}
+			published = r
+			fmt.Fprintf(os.Stderr, "gpushare-dra: the node's GPUs changed: published %d GPU(s)\n", len(st.GPUs))
 		}
-		fmt.Fprintf(os.Stderr, "gpushare-dra: the node's GPUs changed: published %d GPU(s)\n", len(st.GPUs))
+		d.refresh(ctx, st)
 	}
 }

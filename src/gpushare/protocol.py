@@ -81,6 +81,10 @@ class Hello(_Msg, tag="hello"):
     # lease, its memory out of that session's limit: docs/scheduling.md "Families"); the
     # node checks that it descends from that session's process. 0: a session of its own.
     family: int = 0
+    # The DRA ResourceClaim (its UID) whose share this is, from the CDI env gpushare's
+    # DRA plugin wrote (GPUSHARE_CLAIM): the node attaches it only within that claim's
+    # figures, as the plugin prepared it (docs/kubernetes.md "DRA").
+    claim: str = ""
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -268,6 +272,33 @@ class EndSession(_Msg, tag="end_session"):
     grace_s: float = 0.0
 
 
+class PrepareClaim(_Msg, tag="prepare_claim"):
+    """Administration (gpushare's DRA plugin, at NodePrepareResources): a ResourceClaim
+    allocated a share of this node's GPU ``gpu`` and prepared for ``pods``. Sessions that
+    name it attach within its figures: its memory request (what the scheduler allocated)
+    its limit (0: none given) and its weight (0: none). Sent again the same, it changes
+    nothing."""
+
+    uid: str
+    namespace: str = ""
+    name: str = ""
+    gpu: int = 0
+    pods: list[str] = msgspec.field(default_factory=list)  # its status.reservedFor
+    memory_request: int = 0
+    memory_limit: int = 0
+    weight: float = 0.0  # its GPUShareClaimParameters.weight; 0: none given
+
+
+class UnprepareClaim(_Msg, tag="unprepare_claim"):
+    """Administration (the DRA plugin, at NodeUnprepareResources): the claim is done
+    with; its sessions end as :class:`EndSession` ends one (told, ``grace_s`` of turns),
+    and a new session naming it is refused. A claim not prepared here: nothing to do."""
+
+    uid: str
+    reason: str = "its ResourceClaim was unprepared"
+    grace_s: float = 0.0
+
+
 class Ending(_Msg, tag="ending"):
     """To a workload: the node ends this session in ``grace_s`` seconds (``ctl end``).
     Its turns go on meanwhile, so a server's shutdown can answer what is in flight."""
@@ -314,6 +345,8 @@ Message = (
     | SetConfig
     | ConfigReply
     | EndSession
+    | PrepareClaim
+    | UnprepareClaim
     | Done
     | EventsRequest
     | EventMsg

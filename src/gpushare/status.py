@@ -105,6 +105,9 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     # a process of that session's (docs/scheduling.md "Families": one lease, its memory
     # out of that session's limit); 0: a session of its own
     family: int = 0
+    # the DRA ResourceClaim (its UID) whose share this is, as gpushare's DRA plugin
+    # prepared it on this node (docs/kubernetes.md "DRA"); "": none
+    claim: str = ""
 
 
 class GangStatus(msgspec.Struct, kw_only=True):

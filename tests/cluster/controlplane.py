@@ -407,11 +407,17 @@ class Cluster:
         return r
 
     def token_for(
-        self, namespace: str, name: str, pod: dict[str, Any] | None = None, seconds: int = 3600
+        self,
+        namespace: str,
+        name: str,
+        pod: dict[str, Any] | None = None,
+        seconds: int = 3600,
+        node: str = "",
     ) -> str:
         """A token for a service account, from the TokenRequest API; bound to ``pod`` (its
         metadata) as kubelet binds the token it projects into a pod, so the server knows,
-        and audits, which pod calls."""
+        and audits, which pod calls; or bound to the Node ``node``, so the server knows
+        which node calls (as it knows from a pod's token: its pod's node)."""
         spec: dict[str, Any] = {"expirationSeconds": seconds}
         if pod:
             spec["boundObjectRef"] = {
@@ -420,6 +426,9 @@ class Cluster:
                 "name": pod["name"],
                 "uid": pod["uid"],
             }
+        elif node:
+            uid = self.request("GET", f"/api/v1/nodes/{node}")["metadata"]["uid"]
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}
         r = self.request(
             "POST",
             f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",

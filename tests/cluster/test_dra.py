@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -61,7 +62,9 @@ class Plugin:
     def __init__(self, binary: str, c: Cluster, node: NodeProcess, name: str, d: Path) -> None:
         self.binary, self.node, self.name, self.dir = binary, node, name, d
         self.kubeconfig = d / "dra.kubeconfig"
-        token = c.token_for(*NODE_SA)
+        # bound to its node, as the DaemonSet pod's token is bound to a pod on it: the
+        # server lets a node's plugin write status.devices of that node's claims alone
+        token = c.token_for(*NODE_SA, node=name)
         self.kubeconfig.write_text(json.dumps(c.config_for(NODE_SA[1], token)))
         self.cdi = d / "cdi"
         self.socket = d / "plugin" / "dra.sock"
@@ -366,6 +369,7 @@ def test_dra_prepare_gives_a_cdi_spec_that_attaches_with_the_claims_request_and_
         "GPUSHARE_WEIGHT": "2",
         "GPUSHARE_COMPUTE_LIMIT": "0.5",
         "GPUSHARE_SHARING_MODE": "sm-sharing",
+        "GPUSHARE_CLAIM": cl["metadata"]["uid"],
     }
     files = {f.name: f.read_text() for f in p.cdi.glob("*.json")}
     assert p.call("prepare", ns, cl) == reply  # the kubelet may ask again: the same answer
@@ -387,6 +391,7 @@ def test_dra_prepare_gives_a_cdi_spec_that_attaches_with_the_claims_request_and_
         assert (s["memory_request_bytes"], s["memory_limit_bytes"]) == (GIB, 2 * GIB)
         assert s["compute_limit"] == 0.5
         assert s["claimed"]["sharing"] == "sm-sharing"
+        assert s["claim"] == cl["metadata"]["uid"]
     finally:
         w.kill()
         w.wait()
@@ -394,6 +399,116 @@ def test_dra_prepare_gives_a_cdi_spec_that_attaches_with_the_claims_request_and_
     assert p.call("unprepare", ns, cl) == {}
     assert list(p.cdi.glob("*.json")) == []
     assert p.call("unprepare", ns, cl) == {}  # again: already unprepared, no error
+
+
+def share_of(c: Cluster, ns: str, claim: str) -> dict[str, Any] | None:
+    """The data of this driver's entry in the claim's status.devices (None: no entry)."""
+    cl = c.request("GET", f"{R}/namespaces/{ns}/resourceclaims/{claim}")
+    mine = [d for d in cl.get("status", {}).get("devices") or [] if d["driver"] == DRIVER]
+    return dict(mine[0].get("data") or {}) if mine else None
+
+
+def attach_with(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
+    """A workload given ``env`` (and nothing else of this shell's): its process and id."""
+    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
+    w = subprocess.Popen(
+        [sys.executable, "-c", ATTACH],
+        env=base | env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert w.stdout is not None
+    line = w.stdout.readline()
+    if not line:
+        w.wait(30)
+        raise AssertionError(f"the workload did not attach: {w.stderr.read() if w.stderr else ''}")
+    return w, int(json.loads(line)["id"])
+
+
+def session_on(p: Plugin, sid: int) -> dict[str, Any]:
+    (s,) = [s for s in p.node.status()["gpus"][0]["sessions"] if s["id"] == sid]
+    return dict(s)
+
+
+def wait_share_sessions(c: Cluster, ns: str, claim: str, n: int) -> dict[str, Any]:
+    """The claim's share once its status.devices shows ``n`` sessions."""
+    wait_until(lambda: (share_of(c, ns, claim) or {}).get("sessions") == n, timeout=60,
+               what=f"the claim's status.devices showing {n} session(s)")  # fmt: skip
+    return share_of(c, ns, claim) or {}
+
+
+def ended_by_admin(p: Plugin) -> set[int]:
+    """The sessions an administrator (here: an unprepare) ended."""
+    ended = [e for e in p.node.event_list() if e["event"] == "detach"]
+    return {e["session"] for e in ended if e.get("reason") == "ended"}
+
+
+def test_dra_a_prepared_claim_bounds_its_sessions_shows_its_share_and_unprepare_ends_them(
+    dra: Cluster, kube: Kube, plugin
+):
+    """The node enforces what the plugin prepared: a session naming the claim gets no more
+    than its limit, whatever its env asks; the claim's status.devices shows its live share;
+    a node started again is told the claim again; unprepare ends the claim's sessions."""
+    c, ns = dra, "dra"
+    p, node = plugin("4GiB")
+    kube.namespace(ns)
+    claim, _ = claim_pod(c, ns, node, "1Gi", {"memoryLimit": "2Gi"})
+    cl = allocated(c, ns, claim)
+    uid = cl["metadata"]["uid"]
+    (cdi_id,) = p.call("prepare", ns, cl)["devices"][0]["cdi_device_ids"]
+    env = cdi_env(p, cdi_id)
+    asks_more = env | {"GPUSHARE_MEMORY_LIMIT": str(3 * GIB)}  # its env edited
+    procs = []
+    try:
+        w, sid = attach_with(asks_more)
+        procs.append(w)
+        s = session_on(p, sid)  # the node bounds it by the claim's 2 GiB
+        assert (s["claim"], s["memory_limit_bytes"], s["memory_request_bytes"]) == (
+            uid, 2 * GIB, GIB
+        )  # fmt: skip
+        data = wait_share_sessions(c, ns, claim, 1)
+        assert (data["memoryRequestBytes"], data["memoryLimitBytes"]) == (GIB, 2 * GIB)
+        assert data["simulated"] is True and data["state"] in ("idle", "holding")
+        # a claim the plugin never prepared is no one's to name
+        other, _ = attach_refused(env | {"GPUSHARE_CLAIM": "0000-not-prepared"})
+        assert "is not prepared on this node" in other, other
+
+        told = p.log.read_text().count("the node started again")
+        p.node.restart()
+        wait_until(lambda: p.log.read_text().count("the node started again") > told,
+                   timeout=60, what="the plugin telling the node again")  # fmt: skip
+        w2, sid2 = attach_with(asks_more)
+        procs.append(w2)
+        assert (session_on(p, sid2)["claim"], session_on(p, sid2)["memory_limit_bytes"]) == (
+            uid, 2 * GIB
+        )  # fmt: skip
+        wait_share_sessions(c, ns, claim, 2)
+
+        assert p.call("unprepare", ns, cl) == {}
+        live = {s["id"] for s in p.node.status()["gpus"][0]["sessions"]}
+        assert not live & {sid, sid2}, live
+        assert ended_by_admin(p) >= {sid, sid2}
+        wait_until(lambda: share_of(c, ns, claim) is None, timeout=60,
+                   what="the claim's status.devices entry taken off")  # fmt: skip
+        refused, _ = attach_refused(env)  # unprepared: no new session names it
+        assert "is not prepared on this node" in refused, refused
+    finally:
+        for w in procs:
+            w.kill()
+            w.wait()
+
+
+def attach_refused(env: dict[str, str]) -> tuple[str, int]:
+    """A workload given ``env`` that the node refuses: its stderr and exit status."""
+    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
+    r = subprocess.run(
+        [sys.executable, "-c", ATTACH], env=base | env, input="", capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode != 0, r.stdout
+    return r.stderr, r.returncode
 
 
 TURNS = """
@@ -515,3 +630,18 @@ def test_dra_component_runs_the_plugin_beside_the_node_with_flags_it_has(
         assert f"  -{a.split('=')[0].lstrip('-')} " in helped, (a, helped)
     (tmp_path / "ds.yaml").write_text(yaml.safe_dump(ds))
     dra.kubectl("apply", "--dry-run=server", "-f", str(tmp_path / "ds.yaml"))
+
+
+def test_dra_plugin_is_gofmt_clean_vetted_and_its_go_tests_pass():
+    """deploy/dra's own checks (parameters, CDI specs, what the node is told, a restart's
+    resend, a claim's share), with the Go that built it; skipped, saying so, without Go."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("no Go on this machine: deploy/dra's Go tests need it")
+    src = REPO / "deploy" / "dra"
+    gofmt = shutil.which("gofmt") or str(Path(go).resolve().parent / "gofmt")
+    fmt = subprocess.run([gofmt, "-l", "."], cwd=src, capture_output=True, text=True)
+    assert fmt.returncode == 0 and fmt.stdout == "", f"gofmt -l: {fmt.stdout}{fmt.stderr}"
+    for args in (["vet", "./..."], ["test", "-count=1", "./..."]):
+        r = subprocess.run([go, *args], cwd=src, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"go {' '.join(args)}:\n{r.stdout}{r.stderr}"

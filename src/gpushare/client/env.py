@@ -84,6 +84,7 @@ class WorkloadEnv:
     memory_limit: int | None = None
     portion_limit: float | None = None
     sharing_mode: str = ""  # "", or one of SHARING_MODES
+    claim: str = ""  # GPUSHARE_CLAIM: the DRA ResourceClaim's UID (its CDI env)
 
 
 def read_annotations(podinfo: str | Path) -> dict[str, str]:
@@ -269,6 +270,7 @@ def read_env(
         memory_limit=memory_limit,
         portion_limit=portion_limit,
         sharing_mode=_sharing_mode(e, notes, mine),
+        claim=e.get("GPUSHARE_CLAIM", "").strip(),
     )
 
 

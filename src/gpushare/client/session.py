@@ -164,6 +164,7 @@ def attach_with(
         namespace=env.namespace,
         container=env.container,
         pod_uid=env.pod_uid,
+        claim=env.claim,
         fills=True,
         prefetch=True,
         grows=True,  # both backends ask before they grow past a bound (sim: in allocate;

@@ -57,6 +57,7 @@ from gpushare.node.observe import snapshot
 from gpushare.node.observe.utilization import NvmlUtilization, Sampler
 from gpushare.node.serve.admin_server import AdminServer
 from gpushare.node.serve.live_config import LiveConfig
+from gpushare.node.serve.prepared_claims import PreparedClaims
 from gpushare.node.serve.workload_server import WorkloadServer
 from gpushare.settings import GpuSettings
 from gpushare.simlink import SimLink
@@ -141,6 +142,7 @@ class Node:
         self.live = LiveConfig(
             config, self.arbiters, self.decisions, config_path, state_path, flags
         )
+        self.claims = PreparedClaims()  # the DRA plugin's, told again at its resync
         self.workloads = WorkloadServer(
             config=lambda: self.live.config,
             gpus=gpus,
@@ -153,6 +155,7 @@ class Node:
             recovery=self.recovery,
             returned=lambda: self._end_recovery("every session on record is back"),
             pods=lambda: self.pods,
+            claims=self.claims,
             retire=self._retire,
             nvml_used=lambda gpu, pids: self.sampler.used_by(gpu, pids),
         )
@@ -166,6 +169,7 @@ class Node:
             events=self.events,
             status=self.status,
             clock=self.clock,
+            claims=self.claims,
         )
         self.sampler = Sampler(
             gpus,

@@ -62,6 +62,7 @@ class Conn:
     claimed: Claimed = field(default_factory=Claimed)  # what the client says it is
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
+    claim: str = ""  # the DRA ResourceClaim UID it attached by (serve/prepared_claims)
     rank: int = -1  # its rank in its gang, as its client says (shown)
     ask: int = 0  # the number of its last ask read (echoed by grants; 0: not numbered)
     frozen: bool = False

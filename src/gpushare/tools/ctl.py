@@ -140,6 +140,36 @@ def show_settings(path: str | None, gpu: int | None, as_json: bool) -> int:
     return 0
 
 
+def prepare_claim(
+    path: str | None,
+    uid: str,
+    gpu: int,
+    namespace: str,
+    name: str,
+    pods: list[str],
+    memory_request: int,
+    memory_limit: int,
+    weight: float,
+) -> int:
+    msg = p.PrepareClaim(
+        uid=uid, namespace=namespace, name=name, gpu=gpu, pods=pods,
+        memory_request=memory_request, memory_limit=memory_limit, weight=weight,
+    )  # fmt: skip
+    with AdminClient(path) as c:
+        r = c.request(msg)
+    assert isinstance(r, p.Done)
+    print(r.message)
+    return 0
+
+
+def unprepare_claim(path: str | None, uid: str, reason: str, grace_s: float) -> int:
+    with AdminClient(path) as c:
+        r = c.request(p.UnprepareClaim(uid=uid, reason=reason, grace_s=grace_s))
+    assert isinstance(r, p.Done)
+    print(r.message)
+    return 0
+
+
 def end_session(path: str | None, session: int, reason: str, grace_s: float = 0.0) -> int:
     with AdminClient(path) as c:
         r = c.request(p.EndSession(session=session, reason=reason, grace_s=grace_s))

@@ -72,6 +72,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     container_id: str = ""
     limit: int
     name: str
+    claim: str = ""  # the DRA ResourceClaim it attached by: it may name it again after a restart
     stopped: list[tuple[int, int]] = []  # (pid, start time) a freeze stopped
     # As the node last wrote them: its memory, and the lease it held (0: none). Only
     # that lease's token is good after a restart, and only once.
@@ -608,7 +609,7 @@ def _record_wrong(r: SessionRecord) -> str:
             return f"{name} {getattr(r, name)} is not a size"
     if r.resident + r.swapped > r.limit:
         return f"resident + swapped ({r.resident} + {r.swapped}) is over its limit {r.limit}"
-    if max(len(r.name), len(r.pod_uid), len(r.container_id)) > TEXT_MOST:
+    if max(len(r.name), len(r.pod_uid), len(r.container_id), len(r.claim)) > TEXT_MOST:
         return "a text is too long"
     if len(r.stopped) > STOPPED_MOST or any(
         not (0 < pid <= PID_MOST and _count(start)) for pid, start in r.stopped

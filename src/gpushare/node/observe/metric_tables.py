@@ -6,7 +6,8 @@ through them.
 
 Names: prefix ``gpushare_``, base units, counters end in ``_total``, ratios are 0-1.
 Per-session series carry ``gpu``, ``gpu_uuid``, ``namespace``, ``pod``, ``container``,
-``session`` (no pid label); GPU-level series carry ``gpu``, ``gpu_uuid`` and
+``session`` (no pid label), and ``claim`` (the DRA ResourceClaim's UID) where the session
+attached by one; GPU-level series carry ``gpu``, ``gpu_uuid`` and
 ``simulated``. A session's name and user are on one info series per session
 (``gpushare_session_info``), joined on ``session`` (Prometheus' advice: names that
 change rarely on an info series, not on every series); a workload's totals by name and
@@ -132,6 +133,7 @@ _SESSION_SWAPS: list[tuple[str, str, str, str]] = [
 # Every SessionStatus field the session's lines show (beside its GPU and id): when none
 # changed since the last scrape, its lines are the last scrape's.
 _SHOWN = attrgetter(
+    "claim",
     "namespace",
     "pod",
     "container",
@@ -381,6 +383,7 @@ _SESSIONS = _Rows(
         pod=s.pod,
         container=s.container,
         session=str(s.id),
+        **({"claim": s.claim} if s.claim else {}),
     ),
 )
 _WORKLOADS = _Rows(

@@ -121,6 +121,7 @@ def session(
         container_id=ident.container_id,
         runtime=ident.runtime,
         weight_source=with_conn.weight_source,
+        claim=with_conn.claim,
         gang=s.rank.gang,
         gang_rank=with_conn.rank if s.rank.gang else -1,
         parked=s.rank.parked,
@@ -155,6 +156,7 @@ class _Unconnected:
     weight_source: str = ""
     sharing_source: str = ""
     rank: int = -1
+    claim: str = ""
 
 
 _NO_CONN = _Unconnected()

@@ -1,4 +1,5 @@
-"""The admin socket: status, live settings, ending a session, the event stream. Each
+"""The admin socket: status, live settings, ending a session, the DRA plugin's prepared
+claims (serve/prepared_claims), the event stream. Each
 request is decoded, checked (the peer may administer, at a bounded rate) and answered;
 settings go to the arbiters and their actions to the node's decisions, like every
 other input."""
@@ -23,6 +24,7 @@ from gpushare.node.host.sockets import Idle, Unfinished, read_frame_within
 from gpushare.node.keep.events import EventBus
 from gpushare.node.observe.snapshot import StatusFrames
 from gpushare.node.serve.live_config import LiveConfig, NotPersisted
+from gpushare.node.serve.prepared_claims import PreparedClaims, check
 from gpushare.settings import SettingsError, check_end_grace, validate
 from gpushare.status import NodeStatus
 
@@ -51,11 +53,13 @@ class AdminServer:
         events: EventBus,
         status: Callable[[], NodeStatus],
         clock: Clock,
+        claims: PreparedClaims | None = None,
     ) -> None:
         self.live, self.arbiters, self.conns = live, arbiters, conns
         self.guard, self.dispatch, self.events = guard, dispatch, events
         self.decisions = decisions
         self.status, self.clock = status, clock
+        self.claims = claims if claims is not None else PreparedClaims()
         self.status_frames = StatusFrames(status, clock.monotonic)
         self.open = 0  # connections now
         self._files: ThreadPoolExecutor | None = None  # one write at a time, in order
@@ -111,6 +115,14 @@ class AdminServer:
             conn.send(reply)
         elif isinstance(msg, p.EndSession):
             conn.send(self.end_session(msg))
+        elif isinstance(msg, p.PrepareClaim):
+            c = check(msg, len(self.arbiters))
+            said = self.claims.prepare(c)
+            if said != "prepared already":
+                log.info("claim %s/%s (%s) %s on GPU %d", c.namespace, c.name, c.uid, said, c.gpu)
+            conn.send(p.Done(message=f"claim {c.namespace}/{c.name} {said}"))
+        elif isinstance(msg, p.UnprepareClaim):
+            conn.send(self.unprepare_claim(msg))
         elif isinstance(msg, p.Hello):
             raise p.ProtocolError(
                 f"{self.live.config.admin_socket} is this node's admin socket:"
@@ -128,19 +140,37 @@ class AdminServer:
             grace = check_end_grace(m.grace_s)
         except SettingsError as e:
             return p.Error(code="value", message=f"{e} (ctl end --grace)")
+        return p.Done(message=self._end(c, m.reason, grace))
+
+    def _end(self, c: Conn, reason: str, grace: float) -> str:
+        """End one session (``grace``: told first, its turns kept meanwhile): what
+        became of it."""
         if grace > 0 and c.ending is not None:  # one grace: a second end shortens none
             left = max(0.0, c.ending_at - self.clock.monotonic())
-            return p.Done(message=f"session {m.session} ending already: ended in {left:.0f} s")
+            return f"session {c.session} ending already: ended in {left:.0f} s"
         if grace > 0 and not c.ended:
-            log.warning("ending session %d (pid %d) in %g s: %s", m.session, c.pid, grace, m.reason)
-            self.dispatch.end_session(c, m.reason, grace)
-            return p.Done(
-                message=f"session {m.session} ending: it keeps its turns for {grace:g} s,"
-                " then it is ended"
+            log.warning("ending session %d (pid %d) in %g s: %s", c.session, c.pid, grace, reason)
+            self.dispatch.end_session(c, reason, grace)
+            return (
+                f"session {c.session} ending: it keeps its turns for {grace:g} s, then it is ended"
             )
-        log.warning("ending session %d (pid %d): %s", m.session, c.pid, m.reason)
-        self.dispatch.end_session(c, m.reason)
-        return p.Done(message=f"session {m.session} ended")
+        log.warning("ending session %d (pid %d): %s", c.session, c.pid, reason)
+        self.dispatch.end_session(c, reason)
+        return f"session {c.session} ended"
+
+    def unprepare_claim(self, m: p.UnprepareClaim) -> p.Message:
+        """A claim done with: forgotten (no new session names it), its sessions ended."""
+        try:
+            grace = check_end_grace(m.grace_s)
+        except SettingsError as e:
+            return p.Error(code="value", message=f"{e} (unprepare_claim grace_s)")
+        c = self.claims.unprepare(m.uid)
+        ending = [x for x in self.conns.values() if m.uid and x.claim == m.uid and not x.ended]
+        said = [self._end(x, m.reason, grace) for x in ending]
+        what = f"claim {c.namespace}/{c.name}" if c else f"claim {m.uid[:40]}"
+        if c is None and not said:
+            return p.Done(message=f"{what} is not prepared on this node: nothing to do")
+        return p.Done(message=f"{what} unprepared" + "".join(f"; {s}" for s in said))
 
     def set_config(self, m: p.SetConfig) -> p.Message:
         """``m`` applied live; :meth:`persist` writes it to the file after."""

@@ -26,6 +26,7 @@ TEXT_BOUNDS = {
     "backend": 32,
     "gang": 253,
     "token": 64,
+    "claim": 36,  # a Kubernetes UID
 }
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would rewrite an administrator's terminal
 # Unicode's control, format (bidi overrides and isolates, zero-width characters), line and

@@ -67,7 +67,14 @@ def request_of(h: p.Hello, capacity: int, limit: int) -> int | None:
 
 
 def record_of(
-    conn: Conn, sid: int, gpu: int, identity: CgroupIdentity, limit: int, name: str, family: int
+    conn: Conn,
+    sid: int,
+    gpu: int,
+    identity: CgroupIdentity,
+    limit: int,
+    name: str,
+    family: int,
+    claim: str = "",
 ) -> SessionRecord:
     return SessionRecord(
         id=sid,
@@ -80,4 +87,5 @@ def record_of(
         limit=limit,
         name=name,
         family=family,
+        claim=claim,
     )

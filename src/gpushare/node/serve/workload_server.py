@@ -41,6 +41,7 @@ from gpushare.node.serve.hello_figures import (
     request_of,
     who_of,
 )
+from gpushare.node.serve.prepared_claims import PreparedClaim, PreparedClaims, not_prepared
 from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.workload_server")
@@ -82,6 +83,7 @@ class WorkloadServer:
         recovery: Recovery,
         returned: Callable[[], None],
         pods: Callable[[], PodCache | None],
+        claims: PreparedClaims | None = None,
         retire: Callable[[int, int], None] = lambda gpu, sid: None,
         nvml_used: Callable[[int, Collection[int]], int | None] = lambda gpu, pids: None,
     ) -> None:
@@ -92,6 +94,7 @@ class WorkloadServer:
         self.recovery = recovery
         self.returned = returned  # every session on record is back: the window ends
         self.pods = pods
+        self.claims = claims if claims is not None else PreparedClaims()
         self.retire = retire  # a session's figures, kept as it leaves (node/keep/totals.py)
         # (gpu, pids) -> the GPU memory NVML counts for them; None where it cannot say
         self.nvml_used = nvml_used
@@ -233,14 +236,17 @@ class WorkloadServer:
             )
         return head
 
-    def _weight(self, conn: Conn, h: p.Hello) -> tuple[float, str]:
+    def _weight(self, conn: Conn, h: p.Hello, claim: PreparedClaim | None) -> tuple[float, str]:
         """The session's weight and where it comes from: the pod's gpu-fraction
-        annotation through the API (checked), else the workload's word."""
+        annotation through the API (checked), else its claim's as the DRA plugin
+        prepared it, else the workload's word."""
         pods = self.pods()
         if pods is not None and conn.identity.pod_uid:
             fraction = pods.fraction(conn.identity.pod_uid)
             if fraction is not None:
                 return fraction, "kubernetes"
+        if claim is not None and claim.weight:
+            return claim.weight, "claim"
         if h.weight is None:
             return 1.0, "default"
         return h.weight, "portion" if h.portion is not None and h.weight == h.portion else "claimed"
@@ -270,17 +276,23 @@ class WorkloadServer:
         return "", ""
 
     def _memory_of(
-        self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, limit: int
+        self,
+        conn: Conn,
+        h: p.Hello,
+        head: Conn | None,
+        arb: Arbiter,
+        limit: int,
+        claim: PreparedClaim | None,
     ) -> tuple[int, int | None]:
-        """The limit and request a hello asks for, within its pod's (a member's: its
-        part of its session's, split by the arbiter)."""
+        """The limit and request a hello asks for, within its pod's and its claim's (a
+        member's: its part of its session's, split by the arbiter)."""
         if head is not None:
             return limit, None
         request = request_of(h, arb.capacity, limit)
         bounded = self._bounded_limit(conn, limit, arb.capacity)
         if bounded < limit and request is not None:  # within the pod's, as its limit
             request = min(request, bounded)
-        return bounded, request
+        return claim.bounds(bounded, request) if claim is not None else (bounded, request)
 
     def _sharing_of(
         self, conn: Conn, h: p.Hello, head: Conn | None, arb: Arbiter, workload_sharing: bool
@@ -395,9 +407,10 @@ class WorkloadServer:
         limit = limit_of(h, arb.capacity) if head is None else h.memory_limit or arb.capacity
         identity = read_identity(conn.pid, cfg.proc_root)
         conn.identity = identity
-        limit, request = self._memory_of(conn, h, head, arb, limit)
+        claim = self._claim_of(h, head, gpu, identity.pod_uid)
+        limit, request = self._memory_of(conn, h, head, arb, limit, claim)
         sharing, sharing_source = self._sharing_of(conn, h, head, arb, cfg.workload_sharing)
-        weight, source = self._weight(conn, h)
+        weight, source = self._weight(conn, h, claim)
         if head is not None:
             weight, source = arb.sessions[head.session].weight, "family"
         # Back after a restart? Only the process the record names gets the id it had,
@@ -408,6 +421,7 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
+        claim_uid = self._claim_uid(h, head, claim, rec)
         swapped = h.swapped
         sid = self._sid(conn, h, limit, rec, pending)
         name = h.name or f"pid-{conn.pid}"
@@ -417,7 +431,7 @@ class WorkloadServer:
         family, gang = family_of(arb, head, rec, gang, who_of(conn.uid, identity))
         self._check_gang_across(arb, gang)
         if dry:
-            return record_of(conn, sid, gpu, identity, limit, name, family)
+            return record_of(conn, sid, gpu, identity, limit, name, family, claim_uid)
         # Memory a session says it has on the GPU counts only where the node can check
         # it: on record from before a restart, or as NVML counts its process's (then no
         # more than that). A new session with neither has nothing resident. (What it
@@ -464,7 +478,8 @@ class WorkloadServer:
             pod=h.pod, namespace=h.namespace, container=h.container, sharing=h.sharing
         )
         conn.sharing_source = sharing_source
-        conn.record = record_of(conn, sid, gpu, identity, limit, name, family)
+        conn.claim = claim_uid
+        conn.record = record_of(conn, sid, gpu, identity, limit, name, family, claim_uid)
         self.conns[sid] = conn
         self.guard.joined(conn)
         self.guard.join_budget(
@@ -493,6 +508,31 @@ class WorkloadServer:
         if rec is not None and self.recovery.returned(sid):
             self.returned()  # the last one expected: the recovery window ends
         return arb
+
+    def _claim_of(
+        self, h: p.Hello, head: Conn | None, gpu: int, pod_uid: str
+    ) -> PreparedClaim | None:
+        """The prepared claim a new session's hello names, checked (a member's is its
+        session's); one named but not prepared is left to :meth:`_claim_uid`."""
+        if head is not None:
+            return None
+        prev = self.recovery.previous.get(h.session) if h.session else None
+        return self.claims.admit(h.claim, gpu, pod_uid, prev.claim if prev else "")
+
+    def _claim_uid(
+        self, h: p.Hello, head: Conn | None, claim: PreparedClaim | None, rec: SessionRecord | None
+    ) -> str:
+        """The claim the session is shown by: a member's session's; a prepared one's; or
+        the claim of its own record from before a restart (its plugin tells it again)."""
+        if head is not None:
+            return head.claim
+        if claim is not None:
+            return claim.uid
+        if rec is not None and rec.claim and h.claim in ("", rec.claim):
+            return rec.claim  # bound before the restart, by name or by its pod
+        if h.claim:
+            raise not_prepared(h.claim)  # named only by the session its record names
+        return ""
 
     def _check_gang_across(self, arb: Arbiter, gang: str) -> None:
         """A gang on several GPUs of this node only where their modes allow it."""

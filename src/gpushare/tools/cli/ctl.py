@@ -16,8 +16,16 @@ from gpushare.settings import (
     SettingsError,
     check_end_grace,
 )
-from gpushare.tools.cli.args import DURATIONS, Subparsers, _admin, _admin_socket, _seconds, _setting
-from gpushare.units import parse_duration
+from gpushare.tools.cli.args import (
+    DURATIONS,
+    Subparsers,
+    _admin,
+    _admin_socket,
+    _seconds,
+    _setting,
+    _size,
+)
+from gpushare.units import parse_duration, parse_weight
 
 
 def _grace(text: str) -> float:
@@ -93,11 +101,57 @@ def add_parser(sub: Subparsers) -> None:
         f" at most {END_GRACE_MAX_S:g}s)",
     )
     _admin_socket(end)
+    _add_claim(cs)
     ev = cs.add_parser("events", help="the event stream as JSON lines")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     ev.add_argument("--since", type=_seconds, metavar="DURATION", help="only the last 5m, 1h...")
     ev.add_argument("--session", type=int, metavar="ID", help="only this session's events")
     _admin_socket(ev)
+
+
+def _add_claim(cs: Subparsers) -> None:
+    claim = cs.add_parser(
+        "claim",
+        help="DRA ResourceClaims prepared on this node (gpushare-dra calls these)",
+        description="The DRA plugin (gpushare-dra) tells the node each ResourceClaim it"
+        " prepares and unprepares; sessions that name the claim (GPUSHARE_CLAIM) or come from"
+        " its pods attach only within its figures. By hand: to look at or mend a node.",
+    )
+    _admin_socket(claim)
+    ccs = claim.add_subparsers(dest="claim_cmd", required=True, metavar="ACTION")
+    prep = ccs.add_parser("prepare", help="a claim allocated on this node: bind its sessions")
+    prep.add_argument("uid", metavar="UID", help="the ResourceClaim's metadata.uid")
+    prep.add_argument("--gpu", type=int, required=True, metavar="INDEX", help="its GPU")
+    prep.add_argument("--namespace", default="", help="the claim's namespace")
+    prep.add_argument("--name", default="", help="the claim's name")
+    prep.add_argument(
+        "--pod",
+        action="append",
+        default=[],
+        metavar="UID",
+        help="a pod UID it is reserved for (status.reservedFor; repeat for several)",
+    )
+    prep.add_argument(
+        "--memory-request", type=_size, default=0, metavar="SIZE", help="its allocated memory"
+    )
+    prep.add_argument(
+        "--memory-limit", type=_size, default=0, metavar="SIZE", help="its limit (0: the request)"
+    )
+    prep.add_argument(
+        "--weight", type=parse_weight, default=0.0, help="its weight (default: the workload's)"
+    )
+    _admin_socket(prep)
+    un = ccs.add_parser("unprepare", help="a claim done with: its sessions are ended")
+    un.add_argument("uid", metavar="UID")
+    un.add_argument("--reason", default="its ResourceClaim was unprepared")
+    un.add_argument(
+        "--grace",
+        type=_grace,
+        default=0.0,
+        metavar="DURATION",
+        help="how long its sessions keep their turns first (default 0: at once)",
+    )
+    _admin_socket(un)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -117,4 +171,11 @@ def command(args: argparse.Namespace) -> int:
         return ctl.set_config(path, args.gpu, args.persist, change)
     if args.ctl_cmd == "end":
         return ctl.end_session(path, args.session, args.reason, args.grace)
+    if args.ctl_cmd == "claim" and args.claim_cmd == "prepare":
+        return ctl.prepare_claim(
+            path, args.uid, args.gpu, args.namespace, args.name, args.pod,
+            args.memory_request, args.memory_limit, args.weight,
+        )  # fmt: skip
+    if args.ctl_cmd == "claim":
+        return ctl.unprepare_claim(path, args.uid, args.reason, args.grace)
     return ctl.events(path, args.follow, args.since, args.session)
