@@ -484,3 +484,32 @@ def test_a_compile_that_keeps_the_lease_says_so_once_and_its_hooks_step_aside(ca
         b.exit()
     err = capsys.readouterr().err
     assert err.count("holds the GPU while torch.compile compiles") == 1, err
+
+
+def test_a_backend_that_reports_while_it_is_made_does_not_break_the_attach(monkeypatch):
+    """The torch backend's allocator watcher reported from its own thread before the lease
+    had its backend (an AttributeError there, on an H200): a report then is left for the
+    first release to tell."""
+    import gpushare.client.session as session
+
+    real = session._backend_for
+    reported: list[int] = []
+
+    def reporting_at_once(name, w):
+        make = real(name, w)
+
+        def build(hooks):
+            hooks.on_change()  # as the watcher thread may, before the constructor returns
+            reported.append(1)
+            return make(hooks)
+
+        return build
+
+    monkeypatch.setattr(session, "_backend_for", reporting_at_once)
+    with fake_session() as (s, node):
+        assert reported == [1] and s.backend is not None
+        b = hold(s, node, lease=1)
+        s.backend.allocate(PIECE)
+        b.exit()
+        said = node.said(s)
+        assert [type(x) for x in said] == [p.Report, p.Release], said  # told once made

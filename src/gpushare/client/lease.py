@@ -128,8 +128,10 @@ class Lease:
         self.waits: list[float] = []
         self.swap_lock = threading.Lock()  # one swap at a time, whichever thread
         self._idle_thread: threading.Thread | None = None
-        # Last, the state above in place: a backend may report from its own thread at once.
+        # Last, the state above in place: a backend may report from its own thread at once
+        # (the torch backend's allocator watcher did, on a GPU, before it was assigned).
         self.link = link(self)
+        self.made = False  # the backend is assigned: its figures may be read
         self.backend = backend(
             SwapHooks(
                 self.report,
@@ -140,6 +142,7 @@ class Lease:
                 lambda: self.holding,
             )
         )
+        self.made = True
 
     # --- what the session's public methods do ---------------------------------------
 
@@ -546,7 +549,9 @@ class Lease:
         # A swap-in's progress is not the node's concern: a holder counts at its limit
         # (or its room), a prefetching session at its room, and the SwapDone carries the
         # figures. Untold, the node is not kept busy with them during a switch.
-        if self.phase is Phase.SWAPPING_IN or self.prefetching:
+        # Nor is a report while the backend is being made: the first release or grant
+        # tells its figures.
+        if self.phase is Phase.SWAPPING_IN or self.prefetching or not self.made:
             return
         self.link.send(self.msgs.report())
 
