@@ -213,6 +213,26 @@ async def test_the_gpus_own_count_over_the_limit_escalates(node):
     assert node.node.utilization[0].last_ratio == 0.5
 
 
+@in_process(escalation="kill", nvml_allowance="1GiB")
+async def test_a_process_nvml_counts_below_the_allowance_keeps_the_sampler_going(node):
+    # On an H200 a session's process had less than the allowance on the GPU: the negative
+    # figure "over" it was refused by the arbiter, and the sampling task died with it.
+    from gpushare.node.observe.utilization import NvmlUtilization
+
+    node.node.gpus[0] = node.node.gpus[0].__class__(
+        **{**vars(node.node.gpus[0]), "simulated": False}
+    )
+    nvml = FakeNvml(PID, G // 2)
+    node.node.sampler.nvml = {0: NvmlUtilization(nvml, 0)}
+    w = await node.workload(memory_limit=G)
+    await node.until(lambda: node.node.utilization[0].last_ratio == 0.5)  # sampled
+    assert node.events("escalate") == []
+    nvml.used[PID] = int(2.5 * G)  # then over: the same sampler, still running, sees it
+    await node.until(lambda: node.events("escalate"))
+    assert node.events("escalate")[0]["session"] == w.session
+    assert node.signals == [(PID, signal.SIGKILL)]
+
+
 @in_process()
 async def test_a_stopping_node_ends_its_connections_and_detaches_its_sessions(node):
     w = await node.workload(memory_limit=G, name="attached")

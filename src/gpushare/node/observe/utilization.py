@@ -124,7 +124,10 @@ class Sampler:
         while True:
             await asyncio.sleep(period)
             now = self.clock.monotonic()
-            self.sample(now - last)
+            try:
+                self.sample(now - last)
+            except Exception:  # one bad sample is said; the next second samples again
+                log.exception("sampling the GPUs failed; sampling goes on")
             last = now
 
     def sample(self, dt: float) -> None:
@@ -148,7 +151,12 @@ class Sampler:
                 allowance = self.allowance()
                 for sid, pid in pids.items():
                     if pid in used and sid in arb.sessions:
-                        self.decisions.act(arb, arb.over_limit(sid, used=used[pid] - allowance))
+                        # NVML may count less than the allowance (a process whose CUDA
+                        # context is most of what it has): nothing over, not a negative
+                        # figure, which the arbiter refuses (on an H200 it ended the
+                        # sampling task for good)
+                        over = max(0, used[pid] - allowance)
+                        self.decisions.act(arb, arb.over_limit(sid, used=over))
                 self.say_ungated(g.index, used)
 
     def say_ungated(self, gpu: int, used: Mapping[int, int]) -> None:
