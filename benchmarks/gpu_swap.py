@@ -217,6 +217,25 @@ def part_copy(size: int) -> dict[str, Any]:
     }
 
 
+# A check reads a tensor this many elements at a time: a session's memory is full, and a
+# whole-tensor check makes temporaries past its limit (on the first H200 run, a 1 GiB
+# uint8 sum made an 8 GiB int64 copy and `x == 1` a 1 GiB one: out of memory, so the
+# parts failed and said nothing of the bytes).
+CHECK_CHUNK = 16 * MiB
+
+
+def checksum(x: Any) -> int:
+    """The sum of ``x``'s elements, a chunk at a time (each chunk's int64 copy 128 MiB)."""
+    import torch
+
+    return sum(int(c.sum(dtype=torch.int64)) for c in x.reshape(-1).split(CHECK_CHUNK))
+
+
+def all_equal(x: Any, value: int) -> bool:
+    """Whether every element of ``x`` is ``value``, a chunk at a time."""
+    return all(bool((c == value).all()) for c in x.reshape(-1).split(CHECK_CHUNK))
+
+
 def part_swap(size: int, cycles: int) -> dict[str, Any]:
     import torch
 
@@ -228,7 +247,7 @@ def part_swap(size: int, cycles: int) -> dict[str, Any]:
     b.wait_for_host_buffers()
     n = size // GiB
     xs = [torch.randint(0, 256, (GiB,), dtype=torch.uint8, device=b.device) for _ in range(n)]
-    sums = [int(x.sum(dtype=torch.int64)) for x in xs]
+    sums = [checksum(x) for x in xs]
     ptrs = [x.data_ptr() for x in xs]
     outs, ins = [], []
     for _ in range(cycles):
@@ -236,7 +255,7 @@ def part_swap(size: int, cycles: int) -> dict[str, Any]:
         outs.append(r.bytes / r.seconds / 1e9)
         r = b.swap_in()
         ins.append(r.bytes / r.seconds / 1e9)
-    intact = [int(x.sum(dtype=torch.int64)) for x in xs] == sums
+    intact = [checksum(x) for x in xs] == sums
     stable = [x.data_ptr() for x in xs] == ptrs
     return {
         "bytes": b.resident_bytes,
@@ -267,7 +286,7 @@ def part_tms(size: int, cycles: int) -> dict[str, Any]:
         tms.retain_cpu_backup = True
     with tms.region(enable_cpu_backup=True):
         x = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
-    total = int(x.sum(dtype=torch.int64))
+    total = checksum(x)
     pauses, resumes = [], []
     for _ in range(cycles):
         pauses.append(size / _sync_time(torch, tms.pause) / 1e9)
@@ -279,7 +298,7 @@ def part_tms(size: int, cycles: int) -> dict[str, Any]:
         "resume_first_gbs": resumes[0],
         "pause_steady_gbs": statistics.median(pauses[1:]),
         "resume_steady_gbs": statistics.median(resumes[1:]),
-        "intact": int(x.sum(dtype=torch.int64)) == total,
+        "intact": checksum(x) == total,
     }
 
 
@@ -320,7 +339,7 @@ def part_stepper(sock: str, memory: int, fill: int, seconds: float, dry: bool) -
             torch.cuda.synchronize()
             ends.append(time.time())
             s.checkpoint()
-        ok = all(bool((x == 1).all()) for x in xs)
+        ok = all(all_equal(x, 1) for x in xs)
     s.close()
     return {"session": s.id, "ends": ends, "intact": ok, "grants": s.grants}
 
