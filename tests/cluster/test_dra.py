@@ -376,18 +376,9 @@ def test_dra_prepare_gives_a_cdi_spec_that_attaches_with_the_claims_request_and_
     assert {f.name: f.read_text() for f in p.cdi.glob("*.json")} == files
 
     # A workload given that env (and nothing else of this shell's) attaches as the claim says.
-    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
-    w = subprocess.Popen(
-        [sys.executable, "-c", ATTACH],
-        env=base | env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    w, sid = attach_with(env)
     try:
-        assert w.stdout is not None
-        sid = json.loads(w.stdout.readline())["id"]
-        (s,) = [s for s in p.node.status()["gpus"][0]["sessions"] if s["id"] == sid]
+        s = session_on(p, sid)
         assert (s["memory_request_bytes"], s["memory_limit_bytes"]) == (GIB, 2 * GIB)
         assert s["compute_limit"] == 0.5
         assert s["claimed"]["sharing"] == "sm-sharing"
