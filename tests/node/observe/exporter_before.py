@@ -183,6 +183,15 @@ class _SessionFamilies:
         )
 
     def add(self, g: GpuStatus, s: SessionStatus) -> None:
+        marks = [len(fam.samples) for fam in self.families()]
+        self._add(g, s)
+        if s.claim:  # since issue 41: a claimed session's series carry its claim's UID too
+            for fam, mark in zip(self.families(), marks, strict=True):
+                fam.samples[mark:] = [
+                    x._replace(labels={**x.labels, "claim": s.claim}) for x in fam.samples[mark:]
+                ]
+
+    def _add(self, g: GpuStatus, s: SessionStatus) -> None:
         sl = [str(g.index), g.uuid, s.namespace, s.pod, s.container, str(s.id)]
         for figure, fam in self.s_counters:
             fam.add_metric(sl, figure(s))
@@ -231,7 +240,8 @@ def session_info(st: NodeStatus) -> Iterator[Metric]:
     for g in st.gpus:
         for s in g.sessions:
             sl = [str(g.index), g.uuid, s.namespace, s.pod, s.container, str(s.id)]
-            info.add_metric(sl, {"name": s.name, "user": user_name(s.uid)})
+            claimed = {"claim": s.claim} if s.claim else {}  # since issue 41, as above
+            info.add_metric(sl, {"name": s.name, "user": user_name(s.uid), **claimed})
     yield info
 
 
