@@ -111,6 +111,9 @@ func (d *driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	if p.Weight != nil {
 		told.Weight = *p.Weight
 	}
+	if p.ComputeLimit != nil {
+		told.ComputeLimit = *p.ComputeLimit
+	}
 	if r.ShareID != nil {
 		told.ShareID = string(*r.ShareID)
 	}

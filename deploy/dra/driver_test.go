@@ -75,7 +75,7 @@ const paramsHead = `{"apiVersion":"gpushare.io/v1alpha1","kind":"GPUShareClaimPa
 
 func TestDraPrepareWritesOneSpecAgainAndUnprepareRemovesIt(t *testing.T) {
 	d, n := testDriver(t)
-	c := claimFor("1Gi", paramsHead+`"memoryLimit":"2Gi","weight":1}`, paramsHead+`"weight":3}`)
+	c := claimFor("1Gi", paramsHead+`"memoryLimit":"2Gi","weight":1}`, paramsHead+`"weight":3,"computeLimit":0.25}`)
 	c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{
 		{Resource: "pods", Name: "p2", UID: "pod-2"}, {Resource: "pods", Name: "p1", UID: "pod-1"},
 		{APIGroup: "example.com", Resource: "things", Name: "t", UID: "thing-1"},
@@ -97,13 +97,13 @@ func TestDraPrepareWritesOneSpecAgainAndUnprepareRemovesIt(t *testing.T) {
 	}
 	got := strings.Join(spec.Devices[0].Edits.Env, " ")
 	// the claim's later config overrides the weight, keeps the limit
-	want := "GPUSHARE_SOCKET=/run/gpushare/workload.sock NVIDIA_VISIBLE_DEVICES=GPU-1 GPUSHARE_MEMORY=1073741824 GPUSHARE_MEMORY_LIMIT=2147483648 GPUSHARE_WEIGHT=3 GPUSHARE_CLAIM=u1"
+	want := "GPUSHARE_SOCKET=/run/gpushare/workload.sock NVIDIA_VISIBLE_DEVICES=GPU-1 GPUSHARE_MEMORY=1073741824 GPUSHARE_MEMORY_LIMIT=2147483648 GPUSHARE_WEIGHT=3 GPUSHARE_COMPUTE_LIMIT=0.25 GPUSHARE_CLAIM=u1"
 	if got != want {
 		t.Fatalf("env %q, want %q", got, want)
 	}
 	// the node was told the claim's share, its pods only (not other consumers)
 	told := prepared{UID: "u1", Namespace: "ns", Name: "c", GPU: 0, Pods: []string{"pod-1", "pod-2"},
-		MemoryRequest: 1 << 30, MemoryLimit: 2 << 30, Weight: 3, Pool: "node", Device: "gpu-0"}
+		MemoryRequest: 1 << 30, MemoryLimit: 2 << 30, Weight: 3, ComputeLimit: 0.25, Pool: "node", Device: "gpu-0"}
 	if len(n.prepared) != 1 || !reflect.DeepEqual(n.prepared[0], told) {
 		t.Fatalf("told the node %+v, want %+v", n.prepared, told)
 	}

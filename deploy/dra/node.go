@@ -52,6 +52,7 @@ type prepared struct {
 	MemoryRequest int64     `json:"memoryRequest"`
 	MemoryLimit   int64     `json:"memoryLimit"`
 	Weight        float64   `json:"weight,omitempty"`
+	ComputeLimit  float64   `json:"computeLimit,omitempty"` // in (0, 1]; 0: none
 	// the allocated device, as the claim's status.devices names it
 	Pool    string `json:"pool"`
 	Device  string `json:"device"`
@@ -113,6 +114,9 @@ func (n nodeCtl) prepare(p prepared) error {
 	}
 	if p.Weight > 0 {
 		args = append(args, "--weight", strconv.FormatFloat(p.Weight, 'g', -1, 64))
+	}
+	if p.ComputeLimit > 0 {
+		args = append(args, "--compute-limit", strconv.FormatFloat(p.ComputeLimit, 'g', -1, 64))
 	}
 	for _, pod := range p.Pods {
 		args = append(args, "--pod", pod)

@@ -287,6 +287,7 @@ class PrepareClaim(_Msg, tag="prepare_claim"):
     memory_request: int = 0
     memory_limit: int = 0
     weight: float = 0.0  # its GPUShareClaimParameters.weight; 0: none given
+    compute_limit: float = 0.0  # its computeLimit, in (0, 1]; 0: none given
 
 
 class UnprepareClaim(_Msg, tag="unprepare_claim"):

@@ -150,10 +150,12 @@ def prepare_claim(
     memory_request: int,
     memory_limit: int,
     weight: float,
+    compute_limit: float = 0.0,
 ) -> int:
     msg = p.PrepareClaim(
         uid=uid, namespace=namespace, name=name, gpu=gpu, pods=pods,
         memory_request=memory_request, memory_limit=memory_limit, weight=weight,
+        compute_limit=compute_limit,
     )  # fmt: skip
     with AdminClient(path) as c:
         r = c.request(msg)

@@ -37,13 +37,21 @@ def prep(**kw: object) -> p.PrepareClaim:
         ({"name": "x" * 254}, "is not a Kubernetes name of at most 253"),
         ({"gpu": 2}, "gpu 2: this node has GPUs 0..1"),
         ({"gpu": -1}, "gpu -1"),
-        ({"pods": ["pod"]}, "pods must be at most 256 pod UIDs"),
+        ({"pods": ["pod"]}, "pods: 'pod' is not a pod UID"),
         ({"pods": [POD] * 257}, "pods must be at most 256"),
         ({"memory_request": -1}, "memory_request and memory_limit are bytes >= 0"),
         ({"memory_limit": G // 2}, "is below memory_request"),
         ({"weight": -1.0}, "weight -1 is out of range: 0.001 to 1000"),
         ({"weight": math.nan}, "weight nan is out of range"),
         ({"weight": 1e4}, "out of range"),
+        ({"compute_limit": 1.5}, "compute_limit 1.5 is not a fraction in (0, 1]"),
+        ({"compute_limit": -0.5}, "is not a fraction"),
+        ({"compute_limit": math.nan}, "is not a fraction"),
+        # a final newline: "$" matched before it (found by an attack)
+        ({"uid": UID + "\n"}, "is not a Kubernetes UID"),
+        ({"name": "share\n"}, "is not a Kubernetes name"),
+        ({"namespace": "research\n"}, "is not a Kubernetes name"),
+        ({"pods": [POD, POD + "\n"]}, "is not a pod UID"),
     ],
 )
 def test_a_prepare_out_of_bounds_is_refused_naming_the_field(bad, says):
@@ -181,5 +189,98 @@ async def test_a_session_back_after_a_restart_keeps_its_claim_until_the_plugin_r
     err = await refused(node, memory_limit=G, claim=UID)  # a new one: not until resent
     assert "is not prepared" in err.message
     await node.ask(prep())
+    err = await refused(node, memory_limit=8 * G, claim=UID)  # the claim is back's
+    assert err.code == "claim" and f"is held by session {sid} already" in err.message
+    back.close()
+    await node.until(lambda: not node.node.status().gpus[0].sessions)
     again = await node.workload(memory_limit=8 * G, claim=UID, name="new")
     assert again.welcome.memory_limit == 2 * G
+
+
+def in_pod_as_itself(node: InProcessNode, pod_uid: str) -> None:
+    """:func:`in_pod`, with this process's stat and status shown too, so that the node
+    can match it to its record after a restart."""
+    in_pod(node, pod_uid)
+    proc = node.dir / "proc" / str(os.getpid())
+    for f in ("stat", "status"):
+        if not (proc / f).exists():
+            (proc / f).symlink_to(f"/proc/{os.getpid()}/{f}")
+
+
+@in_process(policy="weighted")
+async def test_back_after_a_restart_before_the_resend_it_is_held_to_its_claim(node):
+    # (found by an attack: the record kept only the limit, so the weight and request were
+    # the hello's word again until the plugin's next resync)
+    in_pod_as_itself(node, POD)
+    await node.ask(prep(pods=[POD], memory_request=G // 2, memory_limit=2 * G, weight=0.5))
+    w = await node.workload(memory_limit=8 * G, claim=UID, name="t")
+    sid = w.session
+    await node.settle()
+    await node.restart()
+    in_pod_as_itself(node, POD)
+    back = await node.workload(
+        session=sid, memory_limit=2 * G, memory_request=2 * G, weight=1000.0, claim=UID, name="t"
+    )
+    assert back.session == sid
+    (s,) = node.node.status().gpus[0].sessions
+    got = (back.welcome.memory_request, back.welcome.weight, s.weight_source, s.claim)
+    assert got == (G // 2, 0.5, "claim", UID)
+
+
+@in_process(memory="16GiB")
+async def test_a_claim_is_one_sessions_share_a_second_is_refused_in_one_line(node):
+    # (found by an attack: four sessions of one pod each got the claim's whole share)
+    in_pod(node, POD)
+    await node.ask(prep(pods=[POD], memory_request=G, memory_limit=2 * G))
+    first = await node.workload(memory_limit=8 * G, name="w0")
+    assert first.welcome.memory_limit == 2 * G
+    for named in ({}, {"claim": UID}):  # by its pod, or by name
+        err = await refused(node, memory_limit=8 * G, **named)
+        assert err.code == "claim" and "\n" not in err.message
+        assert f"is held by session {first.session} already" in err.message
+        assert "a claim of its own" in err.message
+    assert len(node.node.status().gpus[0].sessions) == 1
+    first.close()
+    await node.until(lambda: not node.node.status().gpus[0].sessions)
+    second = await node.workload(memory_limit=8 * G, name="w1")  # the share is free again
+    assert second.welcome.memory_limit == 2 * G
+
+
+@in_process()
+async def test_a_claim_reserved_for_no_pod_is_not_a_pods_to_name(node):
+    # (found by an attack: a pod bound by its own claim stepped out of it by naming one
+    # whose reservedFor held no pod)
+    in_pod(node, POD)
+    await node.ask(prep(pods=[POD], memory_request=G, memory_limit=G))
+    open_ = "eeeeeeee-0000-4000-8000-000000000000"
+    await node.ask(prep(uid=open_, name="open", pods=[], memory_request=8 * G, memory_limit=8 * G))
+    err = await refused(node, memory_limit=8 * G, claim=open_)
+    assert err.code == "claim" and "reserved for other pods" in err.message
+
+
+@in_process()
+async def test_a_claims_compute_limit_is_the_nodes_word_not_only_the_envs(node):
+    # (found by an attack: the claim's computeLimit reached only the container's env,
+    # which a workload may unset)
+    await node.ask(prep(compute_limit=0.5))
+    for asked, held in ((None, 0.5), (0.25, 0.25), (0.9, 0.5)):
+        w = await node.workload(memory_limit=G, claim=UID, name="t", compute_limit=asked)
+        (s,) = node.node.status().gpus[0].sessions
+        assert s.compute_limit == held, (asked, s.compute_limit)
+        w.close()
+        await node.until(lambda: not node.node.status().gpus[0].sessions)
+
+
+@in_process()
+async def test_no_process_joins_a_session_its_claims_unprepare_is_ending(node, monkeypatch):
+    # (found by an attack: a member joining in an unprepare's grace was never ended)
+    from gpushare.node.serve import workload_server
+
+    monkeypatch.setattr(workload_server, "descends", lambda pid, ancestor, root: True)
+    await node.ask(prep())
+    head = await node.workload(memory_limit=8 * G, claim=UID, name="head")
+    r = await node.ask(p.UnprepareClaim(uid=UID, grace_s=10.0))
+    assert isinstance(r, p.Done) and "ending" in r.message
+    err = await refused(node, memory_limit=G, family=head.session, name="member")
+    assert err.code == "family" and f"session {head.session} is being ended" in err.message
+    await node.until(lambda: not node.node.status().gpus[0].sessions)  # ended after the grace

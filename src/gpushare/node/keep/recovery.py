@@ -73,6 +73,7 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     limit: int
     name: str
     claim: str = ""  # the DRA ResourceClaim it attached by: it may name it again after a restart
+    claim_terms: tuple[int, float, float] = (0, 0.0, 0.0)  # its request, weight, compute limit
     stopped: list[tuple[int, int]] = []  # (pid, start time) a freeze stopped
     # As the node last wrote them: its memory, and the lease it held (0: none). Only
     # that lease's token is good after a restart, and only once.

@@ -75,6 +75,7 @@ def record_of(
     name: str,
     family: int,
     claim: str = "",
+    terms: tuple[int, float, float] = (0, 0.0, 0.0),
 ) -> SessionRecord:
     return SessionRecord(
         id=sid,
@@ -88,4 +89,5 @@ def record_of(
         name=name,
         family=family,
         claim=claim,
+        claim_terms=terms,
     )

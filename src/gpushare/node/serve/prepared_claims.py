@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gpushare import protocol as p
 from gpushare.node.guard import Refused
+from gpushare.node.keep.recovery import SessionRecord
 from gpushare.units import MAX_WEIGHT, MIN_WEIGHT
 
 # Bounds on what a PrepareClaim may hold: Kubernetes' own for the names, and for the
@@ -33,6 +34,13 @@ class PreparedClaim:
     memory_request: int  # bytes; 0: none allocated
     memory_limit: int  # bytes; 0: none given
     weight: float  # 0: none given (the session's own word, as without a claim)
+    compute_limit: float = 0.0  # in (0, 1]; 0: none given
+
+    def compute(self, asked: float | None) -> float | None:
+        """A hello's compute limit within this claim's (the lower of the two)."""
+        if not self.compute_limit:
+            return asked
+        return self.compute_limit if asked is None else min(asked, self.compute_limit)
 
     def bounds(self, limit: int, request: int | None) -> tuple[int, int | None]:
         """A hello's limit and request within this claim's: the limit no more than the
@@ -51,29 +59,21 @@ def check(m: p.PrepareClaim, gpus: int) -> PreparedClaim:
     """A PrepareClaim's fields within their bounds, or :class:`p.ProtocolError` naming
     the field (the plugin sends what the API server checked: one that does not is
     broken, and nothing of it is kept)."""
-    if not _UID.match(m.uid):
+    if not _UID.fullmatch(m.uid):  # fullmatch: "$" would let a final newline through
         raise p.ProtocolError(f"prepare_claim: uid {m.uid[:40]!r} is not a Kubernetes UID")
     for field, text, most in (("namespace", m.namespace, 63), ("name", m.name, 253)):
-        if text and (len(text) > most or not _NAME.match(text)):
+        if text and (len(text) > most or not _NAME.fullmatch(text)):
             raise p.ProtocolError(
                 f"prepare_claim: {field} {text[:64]!r} is not a Kubernetes name of at most"
                 f" {most} characters"
             )
     if not 0 <= m.gpu < gpus:
         raise p.ProtocolError(f"prepare_claim: gpu {m.gpu}: this node has GPUs 0..{gpus - 1}")
-    if len(m.pods) > MAX_PODS or not all(_UID.match(u) for u in m.pods):
+    if len(m.pods) > MAX_PODS:
         raise p.ProtocolError(f"prepare_claim: pods must be at most {MAX_PODS} pod UIDs")
-    if not (0 <= m.memory_request < 2**63 and 0 <= m.memory_limit < 2**63):
-        raise p.ProtocolError("prepare_claim: memory_request and memory_limit are bytes >= 0")
-    if m.memory_limit and m.memory_limit < m.memory_request:
-        raise p.ProtocolError(
-            f"prepare_claim: memory_limit {m.memory_limit} is below memory_request"
-            f" {m.memory_request}: give a limit at least the request"
-        )
-    if m.weight and not MIN_WEIGHT <= m.weight <= MAX_WEIGHT:
-        raise p.ProtocolError(
-            f"prepare_claim: weight {m.weight:g} is out of range: {MIN_WEIGHT:g} to {MAX_WEIGHT:g}"
-        )
+    if bad := next((u for u in m.pods if not _UID.fullmatch(u)), None):
+        raise p.ProtocolError(f"prepare_claim: pods: {bad[:40]!r} is not a pod UID")
+    _check_figures(m)
     return PreparedClaim(
         uid=m.uid,
         namespace=m.namespace,
@@ -83,6 +83,49 @@ def check(m: p.PrepareClaim, gpus: int) -> PreparedClaim:
         memory_request=m.memory_request,
         memory_limit=m.memory_limit,
         weight=m.weight,
+        compute_limit=m.compute_limit,
+    )
+
+
+def _check_figures(m: p.PrepareClaim) -> None:
+    """The claim's memory, weight and compute limit within their bounds."""
+    if not (0 <= m.memory_request < 2**63 and 0 <= m.memory_limit < 2**63):
+        raise p.ProtocolError("prepare_claim: memory_request and memory_limit are bytes >= 0")
+    if m.memory_limit and m.memory_limit < m.memory_request:
+        raise p.ProtocolError(
+            f"prepare_claim: memory_limit {m.memory_limit} is below memory_request"
+            f" {m.memory_request}: give a limit at least the request"
+        )
+    if m.compute_limit and not 0 < m.compute_limit <= 1:
+        raise p.ProtocolError(
+            f"prepare_claim: compute_limit {m.compute_limit:g} is not a fraction in (0, 1]"
+        )
+    if m.weight and not MIN_WEIGHT <= m.weight <= MAX_WEIGHT:
+        raise p.ProtocolError(
+            f"prepare_claim: weight {m.weight:g} is out of range: {MIN_WEIGHT:g} to {MAX_WEIGHT:g}"
+        )
+
+
+def of_record(named: str, rec: SessionRecord, gpu: int, pod_uid: str) -> PreparedClaim | None:
+    """The claim a session's record keeps from before a node restart, where the plugin
+    has not told it again yet and the hello names that claim or none: the session is held
+    to it as it was (its bounded limit, the claim's request, weight and compute limit),
+    from the same pod and on the same GPU; None otherwise."""
+    same = rec.pod_uid == pod_uid and rec.gpu == gpu and named in ("", rec.claim)
+    if not (rec.claim and same):
+        return None
+    pods = frozenset({pod_uid}) if pod_uid else frozenset()
+    request, weight, compute = rec.claim_terms
+    return PreparedClaim(rec.claim, "", "", gpu, pods, request, rec.limit, weight, compute)
+
+
+def held_already(c: PreparedClaim, sessions: list[int]) -> Refused:
+    ids = ", ".join(str(i) for i in sessions)
+    return Refused(
+        "claim",
+        f"hello: claim {c.namespace}/{c.name} is held by session {ids} already: a claim is one"
+        " session's share (the processes its program starts join it: gpushare run makes"
+        " them members); give another container or pod a claim of its own",
     )
 
 
@@ -134,7 +177,7 @@ class PreparedClaims:
                 f"hello: claim {c.namespace}/{c.name} is on GPU {c.gpu}, not GPU {gpu}:"
                 " attach on the GPU the claim gives (NVIDIA_VISIBLE_DEVICES from its CDI env)",
             )
-        if pod_uid and c.pods and pod_uid not in c.pods:
+        if pod_uid and pod_uid not in c.pods:  # reserved for no pod: for none of them
             raise Refused(
                 "claim",
                 f"hello: claim {c.namespace}/{c.name} is reserved for other pods, not this"

@@ -41,7 +41,13 @@ from gpushare.node.serve.hello_figures import (
     request_of,
     who_of,
 )
-from gpushare.node.serve.prepared_claims import PreparedClaim, PreparedClaims, not_prepared
+from gpushare.node.serve.prepared_claims import (
+    PreparedClaim,
+    PreparedClaims,
+    held_already,
+    not_prepared,
+    of_record,
+)
 from gpushare.status import Claimed
 
 log = logging.getLogger("gpushare.node.workload_server")
@@ -222,8 +228,14 @@ class WorkloadServer:
                 "busy",
                 f"the node restarted and session {h.family} is not back yet: try again soon",
             )
-        if head is None:
+        if head is None or head.ended:
             raise Refused("family", f"hello: no session {h.family} is attached to join: {fix}")
+        if head.ending is not None:  # its members are ended with it: none joins meanwhile
+            raise Refused(
+                "family",
+                f"hello: session {h.family} is being ended (ctl end, or its claim unprepared):"
+                " its processes cannot join it now",
+            )
         if (
             head.uid != conn.uid
             or head.proc is None
@@ -422,6 +434,9 @@ class WorkloadServer:
                 self.conns,
             )  # fmt: skip
         claim_uid = self._claim_uid(h, head, claim, rec)
+        terms = (0, 0.0, 0.0)
+        if claim is not None:
+            terms = (claim.memory_request, claim.weight, claim.compute_limit)
         swapped = h.swapped
         sid = self._sid(conn, h, limit, rec, pending)
         name = h.name or f"pid-{conn.pid}"
@@ -431,7 +446,7 @@ class WorkloadServer:
         family, gang = family_of(arb, head, rec, gang, who_of(conn.uid, identity))
         self._check_gang_across(arb, gang)
         if dry:
-            return record_of(conn, sid, gpu, identity, limit, name, family, claim_uid)
+            return record_of(conn, sid, gpu, identity, limit, name, family, claim_uid, terms)
         # Memory a session says it has on the GPU counts only where the node can check
         # it: on record from before a restart, or as NVML counts its process's (then no
         # more than that). A new session with neither has nothing resident. (What it
@@ -446,7 +461,8 @@ class WorkloadServer:
             # more without asking is revoked (docs/scheduling.md 6).
             grows=h.grows,
             sharing=sharing,
-            compute_limit=h.compute_limit,  # real GPUs: not yet (docs/scheduling.md)
+            # real GPUs: not yet (docs/scheduling.md); a claim's is the node's word
+            compute_limit=h.compute_limit if claim is None else claim.compute(h.compute_limit),
             workload=bucket_of(conn.uid, identity, name),
             weight=weight,
             resident=resident,
@@ -479,7 +495,7 @@ class WorkloadServer:
         )
         conn.sharing_source = sharing_source
         conn.claim = claim_uid
-        conn.record = record_of(conn, sid, gpu, identity, limit, name, family, claim_uid)
+        conn.record = record_of(conn, sid, gpu, identity, limit, name, family, claim_uid, terms)
         self.conns[sid] = conn
         self.guard.joined(conn)
         self.guard.join_budget(
@@ -517,7 +533,17 @@ class WorkloadServer:
         if head is not None:
             return None
         prev = self.recovery.previous.get(h.session) if h.session else None
-        return self.claims.admit(h.claim, gpu, pod_uid, prev.claim if prev else "")
+        c = self.claims.admit(h.claim, gpu, pod_uid, prev.claim if prev else "")
+        if c is None and prev is not None:
+            c = of_record(h.claim, prev, gpu, pod_uid)
+        if c is None:
+            return None
+        # One session a claim: a second would get the claim's share again (its
+        # processes join the first as members, which split its limit).
+        held = [x.session for x in self.conns.values() if x.claim == c.uid and not x.ended]
+        if held := [sid for sid in held if sid != h.session]:
+            raise held_already(c, held)
+        return c
 
     def _claim_uid(
         self, h: p.Hello, head: Conn | None, claim: PreparedClaim | None, rec: SessionRecord | None

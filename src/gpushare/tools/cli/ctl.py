@@ -25,7 +25,7 @@ from gpushare.tools.cli.args import (
     _setting,
     _size,
 )
-from gpushare.units import parse_duration, parse_weight
+from gpushare.units import is_fraction, parse_duration, parse_weight
 
 
 def _grace(text: str) -> float:
@@ -33,6 +33,16 @@ def _grace(text: str) -> float:
         return check_end_grace(parse_duration(text))
     except (ValueError, SettingsError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = float("nan")
+    if not is_fraction(f):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the GPU's time in (0, 1]")
+    return f
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -140,6 +150,13 @@ def _add_claim(cs: Subparsers) -> None:
     prep.add_argument(
         "--weight", type=parse_weight, default=0.0, help="its weight (default: the workload's)"
     )
+    prep.add_argument(
+        "--compute-limit",
+        type=_fraction,
+        default=0.0,
+        metavar="F",
+        help="its compute limit, a fraction in (0, 1] (default: none)",
+    )
     _admin_socket(prep)
     un = ccs.add_parser("unprepare", help="a claim done with: its sessions are ended")
     un.add_argument("uid", metavar="UID")
@@ -174,7 +191,7 @@ def command(args: argparse.Namespace) -> int:
     if args.ctl_cmd == "claim" and args.claim_cmd == "prepare":
         return ctl.prepare_claim(
             path, args.uid, args.gpu, args.namespace, args.name, args.pod,
-            args.memory_request, args.memory_limit, args.weight,
+            args.memory_request, args.memory_limit, args.weight, args.compute_limit,
         )  # fmt: skip
     if args.ctl_cmd == "claim":
         return ctl.unprepare_claim(path, args.uid, args.reason, args.grace)
