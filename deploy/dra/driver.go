@@ -136,7 +136,7 @@ func (d *driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	d.mu.Lock()
 	d.prepared[claim.UID] = told
 	d.mu.Unlock()
-	if err := d.statuses.write(ctx, told, share{MemoryRequestBytes: request, MemoryLimitBytes: told.MemoryLimit, Weight: told.Weight, Simulated: g.Simulated}); err != nil {
+	if err := d.statuses.write(ctx, told, shareOf(told, status{GPUs: []gpu{g}})); err != nil {
 		klog.FromContext(ctx).Error(err, "writing the claim's status.devices", "claim", claim.Namespace+"/"+claim.Name)
 	}
 	return []kubeletplugin.Device{{

@@ -399,12 +399,16 @@ def share_of(c: Cluster, ns: str, claim: str) -> dict[str, Any] | None:
     return dict(mine[0].get("data") or {}) if mine else None
 
 
+def only(env: dict[str, str]) -> dict[str, str]:
+    """``env`` and nothing else of this shell's but what runs Python (a container's)."""
+    return {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ} | env
+
+
 def attach_with(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
     """A workload given ``env`` (and nothing else of this shell's): its process and id."""
-    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
     w = subprocess.Popen(
         [sys.executable, "-c", ATTACH],
-        env=base | env,
+        env=only(env),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -501,9 +505,8 @@ def test_dra_a_prepared_claim_bounds_its_sessions_shows_its_share_and_unprepare_
 
 def attach_refused(env: dict[str, str]) -> tuple[str, int]:
     """A workload given ``env`` that the node refuses: its stderr and exit status."""
-    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
     r = subprocess.run(
-        [sys.executable, "-c", ATTACH], env=base | env, input="", capture_output=True,
+        [sys.executable, "-c", ATTACH], env=only(env), input="", capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode != 0, r.stdout
@@ -536,7 +539,6 @@ def test_dra_two_claims_on_one_gpu_take_turns_in_their_containers(dra: Cluster, 
     p, node = plugin("4GiB", mode="exclusive", tq="0.2")
     kube.namespace(ns)
     params = {"memoryLimit": "1Gi", "sharingMode": "time-slicing"}
-    base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
     procs = []
     try:
         for _ in range(2):
@@ -547,7 +549,7 @@ def test_dra_two_claims_on_one_gpu_take_turns_in_their_containers(dra: Cluster, 
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", TURNS],
-                    env=base | cdi_env(p, cdi_id),
+                    env=only(cdi_env(p, cdi_id)),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,

@@ -116,11 +116,7 @@ class AdminServer:
         elif isinstance(msg, p.EndSession):
             conn.send(self.end_session(msg))
         elif isinstance(msg, p.PrepareClaim):
-            c = check(msg, len(self.arbiters))
-            said = self.claims.prepare(c)
-            if said != "prepared already":
-                log.info("claim %s/%s (%s) %s on GPU %d", c.namespace, c.name, c.uid, said, c.gpu)
-            conn.send(p.Done(message=f"claim {c.namespace}/{c.name} {said}"))
+            conn.send(self.prepare_claim(msg))
         elif isinstance(msg, p.UnprepareClaim):
             conn.send(self.unprepare_claim(msg))
         elif isinstance(msg, p.Hello):
@@ -157,6 +153,15 @@ class AdminServer:
         log.warning("ending session %d (pid %d): %s", c.session, c.pid, reason)
         self.dispatch.end_session(c, reason)
         return f"session {c.session} ended"
+
+    def prepare_claim(self, m: p.PrepareClaim) -> p.Message:
+        """A claim the plugin prepared, kept once checked (:class:`p.ProtocolError` for
+        a field out of bounds: nothing kept)."""
+        c = check(m, len(self.arbiters))
+        said = self.claims.prepare(c)
+        if said != "prepared already":
+            log.info("claim %s/%s (%s) %s on GPU %d", c.namespace, c.name, c.uid, said, c.gpu)
+        return p.Done(message=f"claim {c.namespace}/{c.name} {said}")
 
     def unprepare_claim(self, m: p.UnprepareClaim) -> p.Message:
         """A claim done with: forgotten (no new session names it), its sessions ended."""

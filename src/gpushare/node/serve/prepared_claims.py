@@ -36,6 +36,11 @@ class PreparedClaim:
     weight: float  # 0: none given (the session's own word, as without a claim)
     compute_limit: float = 0.0  # in (0, 1]; 0: none given
 
+    @property
+    def terms(self) -> tuple[int, float, float]:
+        """Its request, weight and compute limit, as a session's record keeps them."""
+        return self.memory_request, self.weight, self.compute_limit
+
     def compute(self, asked: float | None) -> float | None:
         """A hello's compute limit within this claim's (the lower of the two)."""
         if not self.compute_limit:

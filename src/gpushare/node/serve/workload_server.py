@@ -433,10 +433,8 @@ class WorkloadServer:
                 h.session, conn.proc, identity.pod_uid, identity.container_id, gpu, limit,
                 self.conns,
             )  # fmt: skip
-        claim_uid = self._claim_uid(h, head, claim, rec)
-        terms = (0, 0.0, 0.0)
-        if claim is not None:
-            terms = (claim.memory_request, claim.weight, claim.compute_limit)
+        claim_uid = self._claim_uid(h, head, claim)
+        terms = claim.terms if claim is not None else (0, 0.0, 0.0)
         swapped = h.swapped
         sid = self._sid(conn, h, limit, rec, pending)
         name = h.name or f"pid-{conn.pid}"
@@ -540,24 +538,20 @@ class WorkloadServer:
             return None
         # One session a claim: a second would get the claim's share again (its
         # processes join the first as members, which split its limit).
-        held = [x.session for x in self.conns.values() if x.claim == c.uid and not x.ended]
-        if held := [sid for sid in held if sid != h.session]:
+        others = [x.session for x in self.conns.values() if x.claim == c.uid and not x.ended]
+        if held := [sid for sid in others if sid != h.session]:
             raise held_already(c, held)
         return c
 
-    def _claim_uid(
-        self, h: p.Hello, head: Conn | None, claim: PreparedClaim | None, rec: SessionRecord | None
-    ) -> str:
-        """The claim the session is shown by: a member's session's; a prepared one's; or
-        the claim of its own record from before a restart (its plugin tells it again)."""
+    def _claim_uid(self, h: p.Hello, head: Conn | None, claim: PreparedClaim | None) -> str:
+        """The claim the session is shown by: a member's session's, else the one it
+        attaches by (prepared, or its record's from before a restart: :meth:`_claim_of`)."""
         if head is not None:
             return head.claim
         if claim is not None:
             return claim.uid
-        if rec is not None and rec.claim and h.claim in ("", rec.claim):
-            return rec.claim  # bound before the restart, by name or by its pod
         if h.claim:
-            raise not_prepared(h.claim)  # named only by the session its record names
+            raise not_prepared(h.claim)  # its record's only for the process it names
         return ""
 
     def _check_gang_across(self, arb: Arbiter, gang: str) -> None:
