@@ -11,7 +11,15 @@ sent while ``/health`` is polled. Printed per run: the request's latency, the sl
 process and the vLLM process that joined it, in one gang. Gated, the request waits for
 the rival's lease (about ``--hold`` - 1 s); bare, it is answered at once, ungated.
 
+With ``--rival trainer`` the rival is a training loop instead (TQ 10 s): one burst of
+50 ms steps with a safe point every 5 ms for the whole measurement, while ``--requests``
+completion requests are sent one at a time, ``--gap`` seconds apart. Printed per run:
+each request's latency, p50 and max, and (gated) the vLLM sessions' interactive turns
+and grants. Gated, a request should take a turn at the trainer's next safe point
+(docs/scheduling.md "3. Interactive turns"), not wait out its 10 s quantum.
+
     python benchmarks/vllm_gated.py --python /work/vllm/venv/bin/python --model DIR
+    python benchmarks/vllm_gated.py --python ... --model DIR --rival trainer --keep DIR
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import gpushare
-from gpushare.status import to_json_object
+from gpushare.status import SessionStatus
 from gpushare.tools.admin import AdminClient
 
 
@@ -82,44 +92,8 @@ def one_run(args: argparse.Namespace, d: Path, gated: bool) -> dict[str, Any]:
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
         for _ in range(3):
             get(base + "/v1/completions", body)  # warm (the first joins, gated)
-        rival = gpushare.attach("4GiB", socket=str(d / "w.sock"), name="rival")
-        health: list[float] = []
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.is_set():
-                try:
-                    health.append(get(base + "/health", timeout=5))
-                except OSError:
-                    health.append(5.0)
-                time.sleep(0.2)
-
-        with rival.gpu():
-            time.sleep(1.0)
-            t = threading.Thread(target=poll)
-            t.start()
-            done: list[float] = []
-            req = threading.Thread(target=lambda: done.append(get(base + "/v1/completions", body)))
-            req.start()
-            time.sleep(args.hold - 1.0)
-        req.join()
-        stop.set()
-        t.join()
-        with AdminClient(str(d / "a.sock")) as c:
-            st = to_json_object(c.status())
-        rival.close()
-        rows = [
-            {k: s[k] for k in ("id", "name", "family", "gang", "grants_total")}
-            for s in st["gpus"][0]["sessions"]
-            if s["name"] != "rival"
-        ]
-        return {
-            "gated": gated,
-            "start_s": round(started, 1),
-            "request_s": round(done[0], 3),
-            "health_max_s": round(max(health), 3),
-            "sessions": rows,
-        }
+        measure = beside_trainer if args.rival == "trainer" else beside_holder
+        return {"gated": gated, "start_s": round(started, 1), **measure(args, d, base, body)}
     finally:
         server.terminate()
         try:
@@ -128,18 +102,125 @@ def one_run(args: argparse.Namespace, d: Path, gated: bool) -> dict[str, Any]:
             server.kill()
 
 
+def vllm_rows(d: Path, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The node's rows for the sessions that are not the rival's (gated: vLLM's)."""
+    with AdminClient(str(d / "a.sock")) as c:
+        sessions: list[SessionStatus] = c.status().gpus[0].sessions
+    return [{k: getattr(s, k) for k in keys} for s in sessions if s.name != "rival"]
+
+
+def beside_holder(
+    args: argparse.Namespace, d: Path, base: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """One request while a rival holds the GPU ``--hold`` s, ``/health`` polled meanwhile."""
+    rival = gpushare.attach("4GiB", socket=str(d / "w.sock"), name="rival")
+    health: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                health.append(get(base + "/health", timeout=5))
+            except OSError:
+                health.append(5.0)
+            time.sleep(0.2)
+
+    with rival.gpu():
+        time.sleep(1.0)
+        t = threading.Thread(target=poll)
+        t.start()
+        done: list[float] = []
+        req = threading.Thread(target=lambda: done.append(get(base + "/v1/completions", body)))
+        req.start()
+        time.sleep(args.hold - 1.0)
+    req.join()
+    stop.set()
+    t.join()
+    rows = vllm_rows(d, ("id", "name", "family", "gang", "grants_total", "turns_total"))
+    rival.close()
+    return {
+        "request_s": round(done[0], 3),
+        "health_max_s": round(max(health), 3),
+        "sessions": rows,
+    }
+
+
+def train(rival: gpushare.Session, stop: threading.Event, steps: list[float]) -> None:
+    """The rival: one burst of 50 ms steps, a safe point every 5 ms, until stopped."""
+    with rival.gpu():
+        while not stop.is_set():
+            t = time.perf_counter()
+            for _ in range(10):
+                time.sleep(0.005)
+                rival.checkpoint()
+            steps.append(time.perf_counter() - t)
+
+
+def beside_trainer(
+    args: argparse.Namespace, d: Path, base: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """``--requests`` requests, ``--gap`` s apart, while a rival trains in one burst."""
+    rival = gpushare.attach("4GiB", socket=str(d / "w.sock"), name="rival")
+    stop = threading.Event()
+    steps: list[float] = []
+    trainer = threading.Thread(target=train, args=(rival, stop, steps))
+    trainer.start()
+    latencies: list[float] = []
+    try:
+        time.sleep(1.0)  # the trainer holds the GPU, its quantum begun, before the first
+        for _ in range(args.requests):
+            time.sleep(args.gap)
+            latencies.append(round(get(base + "/v1/completions", body), 3))
+            print(f"    request {len(latencies)}: {latencies[-1]:.3f} s", flush=True)
+        # read while it still trains: what its turns cost the trainer shows in its row
+        keys = ("id", "name", "family", "turns_total", "grants_total", "revokes_total")
+        rows = vllm_rows(d, (*keys, "wait_seconds_max", "turn_credit_seconds"))
+        with AdminClient(str(d / "a.sock")) as c:
+            trained = [s for s in c.status().gpus[0].sessions if s.name == "rival"]
+        rival_row = {k: getattr(trained[0], k) for k in keys[3:]} if trained else {}
+    finally:
+        stop.set()
+        trainer.join()
+        rival.close()
+    return {
+        "requests_s": latencies,
+        "p50_s": round(statistics.median(latencies), 3),
+        "max_s": max(latencies),
+        "sessions": rows,
+        "turns_total": sum(r["turns_total"] for r in rows),
+        "grants_total": sum(r["grants_total"] for r in rows),
+        # a step the trainer paused for a request's turn is longer than 50 ms
+        "rival": {
+            **rival_row,
+            "steps": len(steps),
+            "step_max_s": round(max(steps, default=0.0), 3),
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", required=True, help="the Python of a venv with vLLM")
     ap.add_argument("--model", required=True, help="a model folder vLLM loads offline")
     ap.add_argument("--hold", type=float, default=6.0, help="seconds the rival holds the GPU")
+    ap.add_argument(
+        "--rival",
+        choices=("holder", "trainer"),
+        default="holder",
+        help="holder: holds the GPU --hold s (TQ 5); trainer: a training loop (TQ 10)",
+    )
+    ap.add_argument("--requests", type=int, default=8, help="requests beside the trainer")
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds between those requests")
+    ap.add_argument("--keep", help="a folder to copy the node's and servers' logs into")
     args = ap.parse_args()
+    tq = "10" if args.rival == "trainer" else "5"
     with tempfile.TemporaryDirectory(prefix="gs-vllm-") as tmp:
         d = Path(tmp)
         node = subprocess.Popen(
             [sys.executable, "-m", "gpushare", "node", "--socket", str(d / "w.sock"),
              "--admin-socket", str(d / "a.sock"), "--sim-gpus", "1", "--sim-memory", "16GiB",
-             "--mode", "exclusive", "--tq", "5", "--metrics-port", "0"],
+             "--mode", "exclusive", "--tq", tq, "--metrics-port", "0",
+             "--event-log", str(d / "events.jsonl")],
             stderr=open(d / "node.log", "wb"),  # noqa: SIM115
         )  # fmt: skip
         try:
@@ -155,7 +236,19 @@ def main() -> None:
         finally:
             node.terminate()
             node.wait(10)
+            if args.keep:  # the temporary folder goes: its logs are all the node said
+                os.makedirs(args.keep, exist_ok=True)
+                for f in [*d.glob("*.log"), *d.glob("*.jsonl")]:
+                    shutil.copy(f, args.keep)
     bare, gated_r = results
+    if args.rival == "trainer":
+        print(
+            f"{args.requests} requests, {args.gap:g} s apart, while a rival trains (TQ 10 s):"
+            f" bare p50 {bare['p50_s']:.3f} s, max {bare['max_s']:.3f} s; gated p50"
+            f" {gated_r['p50_s']:.3f} s, max {gated_r['max_s']:.3f} s; vLLM's sessions took"
+            f" {gated_r['turns_total']} turns in {gated_r['grants_total']} grants"
+        )
+        return
     print(
         f"a request while a rival holds the GPU {args.hold:g} s: bare {bare['request_s']:.2f} s"
         f" (ungated), gated {gated_r['request_s']:.2f} s; /health at most"
