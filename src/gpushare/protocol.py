@@ -114,6 +114,9 @@ class Release(_Msg, tag="release"):
     # With ``again``, from a holder whose client grows: an allocation needs this many
     # bytes on the GPU, more than its grant's bound; it holds again when they fit.
     need: int = 0
+    # A burst's end (not ``again``): seconds it held with no work at its end (an
+    # implicit burst's idle release), not counted in its burst's length.
+    idle_s: float = 0.0
 
 
 class SwapDone(_Msg, tag="swap_done"):

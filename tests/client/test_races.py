@@ -393,7 +393,9 @@ def test_an_implicit_burst_granted_after_a_long_wait_is_not_ended_at_once():
         time.sleep(0.3)  # a quiet period, well within idle_release of the grant
         assert s.holding and node.said(s) == []
         wait_until(lambda: not s.holding, what="the idle release")
-        assert node.said(s) == [p.Release(resident=0, swapped=0)]
+        (rel,) = node.said(s)
+        assert rel == p.Release(resident=0, swapped=0, idle_s=rel.idle_s)
+        assert rel.idle_s >= 2.0  # its idle release, said
 
 
 def test_a_holder_shows_its_lease_and_token_to_a_restarted_node_and_yields_if_refused():
@@ -513,3 +515,22 @@ def test_a_backend_that_reports_while_it_is_made_does_not_break_the_attach(monke
         b.exit()
         said = node.said(s)
         assert [type(x) for x in said] == [p.Report, p.Release], said  # told once made
+
+
+def test_an_implicit_bursts_release_says_how_long_it_idled_and_an_explicit_ones_none():
+    """Issue 40: the node counted a server's implicit bursts with their idle release (0.17
+    s of work looked 0.67 s long). The release says the idle it held after its last safe
+    point; a ``with s.gpu()`` burst ends at its block's end, with no idle to say."""
+    with fake_session(idle_release_s=0.5) as (s, node):
+        t = threading.Thread(target=s.checkpoint)  # an implicit burst asks
+        t.start()
+        assert isinstance(node.recv(), p.Acquire)
+        node.send(p.Grant(lease=1, swap_in=0, quantum_s=30.0, idle_release_s=0.1))
+        t.join(10)
+        rel = node.recv()  # its grant's idle release after its last checkpoint
+        assert isinstance(rel, p.Release) and not rel.again
+        assert 0.1 <= rel.idle_s < 1.0, rel
+        b = hold(s, node, lease=2)
+        b.exit()
+        rel = node.recv()
+        assert isinstance(rel, p.Release) and rel.idle_s == 0.0

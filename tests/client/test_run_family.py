@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -175,3 +177,76 @@ def test_a_child_of_the_session_joins_through_the_protocol(node_factory):
     wait_until(
         lambda: _family(node)[str(s.id)]["memory_limit_bytes"] == 8 * GIB, 10, "its limit back"
     )
+
+
+SERVER = textwrap.dedent("""
+    import json, multiprocessing as mp, os, sys, time, torch
+
+    def engine(q, out):
+        m = torch.nn.Linear(8, 8)
+        x = torch.randn(2, 8)
+        m(x)  # its start: it joins the session here
+        out.put("ready")
+        while (sent := q.get()) is not None:  # a request: a few forwards, then idle
+            for _ in range(3):
+                m(x)
+            out.put(time.monotonic() - sent)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")  # as vLLM starts its EngineCore and Worker
+        q, out = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=engine, args=(q, out))
+        child.start()
+        assert out.get(timeout=120) == "ready"
+        print(json.dumps({"ready": True}), flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.01)
+        waits = []
+        for _ in range(int(sys.argv[2])):
+            time.sleep(1.0)  # requests a second apart
+            q.put(time.monotonic())
+            waits.append(out.get(timeout=120))
+        q.put(None)
+        child.join()
+        print(json.dumps({"waits": waits, "exit": child.exitcode}), flush=True)
+""")
+
+
+def test_a_server_of_several_processes_answers_beside_a_trainer_in_turns(node_factory, short_tmp):
+    """Issue 40, vLLM's process shape: the API server under ``gpushare run`` starts its
+    engine process (spawn), which joins the session and does the model's work; a trainer
+    holds the GPU at TQ 30. The family counted as a gang, and gangs took no turns: each
+    request waited the trainer's whole quantum (vLLM's CPU build: 8.8-9.1 s at TQ 10).
+    Each request is a turn now, answered in a fraction of the quantum."""
+    import gpushare
+
+    node = node_factory(*sim("16GiB", mode="exclusive", tq="30"))
+    prog, go = short_tmp / "server.py", short_tmp / "go"
+    prog.write_text(SERVER)
+    pr = gs_run(node, "--memory", "8GiB", "--", sys.executable, str(prog), str(go), "5",
+                extra_env={"GPUSHARE_MEMBER_MEMORY": "3GiB"})  # fmt: skip
+    assert pr.stdout is not None
+    assert json.loads(pr.stdout.readline()) == {"ready": True}, pr.stderr
+    trainer = gpushare.attach("6GiB", socket=node.socket, name="trainer")
+    stop = threading.Event()
+
+    def train() -> None:
+        with trainer.gpu():  # one long burst, a safe point every 5 ms
+            while not stop.is_set():
+                time.sleep(0.005)
+                trainer.checkpoint()
+
+    t = threading.Thread(target=train)
+    t.start()
+    wait_until(lambda: trainer.holding, 60, "the trainer to hold the GPU")
+    go.touch()
+    try:
+        out, err = pr.communicate(timeout=240)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+        trainer.close()
+    assert pr.returncode == 0, err
+    (done,) = lines(out)
+    assert done["exit"] == 0 and len(done["waits"]) == 5
+    assert max(done["waits"]) < 10.0, done  # turns, not the trainer's 30 s quantum

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from gpushare.core.actions import GrantAction, RevokeAction, SwapOutAction
-from gpushare.core.arbiter import Arbiter
+from gpushare.core.arbiter import Arbiter, FieldError
 from gpushare.core.attach import AttachRecord
 from gpushare.core.turns import SERVER_BURSTS, SERVER_IDLE_S
 from gpushare.settings import GpuSettings
@@ -60,7 +60,7 @@ def test_a_server_below_the_notebook_rate_short_of_credit_waits_seconds_not_a_qu
     due = a.next_deadline()
     r = a.turns.rate(s)
     need = 0.67 - 0.5 - (-0.6 + r * 0.2)
-    assert due == pytest.approx(clock.monotonic() + need / (r / (1 + r)))  # ~4 s, not 30
+    assert due == pytest.approx(clock.monotonic() + need / r)  # ~1 s, not 30
     clock.set(due)
     (rv,) = actions_of(a.tick(), RevokeAction)
     assert rv.session == 1 and s.share.turn and a.queue[0] == 2
@@ -208,3 +208,96 @@ def test_a_server_of_several_processes_takes_turns_as_one_process_does(clock):
     assert w.session == 3 and w.quantum_s == g.quantum_s
     clock.advance(g.quantum_s + 0.2)
     assert {r.session for r in actions_of(a.tick(), RevokeAction)} == {2, 3}  # both, at its end
+
+
+@pytest.mark.parametrize("start_s", [0.05, 5.0])
+def test_a_servers_first_request_after_a_long_start_is_a_turn(clock, start_s):
+    """Issue 40: a server that loaded its model alone (a start burst of seconds, which
+    did not wait) had that load for its usual burst: its first request, beside a batch
+    job holding at TQ 30, was refused a turn (its credit short of 5 s, no history of a
+    server's) and waited the whole quantum (19.6-25.9 s). Its start counts at most a
+    turn: the request takes its first turn, bounded by the credit it attached with."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
+    a.acquire(2)
+    clock.advance(start_s)
+    a.release(2, resident=GiB, swapped=0)
+    a.attach(1, AttachRecord(name="batch", memory_limit=GiB))
+    a.acquire(1)
+    clock.advance(2.0)
+    a.tick()  # (the server's window closed: the batch job holds)
+    assert list(a.holders) == [1]
+    (r,) = actions_of(a.acquire(2), RevokeAction)
+    assert r.session == 1 and a.sessions[2].share.turn
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 2 and g.quantum_s <= 1.0  # a turn, bounded: its credit
+    clock.advance(g.quantum_s + 0.01)  # its request outlasts the turn: back to the batch job
+    a.tick()
+    a.release(2, resident=GiB, swapped=0, again=True)
+    assert 1 in a.holders
+    a.verify()
+
+
+def test_an_implicit_bursts_idle_release_is_not_counted_in_its_burst(clock):
+    """A server's implicit bursts (0.17 s of work, the client's 0.5 s idle release after)
+    looked 0.67 s long; at 2 requests a second one often came within the release and its
+    bursts merged past a turn: never taken for a server, each burst held the GPU idle
+    0.5 s more. Its release says how long it idled; the node counts it up to the idle
+    release its grant told, and no more than the lease held."""
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
+    told = []
+    for idle_s in (0.5, 0.5, 9.0):  # (the last: more than it was told, believed up to it)
+        (g,) = actions_of(a.acquire(2), GrantAction)
+        told.append(g.idle_release_s or 0.5)
+        clock.advance(0.17 + told[-1])
+        a.release(2, resident=GiB, swapped=0, idle_s=idle_s)
+        clock.advance(2.0)
+        a.tick()
+    assert told == [0.5, 0.5, SERVER_IDLE_S]  # a server from its second short burst
+    s = a.sessions[2]
+    assert list(s.share.bursts) == pytest.approx([0.17, 0.17, 0.17])
+
+
+@pytest.mark.parametrize("idle_s", [-0.1, float("nan")])
+def test_a_release_with_a_bad_idle_is_refused_and_changes_nothing(clock, idle_s):
+    a = Arbiter(0, 80 * GiB, clock, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
+    a.attach(2, AttachRecord(name="server", memory_limit=GiB))
+    a.acquire(2)
+    clock.advance(0.3)
+    with pytest.raises(FieldError, match="idle_s"):
+        a.release(2, resident=GiB, swapped=0, idle_s=idle_s)
+    with pytest.raises(FieldError, match="idle_s"):
+        a.release(2, resident=GiB, swapped=0, again=True, idle_s=0.1)
+    assert a.sessions[2].holding and not a.sessions[2].share.bursts
+    a.verify()
+
+
+def test_a_server_whose_turn_ends_with_a_backlog_waits_for_a_turn_not_a_quantum(clock):
+    """Issue 40: past its share (a backlog), a server's turn ran out mid-burst and it was
+    sent to the back of the queue: behind the batch job's whole quantum (at TQ 5, p99
+    24.7 s). It waits as a refused server does, earning at its rate, until it has earned
+    a whole turn (what queued meanwhile served together), then goes first."""
+    a, s = light_server(clock, credit=0.5)
+    clock.advance(1.0)
+    (r,) = actions_of(a.acquire(2), RevokeAction)
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 2
+    rv = []
+    while not rv:  # its turn (renewed while its credit lasts) is up, the batch job waits
+        clock.advance(0.05)
+        rv = actions_of(a.tick(), RevokeAction)
+    assert [x.session for x in rv] == [2]
+    out = a.release(2, resident=GiB, swapped=0, again=True)  # requests still queued
+    assert [x.session for x in actions_of(out, GrantAction)] == [1]
+    due = a.next_deadline()
+    r = a.turns.rate(s)
+    need = 1.0 - a.turns.overdraft(s) - s.share.credit  # a whole turn, earned at r
+    assert due == pytest.approx(clock.monotonic() + need / r)
+    assert due - clock.monotonic() < 5.0  # seconds, not the batch job's 30 s quantum
+    clock.set(due)
+    (rv,) = actions_of(a.tick(), RevokeAction)
+    assert rv.session == 1 and s.share.turn and a.queue[0] == 2
+    (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
+    assert g.session == 2 and g.quantum_s == pytest.approx(1.0)  # a whole turn
+    a.verify()

@@ -445,7 +445,7 @@ class Lease:
             self._update()
             self.cond.notify_all()
 
-    def _release(self, again: bool, need: int = 0) -> None:
+    def _release(self, again: bool, need: int = 0, idle_s: float = 0.0) -> None:
         """HOLDING -> IDLE (burst end) or -> ACQUIRING (``again``: yield), by YIELDING
         when the revoke asked for a swap-out, done after the release so the next holder
         swaps in meanwhile."""
@@ -457,7 +457,9 @@ class Lease:
         self.phase = Phase.YIELDING if swap_out else after
         self.lease, self.room, self.bound, self.grant, self.rejoin = 0, 0, 0, None, again
         self._update()
-        self.link.send(self.msgs.release(again=again, swapping_out=swap_out, need=need))
+        self.link.send(
+            self.msgs.release(again=again, swapping_out=swap_out, need=need, idle_s=idle_s)
+        )
         if swap_out:
             try:
                 with self._unlocked(), self.swap_lock:
@@ -503,7 +505,7 @@ class Lease:
                 if idle >= self.burst_idle_s:
                     self.implicit = False
                     with contextlib.suppress(GpushareError, OSError):
-                        self._release(again=False)
+                        self._release(again=False, idle_s=idle)  # (its idle, not work)
                 else:
                     self.cond.wait(self.burst_idle_s - idle)
 

@@ -35,7 +35,9 @@ class Messages:
         self.asks += 1
         return p.Acquire(ask=self.asks)
 
-    def release(self, again: bool = False, swapping_out: int = 0, need: int = 0) -> p.Release:
+    def release(
+        self, again: bool = False, swapping_out: int = 0, need: int = 0, idle_s: float = 0.0
+    ) -> p.Release:
         self.told = resident, swapped, discarded = self.figures()
         if again:
             self.asks += 1
@@ -47,6 +49,7 @@ class Messages:
             swapping_out=swapping_out,
             ask=self.asks if again else 0,
             need=need,
+            idle_s=idle_s,
         )
 
     def swap_done(

@@ -347,6 +347,7 @@ class Arbiter:
         swapping_out: int = 0,
         need: int = 0,
         discarded: int = 0,
+        idle_s: float = 0.0,
     ) -> list[Action]:
         """The burst ended, or the holder yielded (``again``). ``swapped_out`` bytes went
         on the way (older clients); ``swapping_out`` bytes are going now, after the release,
@@ -354,7 +355,10 @@ class Arbiter:
         has stopped, so the next holder's swap-in may overlap that swap-out. ``need``
         (with ``again``, from a holder): an allocation needs room for this many bytes,
         more than its bound: it asks again, ahead of the queue with the rest of its
-        quantum, and is granted when that fits (docs/scheduling.md)."""
+        quantum, and is granted when that fits (docs/scheduling.md). ``idle_s`` (a burst's
+        end): the seconds it held with no work at its end, an implicit burst's idle
+        release, believed up to the idle release its grant told and the lease's GPU time:
+        not counted in its burst (core/turns.py: its usual burst is its work's)."""
         s = self.st.get(sid)
         now = self.clock.monotonic()
         self.st.ledger.check_figures(s, "release", resident, swapped + discarded)
@@ -367,6 +371,9 @@ class Arbiter:
                 "release: need is for a holder that asks again, with a client that grows"
             )
         took = _seconds("release: seconds", seconds)
+        tail = _seconds("release: idle_s", idle_s)
+        if tail and again:
+            raise FieldError("release: idle_s is for a burst's end, not with again")
         waiting = s.state is State.WAITING
         if not (s.holding or (waiting and (not again or s.esc.frozen or s.esc.yield_due))):
             raise ArbiterError(f"session {sid} holds no lease to release ({s.state})")
@@ -379,7 +386,7 @@ class Arbiter:
             s.memory.need = max(s.memory.need, need)
             grow = bool(need)
             self._release_lease(
-                s, now, resident, swapped, again, swapped_out, took, swapping_out, grow
+                s, now, resident, swapped, again, swapped_out, took, swapping_out, grow, tail
             )
         return self._decide()
 
@@ -534,13 +541,16 @@ class Arbiter:
         took: float,
         swapping_out: int,
         grow: bool = False,
+        tail: float = 0.0,
     ) -> None:
         st, ls, m = self.st, s.lease, s.memory
         caps.settle(s, now)  # (holding still: its GPU time spent from the bucket)
         revoked = s.state is State.YIELDING
         held = now - ls.start
         s.totals.lease_s += held
-        s.share.burst_lease += max(0.0, now - ls.gpu_since)  # GPU time: after the swap-in
+        gpu = max(0.0, now - ls.gpu_since)  # GPU time: after the swap-in
+        s.share.burst_lease += gpu
+        tail = min(tail, ls.idle_release, gpu)  # (no more than it was told, or held)
         st.holders.remove(s.id)
         turn = s.share.turn
         # An older client swapped out before it released: that copy is no GPU time.
@@ -567,24 +577,37 @@ class Arbiter:
             left = ls.quantum_end - now  # quantum next, ahead of the queue
             s.share.resume_s = max(0.0, left) if math.isfinite(left) else ls.quantum_len
         if again:
-            self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused: it goes on next
-            if revoked and s.rank.gang:  # its gang holds the GPU until every member yields
-                self.gangs.park(s, now)
+            self._asks_again(s, now, revoked, turn)
         else:
-            s.state = State.IDLE
-            ls.idle_since = now
-            m.need = 0
-            s.share.resume_s = 0.0
-            Shares.went_idle(s)
-            st.ledger.recount(s)
-            if not revoked and not turn:
-                window = self.window.length(s, now)
-            self.turns.burst_ended(s, now, s.share.burst_lease, windowed=window > 0)
-            s.share.burst_lease = 0.0
+            window = self._went_idle(s, now, revoked or turn, tail)
         fields: dict[str, Any] = {"anticipate_s": window} if window else {}
         st.out.emit(Release(session=s.id, lease=lease, seconds=held, reason=reason, **fields))
         if window:
             self.window.open(s, now + window)
+
+    def _asks_again(self, s: SessionState, now: float, revoked: bool, turn: bool) -> None:
+        """It yielded and asks again: in the queue (first, a quantum a turn paused); a
+        turn that ran out waits for its next one (core/turns.py); a gang's member parks."""
+        self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused: it goes on next
+        if turn and revoked:
+            self.turns.went_on(s, now)
+        if revoked and s.rank.gang:  # its gang holds the GPU until every member yields
+            self.gangs.park(s, now)
+
+    def _went_idle(self, s: SessionState, now: float, windowless: bool, tail: float) -> float:
+        """Its burst ended: idle, its burst's work (less its idle ``tail``) counted; the
+        window its quantum waits for it (none after a revoke or a turn)."""
+        s.state = State.IDLE
+        s.lease.idle_since = now
+        s.memory.need = 0
+        s.share.resume_s = 0.0
+        Shares.went_idle(s)
+        self.st.ledger.recount(s)
+        window = 0.0 if windowless else self.window.length(s, now)
+        work = max(0.0, s.share.burst_lease - tail)
+        self.turns.burst_ended(s, now, work, windowed=window > 0)
+        s.share.burst_lease = 0.0
+        return window
 
     # --- queries --------------------------------------------------------------------
 

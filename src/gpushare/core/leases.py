@@ -144,6 +144,7 @@ class Leases:
             )
         )
         idle = SERVER_IDLE_S if self.turns.requests(s) else 0.0  # a server's: soon after
+        ls.idle_release = idle or st.settings.anticipate_s
         st.out.act(
             GrantAction(s.id, ls.number, m.swapped, q, shared, thaw, room, resume, m.bound, idle)
         )

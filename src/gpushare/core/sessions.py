@@ -85,6 +85,7 @@ class Lease:
     quantum_end: float = 0.0
     own_end: float = 0.0  # a turn's lease: when its own quantum ends (core/growth.py)
     gpu_since: float = math.inf  # holding: when its memory was back (its GPU time began)
+    idle_release: float = 0.0  # what this grant told its implicit bursts' idle release is
     revoke_deadline: float = 0.0
     revoked_at: float = 0.0
     wait_start: float = 0.0
@@ -127,6 +128,7 @@ class Share:
     # most at the turn cap; their lower median is its usual burst (core/turns.py)
     bursts: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     burst_lease: float = 0.0  # GPU seconds of the burst in progress
+    served: bool = False  # its history took it for a server at its last burst's end
     asked_at: float = 0.0  # when the burst in progress asked
     held_mark: float = 0.0  # its lease seconds then (what the burst held is the rest)
     use_s: float = 0.0  # GPU seconds used, decayed (its measured use: use_s / use_span)

@@ -39,9 +39,9 @@ class Turns:
     def __init__(self, st: GpuState, shares: Shares) -> None:
         self.st, self.shares = st, shares
         # servers refused a turn for want of credit, waiting in the queue: when the
-        # credit they earn as they wait covers their usual burst, and since when they
-        # earn it (they are looked at again then: a turn, not the rest of a quantum)
-        self.refused: dict[int, tuple[float, float]] = {}
+        # credit they earn as they wait covers the turn they wait for, since when they
+        # earn it, and that turn (looked at again then: a turn, not the rest of a quantum)
+        self.refused: dict[int, tuple[float, float, float]] = {}
 
     def first_credit(self) -> float:
         return self.st.settings.turn_s  # a notebook's first cell after it attached is a turn
@@ -100,13 +100,18 @@ class Turns:
         to the batch job at once. Two bursts seen are enough when both are short (a
         server's memory made, then its first request: each request before this held the
         GPU idle 0.5 s more, a trainer's time); a training loop's short first burst (its
-        memory made) then its long one is not."""
+        memory made) then its long one is not. Bursts counted at the cap (each drained a
+        backlog, past its share) say nothing either way: they keep the verdict its history
+        gave at its last burst's end (a server past its share stays one: its bursts' idle
+        release 0.5 s, not 0.05, had cost it a tenth of its share at each)."""
         sh = s.share
         n = len(sh.bursts)
         if n < SERVER_BURSTS or sh.gap_ewma is None:
             return False
         upper = sorted(sh.bursts)[n // 2]  # (the upper median: a strict majority below it)
-        return upper < self.st.settings.turn_s and sh.gap_ewma > ANTICIPATE_FLOOR_S
+        cap = self.st.settings.turn_s
+        short = upper < cap or (upper == cap and sh.served)
+        return short and sh.gap_ewma > ANTICIPATE_FLOOR_S
 
     def bank(self, s: SessionState) -> float:
         """The most credit it keeps: ``turn_s``, or, a server, its share of a quantum
@@ -132,13 +137,13 @@ class Turns:
         return self.st.settings.turn_s / 2 if self.answers(s) else 0.0
 
     def waiting_rate(self, s: SessionState) -> float:
-        """What a refused server earns per second it waits: the fraction of time its rate
-        ``r`` per idle second gives its turns, ``r / (1 + r)`` (``u``, for a rate earned
-        for its measured use); 0 for a session not taken for a server."""
-        if not self.answers(s):
-            return 0.0
-        r = self.rate(s)
-        return r / (1.0 + r)
+        """What a refused server earns per second it waits: its rate ``r`` per idle
+        second, as if idle (every second it does not hold earns ``r``, so its turns still
+        take at most ``r / (1 + r)`` of the time: ``u``, its share at most). At ``u / (1 +
+        u)`` (earned per second waited at ``u``), a server past its share, its turns ending
+        with requests queued, got a third of the GPU for a half share and its backlog grew
+        without bound; 0 for a session not taken for a server."""
+        return self.rate(s) if self.answers(s) else 0.0
 
     @staticmethod
     def usual_burst(s: SessionState) -> float | None:
@@ -160,11 +165,17 @@ class Turns:
         """A burst ended after ``gpu_s`` seconds of GPU time. One that waited longer than
         a turn for its lease drained a backlog: it says nothing of how long a request of
         its own takes, so it counts at most at ``turn_s`` (never more than a full credit
-        covers: no lock-out). ``windowed``: its quantum waits for it to ask again."""
+        covers: no lock-out). So does its first, its start (a model loaded, memory made):
+        a session with no history but its start gets its first turn, bounded by the credit
+        it attached with, when it asks after idling, and a server's first request does
+        not wait a quantum (issue 40: 19.6-25.9 s at TQ 30, its start a long load alone).
+        ``windowed``: its quantum waits for it to ask again."""
         sh = s.share
         cap = self.st.settings.turn_s
         waited = (now - sh.asked_at) - (s.totals.lease_s - sh.held_mark)
-        sh.bursts.append(gpu_s if waited <= cap else min(gpu_s, cap))
+        start = not sh.bursts and s.totals.bursts <= 1
+        sh.bursts.append(gpu_s if waited <= cap and not start else min(gpu_s, cap))
+        sh.served = self.requests(s)
         self._bring_up(s, now)
         sh.use_s += now - sh.asked_at  # it wanted the GPU from its ask: waits count
         # (a window opened knowing no gap of its own, its first, is the floor's: it says
@@ -217,23 +228,34 @@ class Turns:
         """A rank of a job (not of its own family): no turns, its peers would not follow."""
         return bool(s.rank.gang) and not families.alone(s.rank.gang)
 
-    def _refuse(self, s: SessionState, now: float, usual: float) -> None:
-        """A server short of credit waits, earning its fraction ``u`` of each second it
-        waits (as a rate per second held or waited, not idle: its turns stay within
-        ``u`` of the time); when that covers its usual burst it is looked at again."""
-        u = self.waiting_rate(s)
-        if u <= 0:
+    def _refuse(self, s: SessionState, now: float, want: float) -> None:
+        """A server short of credit for a turn of ``want`` seconds waits, earning as it
+        would idle (:meth:`waiting_rate`: its turns stay within ``u`` of the time); when
+        that covers the turn it is looked at again."""
+        r = self.waiting_rate(s)
+        if r <= 0:
             return
-        need = max(TURN_MIN_S, usual) - self.overdraft(s) - s.share.credit
+        want = max(TURN_MIN_S, want)
+        need = want - self.overdraft(s) - s.share.credit
         # (at least a millisecond on: rounding must not look again at the same instant)
-        self.refused[s.id] = (now + max(1e-3, need / u), now)
+        self.refused[s.id] = (now + max(1e-3, need / r), now, want)
+
+    def went_on(self, s: SessionState, now: float) -> None:
+        """Its turn ended with its burst going on (requests still queued: a backlog, past
+        its share): a server waits as one refused does, not sent behind the quanta
+        (issue 40: at TQ 5 and 2 requests a second, served in whole quanta, p99 24.7 s),
+        until it has earned a whole turn: what queued meanwhile is served together, so
+        that past its share its turns grow longer and fewer, each switch paid for by a
+        turn's work, and its latency grows by degrees (docs/scheduling.md 3)."""
+        if self.answers(s) and not self._ranked(s):
+            self._refuse(s, now, self.st.settings.turn_s)
 
     def deadlines(self) -> list[float]:
         """When a refused server's credit will cover its usual burst."""
         st = self.st.sessions
         return [
             t
-            for sid, (t, _) in self.refused.items()
+            for sid, (t, _, _) in self.refused.items()
             if sid in st and st[sid].state is State.WAITING and not st[sid].share.turn
         ]
 
@@ -243,7 +265,7 @@ class Turns:
         if not self.refused:
             return
         st = self.st
-        for sid, (t, since) in list(self.refused.items()):
+        for sid, (t, since, want) in list(self.refused.items()):
             s = st.sessions.get(sid)
             if s is None or s.state is not State.WAITING or s.share.turn:
                 del self.refused[sid]
@@ -253,9 +275,8 @@ class Turns:
             del self.refused[sid]
             sh = s.share
             sh.credit = min(self.bank(s), sh.credit + self.waiting_rate(s) * (now - since))
-            usual = self.usual_burst(s) or 0.0
-            if sh.credit + self.overdraft(s) < max(TURN_MIN_S, usual) - 1e-9:
-                self._refuse(s, now, usual)
+            if sh.credit + self.overdraft(s) < want - 1e-9:
+                self._refuse(s, now, want)
             elif st.holders and not self._ranked(s) and self._no_one_starves(now):
                 sh.turn = True
                 st.queue.remove(sid)

@@ -13,7 +13,8 @@ the GPU's compute: a step takes as many times longer as there are sessions worki
 Workloads: ``batch`` (one long burst), ``short`` (bursts of 100 ms of work, 1 ms apart),
 ``interactive`` (notebook cells of 50-200 ms of work, 0.5-1.5 s of thinking between),
 ``server`` (requests in Poisson arrivals, each of a fixed GPU time, served one after
-another; its burst ends ``idle_release`` after the last, as the client's implicit bursts
+another; its burst ends ``idle_release`` after the last (or what its grant says: a
+session the node takes for a server is told a short one), as the client's implicit bursts
 do; memory it can drop rather than swap, ``discard``, is freed and made again without a
 copy). A server's wait is a request's, from its arrival to its answer (those answered in
 its first burst, its start, not counted, as no first burst's wait is).
@@ -196,6 +197,8 @@ class _Client:
         self.current: float | None = None
         self.req_left = 0.0
         self.tail = False
+        self.tail_s = 0.0  # its grant's idle release (0: the node's), as the client's
+        self.tail_at = 0.0  # when the tail began (its release says how long it idled)
         self.gen = 0
         self.dropped = 0  # discardable bytes dropped (not on the GPU, not in host memory)
         if w.kind == "server":
@@ -228,10 +231,11 @@ class _Client:
         if self.current is None and self.pending:
             self.current, self.req_left = self.pending.popleft(), self.w.service_s
         if self.current is None:
-            self.tail = True
+            self.tail, self.tail_at = True, self.sim.now
             self.gen += 1
             gen = self.gen
-            self.sim.at(self.sim.arb.settings.anticipate_s, lambda: self.tail_end(gen))
+            tail = self.tail_s or self.sim.arb.settings.anticipate_s
+            self.sim.at(tail, lambda: self.tail_end(gen))
             return
         self.burst_left = self.req_left
         self.sim.work(self)
@@ -246,10 +250,14 @@ class _Client:
             self.end_burst()
 
     def end_burst(self) -> None:
+        idle = self.sim.now - self.tail_at if self.tail else 0.0
         self.tail = False
         self.gen += 1
         self.phase, self.lease, self.revoke = "idle", 0, None
-        self.sim.apply(self.sim.arb.release(self.sid, resident=self.resident, swapped=self.swapped))
+        arb = self.sim.arb
+        self.sim.apply(
+            arb.release(self.sid, resident=self.resident, swapped=self.swapped, idle_s=idle)
+        )
 
     # --- the burst -------------------------------------------------------------------
     def ask(self) -> None:
@@ -273,6 +281,7 @@ class _Client:
         if self.phase not in ("asking", "yielding") or self.grant is not None:
             return  # not asked for (crossed a release): the release gives it back
         self.grant, self.lease = g, g.lease
+        self.tail_s = g.idle_release_s
         self.room = g.room if g.room < self.w.memory else 0
         self.serial(self._take_grant)
 
@@ -523,8 +532,11 @@ class Simulation:
                 prefetch=True,
             )
             self.apply(self.arb.attach(sid, figures))
-            # a notebook's first cell comes after its user has thought too
-            self.at(0.001 * sid + (c.think() if w.kind == "interactive" else 0.0), c.ask)
+            # a notebook's first cell comes after its user has thought too; a server starts
+            # (its model loaded, its memory made) before the others, as one does before its
+            # first request: its start, like anyone's, is no turn and not counted
+            start = 0.0 if w.kind == "server" else 0.001 * sid
+            self.at(start + (c.think() if w.kind == "interactive" else 0.0), c.ask)
 
     @property
     def now(self) -> float:

@@ -648,6 +648,7 @@ class WorkloadServer:
                 swapping_out=msg.swapping_out,
                 need=msg.need,
                 discarded=msg.discarded,
+                idle_s=msg.idle_s,
             )
         if isinstance(msg, p.SwapDone):
             return arb.swap_done(
