@@ -5,9 +5,9 @@ Real processes over the real socket: a node on a simulated GPU of 80 GiB in mode
 exclusive; an HTTP server (the standard library's ``ThreadingHTTPServer``) whose one
 engine thread answers requests, each 0.17 s of GPU work in 5 ms steps with a safe point
 after each, holding the lease while requests are queued (``with s.gpu():`` around the
-queue, as a batching engine's loop, and ``--hold`` seconds after it empties, 0.5 by
-default: the node's idle release, as a server gated by ``gpushare run``'s hooks keeps it,
-its bursts implicit); a training job working in one long burst in steps
+queue, as a batching engine's loop: its bursts explicit; ``--hold S`` keeps the lease S
+seconds more after the queue empties, GPU time the trainer pays, as the node cannot take
+back a lease between safe points); a training job working in one long burst in steps
 of 50 ms. Their memory does not fit together (server 20 GiB, trainer 64 GiB on 80): each
 switch moves 4 GiB each way over the modelled link (55 GB/s). The load is Poisson
 requests (0.5, 2 and 8 a second) from this process, one thread each, the same arrivals
@@ -17,12 +17,18 @@ Each rate runs at each TQ (30 and 5 s), and once bare: the same server and train
 by side without a node (a simulated GPU's work is a sleep, so bare they do not slow each
 other: the bare figures are each one's own). Printed: a request's latency p50/p99 beside
 training and bare, the trainer's steps per second against bare, the turns the server
-took, and the bytes moved to host memory (swap-outs, both sessions) per request; then the
+took, and the bytes moved to host memory (swap-outs, both sessions) per request; beside
+the trainer's rate, the *bound* its rate can reach beside the turns the server took: bare
+x (1 - (the server's GPU time + the link's time) / the run), the server's GPU time its
+leases less their swap-ins, the link's time the bytes both sessions swapped each way at
+the modelled rate (both ways at once: ``simlink.DUPLEX`` of it), all from the node's
+event log over the measured window; then the
 target's case once more with ``--discard`` GiB of the server's memory a discardable cache
 (dropped rather than swapped, made again empty: docs/client.md). ``--implicit``: the
 server's bursts are implicit, as under ``gpushare run`` (checkpoints outside ``gpu()``),
 ended by the client after the grant's idle release (short for a session the node takes
-for a server: docs/scheduling.md 3) instead of ``--hold``.
+for a server: docs/scheduling.md 3) instead of ``--hold``. The must-show (issue 40) is
+``--quick --rates 0.5 2 --tqs 30 5``, with and without ``--implicit``.
 
     python benchmarks/inference.py [--quick] [--seconds S] [--rates 0.5 2 8]
                                    [--tqs 30 5] [--json out.json] [--events DIR]
@@ -55,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import gpushare
+from gpushare.simlink import DUPLEX
 from gpushare.tools.demo import wait_for_socket
 from handoff import start_node
 
@@ -62,6 +69,7 @@ GIB = 2**30
 STEP_S = 0.005  # work between two safe points
 SERVICE_S = 0.17  # a request's GPU time (issue 28: a small model's greedy generation)
 TRAIN_STEP_S = 0.05  # deploy/examples/train.py's default step
+LINK = 55e9  # the simulated GPU's modelled link, each way (docs/simulated-gpu.md)
 SERVER_MEMORY = 20 * GIB
 TRAINER_MEMORY = 64 * GIB
 KEEP = ""  # --events DIR: each run's node event log copied there
@@ -267,7 +275,7 @@ def run(
         "train_steps_per_s": sum(1 for x in steps if t0 <= x <= t1) / seconds,
     }
     if tq is not None:
-        out.update(from_events(d / "events.jsonl", t0, len(lat)))
+        out.update(from_events(d / "events.jsonl", t0, t1, len(lat)))
         if KEEP:  # the node's event log, and when the measured window began (Unix time)
             tag = f"r{rate:g}-tq{tq:g}-d{discard // GIB}"
             Path(KEEP, tag + ".jsonl").write_text((d / "events.jsonl").read_text())
@@ -295,12 +303,17 @@ def watch(admin: str, stop: threading.Event, rows: list[dict[str, Any]]) -> None
                         last = row
 
 
-def from_events(path: Path, t0: float, requests: int) -> dict[str, Any]:
-    """The server's turns and the bytes swapped out, from ``t0`` (the drain included)."""
+def from_events(path: Path, t0: float, t1: float, requests: int) -> dict[str, Any]:
+    """The server's turns and the bytes swapped out, from ``t0`` (the drain included);
+    the server's GPU time and the link's time within [``t0``, ``t1``], the trainer's loss
+    they account for (the bound's)."""
     events = [json.loads(x) for x in path.read_text().splitlines()]
     names = {e["session"]: e["name"] for e in events if e["event"] == "attach"}
     wall = time.time() - time.monotonic()  # events carry Unix time
-    within = [e for e in events if t0 <= e["ts"] - wall]
+    for e in events:
+        e["at"] = e["ts"] - wall
+    bound = trainer_loss(events, names, t0, t1)
+    within = [e for e in events if t0 <= e["at"]]
     grants = [e for e in within if e["event"] == "grant" and names[e["session"]] == "server"]
     moved = sum(e.get("bytes", 0) for e in within if e["event"] == "swap_out")
     dropped = sum(e.get("discarded_bytes", 0) for e in within if e["event"] == "swap_out")
@@ -309,7 +322,42 @@ def from_events(path: Path, t0: float, requests: int) -> dict[str, Any]:
         "turns": sum(1 for e in grants if e.get("turn")),
         "server_grants": len(grants),
         "mib_to_host_per_request": moved / 2**20 / max(1, requests),
+        **bound,
     }
+
+
+def trainer_loss(
+    events: list[dict[str, Any]], names: dict[int, str], t0: float, t1: float
+) -> dict[str, float]:
+    """What the trainer must lose over [t0, t1] beside the turns the server took: the
+    server's GPU time and the link's time, and their fraction of the window."""
+    server = [e for e in events if names.get(e.get("session", 0)) == "server"]
+    swaps = [e for e in events if t0 <= e["at"] <= t1 and e["event"] in ("swap_in", "swap_out")]
+    gpu_s, link_s = server_gpu_time(server, t0, t1), link_time(swaps)
+    return {"server_gpu_s": gpu_s, "link_s": link_s, "lost_bound": (gpu_s + link_s) / (t1 - t0)}
+
+
+def server_gpu_time(events: list[dict[str, Any]], t0: float, t1: float) -> float:
+    """Seconds the server's leases (its grant to its release) lay within [t0, t1], less
+    its swap-ins there (the link's time)."""
+    total, since = 0.0, None
+    total -= sum(e["seconds"] for e in events if e["event"] == "swap_in" and t0 <= e["at"] <= t1)
+    for e in events:
+        if e["event"] == "grant":
+            since = e["at"]
+        elif e["event"] == "release" and since is not None:
+            total += max(0.0, min(e["at"], t1) - max(since, t0))
+            since = None
+    total += max(0.0, t1 - max(since, t0)) if since is not None else 0.0
+    return max(0.0, total)
+
+
+def link_time(swaps: list[dict[str, Any]]) -> float:
+    """The least time the modelled link takes for these swaps' bytes: each way on its
+    own lane, both at once (at ``DUPLEX`` of the rate) where both ways carry bytes."""
+    out_b = sum(e["bytes"] for e in swaps if e["event"] == "swap_out")
+    in_b = sum(e["bytes"] for e in swaps if e["event"] == "swap_in")
+    return max(out_b, in_b) / (LINK * (DUPLEX if out_b and in_b else 1.0))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -326,10 +374,10 @@ def main() -> None:
     ap.add_argument(
         "--hold",
         type=float,
-        default=0.5,
-        help="seconds the server keeps the lease after its queue empties (default 0.5: the"
-        " node's idle_release, as `gpushare run`'s implicit bursts do; 0: `with s.gpu()`"
-        " around the queue only)",
+        default=0.0,
+        help="seconds the server keeps the lease after its queue empties (default 0:"
+        " `with s.gpu()` around the queue only; 0.5 was the default before issue 40: GPU"
+        " time held idle, which the trainer pays)",
     )
     ap.add_argument(
         "--implicit",
@@ -380,12 +428,16 @@ def main() -> None:
                 r["p99_over_bare"] = r["p99"] / bare["p99"]
                 r["p99_minus_bare"] = r["p99"] - bare["p99"]
                 r["train_vs_bare"] = r["train_steps_per_s"] / bare["train_steps_per_s"]
+                r["train_bound"] = max(0.0, 1.0 - r["lost_bound"])
+                r["train_vs_bound"] = r["train_vs_bare"] / max(1e-9, r["train_bound"])
                 rows.append(r)
                 print(
                     f"  {rate:g} req/s, TQ {tq:g}: p50 {r['p50']:.2f} s p99 {r['p99']:.2f} s"
                     f" (bare {bare['p50']:.2f} / {bare['p99']:.2f}); trainer"
                     f" {r['train_steps_per_s']:.1f} steps/s = {r['train_vs_bare']:.2f} of bare"
-                    f" {bare['train_steps_per_s']:.1f}; {r['requests']} requests,"
+                    f" {bare['train_steps_per_s']:.1f}, bound {r['train_bound']:.2f}"
+                    f" (server {r['server_gpu_s']:.1f} s + link {r['link_s']:.1f} s):"
+                    f" {r['train_vs_bound']:.2f} of it; {r['requests']} requests,"
                     f" {r['turns']} turns; {r['mib_to_host_per_request']:.0f} MiB to host"
                     " per request",
                     flush=True,
