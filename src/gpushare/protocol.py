@@ -85,6 +85,9 @@ class Hello(_Msg, tag="hello"):
     # DRA plugin wrote (GPUSHARE_CLAIM): the node attaches it only within that claim's
     # figures, as the plugin prepared it (docs/kubernetes.md "DRA").
     claim: str = ""
+    # On a simulated GPU, how a CPU-run program's GPU memory is modelled in its sim
+    # backend (client/modelled.py): "weights", "declared", or "" (none).
+    resident_model: str = ""
 
 
 class Acquire(_Msg, tag="acquire"):

@@ -108,6 +108,9 @@ class SessionStatus(msgspec.Struct, kw_only=True):
     # the DRA ResourceClaim (its UID) whose share this is, as gpushare's DRA plugin
     # prepared it on this node (docs/kubernetes.md "DRA"); "": none
     claim: str = ""
+    # on a simulated GPU, how a CPU-run program's resident bytes are modelled
+    # ("weights", "declared": gpushare run --sim-resident); "": what it allocated
+    resident_model: str = ""
 
 
 class GangStatus(msgspec.Struct, kw_only=True):

@@ -680,3 +680,65 @@ def test_a_spawned_child_that_uses_cuda_joins_the_session(node_factory, short_tm
     said = [line for line in err.splitlines() if "starts CUDA: joined session" in line]
     assert len(said) == 2, err  # the two children that asked for CUDA, once each
     assert "uses CUDA ungated" not in err
+
+
+MODELLED = """
+import json, os, sys, time, torch
+m = torch.nn.Linear(1024, 1024)
+x = torch.randn(2, 1024)
+m(x)  # its first forward: its weights modelled on the simulated GPU
+print(json.dumps({"ready": True}), flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+m(x)  # after a rival's turn: its modelled memory back, every chunk checked
+print(json.dumps({"done": True}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("model", ["weights", "declared"])
+def test_a_cpu_run_programs_memory_is_modelled_and_swapped(node_factory, short_tmp, model):
+    """Issue 40: a CPU-run PyTorch program on a simulated GPU showed 0 B resident, so
+    its switches moved nothing. With --sim-resident its modules' weights (or its
+    request) are its resident bytes, said in the status, swapped out for a rival and
+    back, checked."""
+    pytest.importorskip("torch")
+    import gpushare
+
+    node = node_factory(*sim("16GiB", mode="exclusive", idle_release="0.2"))
+    prog, go = short_tmp / "modelled.py", short_tmp / "go"
+    prog.write_text(MODELLED)
+    pr = gs_run(node, "--memory", "12GiB", "--sim-resident", model, "--name", "cpu-model",
+                "--", sys.executable, str(prog), str(go))  # fmt: skip
+    assert pr.stdout is not None
+    assert json.loads(pr.stdout.readline()) == {"ready": True}
+    want = 1024 * 1024 * 4 + 1024 * 4 if model == "weights" else 12 * 2**30
+    row = wait_until(
+        lambda: next(
+            (s for s in node.status()["gpus"][0]["sessions"] if s["name"] == "cpu-model"), None
+        ),
+        30,
+        "the program's session",
+    )
+    assert (row["resident_bytes"], row["resident_model"]) == (want, model)
+    said = "resident modelled, not allocated (gpushare run --sim-resident): sessions"
+    assert f"{said} {row['id']} ({model})" in node.ctl("status").stdout
+    rival = gpushare.attach("8GiB", socket=node.socket, name="rival")
+    with rival.gpu():
+        rival.backend.allocate(8 * 2**30)  # past what fits beside a declared 12 GiB
+        if model == "declared":
+            moved = next(s for s in node.status()["gpus"][0]["sessions"] if s["id"] == row["id"])
+            assert moved["swapped_bytes"] >= 4 * 2**30  # a switch that moves its bytes
+    rival.close()
+    go.touch()
+    out, err = pr.communicate(timeout=120)
+    assert pr.returncode == 0, err
+    assert lines(out) == [{"done": True}]
+
+
+def test_an_unknown_sim_resident_model_is_a_one_line_error(node_factory):
+    node = node_factory(*sim("16GiB"))
+    pr = gs_run(node, "--", sys.executable, "-c", "print('ran')",
+                extra_env={"GPUSHARE_SIM_RESIDENT": "bogus"})  # fmt: skip
+    out, err = pr.communicate(timeout=60)
+    assert pr.returncode == 3 and "ran" not in out
+    assert "GPUSHARE_SIM_RESIDENT='bogus': choose one of none, weights, declared" in err

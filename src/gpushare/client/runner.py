@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from gpushare.client import launchers
+from gpushare.client import launchers, modelled
 from gpushare.client.env import compute_limit_of, memory_figures, rank_gpu, read_env
 from gpushare.units import format_size, parse_size
 
@@ -328,8 +328,11 @@ def child_start() -> None:
     gpu = int(given) if given else rank_gpu()
     try:
         name, w = os.environ.get("GPUSHARE_NAME") or None, float(weight) if weight else None
+        model = modelled.model_of(os.environ.get(modelled.ENV))
         try:
-            session = attach_with(name=name, weight=w, gpu=gpu, on_ended=_stop_program)
+            session = attach_with(
+                name=name, weight=w, gpu=gpu, on_ended=_stop_program, resident_model=model
+            )
         except AttachRefusedError as e:
             if given or gpu is None or not str(e).startswith(f"no GPU {gpu} "):
                 raise
@@ -340,7 +343,7 @@ def child_start() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-            session = attach_with(name=name, weight=w, on_ended=_stop_program)
+            session = attach_with(name=name, weight=w, on_ended=_stop_program, resident_model=model)
     except Exception as e:  # whatever it is, the program must not run ungated
         # At start-up, before the program: end here (SystemExit is fatal in sitecustomize)
         print(f"gpushare run: error: {_attach_error(e)}", file=sys.stderr, flush=True)
@@ -377,8 +380,23 @@ def _gate(session: Session) -> None:
         HOOKS = hooks.install(session)
         if session.backend.name != "torch":  # the torch backend sets its own limit
             hooks.limit_cuda_memory(session)
+        HOOKS.extend(_model_memory(session))
     except ImportError:
         log.warning("gpushare run: PyTorch is not installed: nothing is gated")
+
+
+def _model_memory(session: Session) -> list[Any]:
+    """On a simulated GPU, ``--sim-resident``'s model of the program's memory: a global
+    forward pre hook after gpushare's own (so the forward holds the lease)."""
+    model = modelled.model_of(os.environ.get(modelled.ENV))
+    if not model:
+        return []
+    if not session.simulated:
+        log.warning("gpushare run: --sim-resident is for simulated GPUs: ignored on a real one")
+        return []
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    return [register_module_forward_pre_hook(modelled.ModelledMemory(session, model))]
 
 
 # --- the processes a session's program starts: members of its family ------------------
@@ -426,6 +444,7 @@ def join_family(why: str) -> Session | None:
             name=f"{_title()}-{pid}",
             family=family,
             on_ended=_stop_program,
+            resident_model=modelled.model_of(os.environ.get(modelled.ENV)),
         )
     except Exception as e:  # whatever it is, its GPU work must not run ungated
         os.write(

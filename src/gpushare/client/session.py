@@ -131,6 +131,7 @@ def attach_with(
     reconnect_timeout: float | None = None,
     on_ended: Ended | None = None,
     family: int = 0,
+    resident_model: str = "",
 ) -> Session:
     """:func:`attach`, and ``on_ended(reason, grace_s)`` called on the reader thread,
     unlocked, once the node has ended the session for good (``ctl end``, a refusal on
@@ -138,7 +139,8 @@ def attach_with(
     ``gpushare run`` stops its program there. ``family``: this process
     was started by session ``family``'s program and joins it as a member (one lease, its
     memory out of that session's limit: ``memory_limit`` the most it takes, else all the
-    session has free)."""
+    session has free). ``resident_model``: how ``gpushare run`` models a CPU-run
+    program's memory on a simulated GPU (client/modelled.py), said in the hello."""
     env = read_env()
     path = socket or env.socket
     if family:
@@ -171,6 +173,7 @@ def attach_with(
         # torch: the allocator library's gs_on_grow hook), so the node may lend bounds
         **gang_fields(),  # a rank of a distributed job: granted with the others
         family=family,
+        resident_model=resident_model,
     )
     if reconnect_timeout is None:
         reconnect_timeout = float(os.environ.get("GPUSHARE_RECONNECT_TIMEOUT") or 60.0)

@@ -63,6 +63,7 @@ class Conn:
     identity: CgroupIdentity = field(default_factory=CgroupIdentity)  # what the kernel says
     verified: bool = False  # the claimed pod UID is the kernel's
     claim: str = ""  # the DRA ResourceClaim UID it attached by (serve/prepared_claims)
+    resident_model: str = ""  # how its resident bytes are modelled (a simulated GPU's)
     rank: int = -1  # its rank in its gang, as its client says (shown)
     ask: int = 0  # the number of its last ask read (echoed by grants; 0: not numbered)
     frozen: bool = False

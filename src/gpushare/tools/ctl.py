@@ -11,7 +11,7 @@ import msgspec
 from gpushare import protocol as p
 from gpushare.errors import GpushareError
 from gpushare.settings import Change
-from gpushare.status import GangStatus, NodeStatus, to_json_object
+from gpushare.status import GangStatus, NodeStatus, SessionStatus, to_json_object
 from gpushare.tools.admin import AdminClient
 from gpushare.units import format_size
 
@@ -61,7 +61,19 @@ def show_status(status: NodeStatus, out: TextIO = sys.stdout) -> None:
                 f"  ... and {g.sessions_omitted} more sessions (the status is larger than one"
                 " frame: holders and the queue are shown first)\n"
             )
+        _show_modelled(g.sessions, out)
         _show_gangs(g.gangs, out)
+
+
+def _show_modelled(sessions: list[SessionStatus], out: TextIO) -> None:
+    """Sessions whose resident bytes are modelled (a CPU-run program on a simulated GPU)
+    rather than allocated: said, as their figures are the model's."""
+    modelled = [f"{s.id} ({s.resident_model})" for s in sessions if s.resident_model]
+    if modelled:
+        out.write(
+            "  resident modelled, not allocated (gpushare run --sim-resident): sessions"
+            f" {', '.join(modelled)}\n"
+        )
 
 
 def _show_gangs(gangs: list[GangStatus], out: TextIO) -> None:

@@ -122,6 +122,7 @@ def session(
         runtime=ident.runtime,
         weight_source=with_conn.weight_source,
         claim=with_conn.claim,
+        resident_model=with_conn.resident_model,
         gang=s.rank.gang,
         gang_rank=with_conn.rank if s.rank.gang else -1,
         parked=s.rank.parked,
@@ -157,6 +158,7 @@ class _Unconnected:
     sharing_source: str = ""
     rank: int = -1
     claim: str = ""
+    resident_model: str = ""
 
 
 _NO_CONN = _Unconnected()

@@ -91,7 +91,16 @@ def check_hello(h: p.Hello) -> None:
             raise Refused("attach", f"hello: {name} must be a number >= 0")
 
 
+RESIDENT_MODELS = ("weights", "declared")  # client/modelled.py's
+
+
 def _check_words(h: p.Hello) -> None:
+    if h.resident_model and h.resident_model not in RESIDENT_MODELS:
+        raise Refused(
+            "attach",
+            f"hello: resident_model must be one of {', '.join(RESIDENT_MODELS)} or empty,"
+            f" not {unsafe_text(h.resident_model)!r} (gpushare run --sim-resident)",
+        )
     if h.sharing and h.sharing not in SHARING_MODES:
         raise Refused(
             "attach",

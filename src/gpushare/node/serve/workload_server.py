@@ -491,8 +491,8 @@ class WorkloadServer:
         conn.claimed = Claimed(
             pod=h.pod, namespace=h.namespace, container=h.container, sharing=h.sharing
         )
-        conn.sharing_source = sharing_source
-        conn.claim = claim_uid
+        conn.sharing_source, conn.claim = sharing_source, claim_uid
+        conn.resident_model = h.resident_model if g.simulated else ""
         conn.record = record_of(conn, sid, gpu, identity, limit, name, family, claim_uid, terms)
         self.conns[sid] = conn
         self.guard.joined(conn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpushare.tools.cli.args import Subparsers, _weight
@@ -53,6 +54,14 @@ def add_parser(sub: Subparsers) -> None:
         " /run/gpushare/gpushare.sock)",
     )
     r.add_argument("--gpu", type=int, metavar="INDEX")
+    r.add_argument(
+        "--sim-resident",
+        choices=("none", "weights", "declared"),
+        help="on a simulated GPU (where PyTorch runs on the CPU), model the program's GPU"
+        " memory in the session: its modules' parameters and buffers (weights), or its"
+        " memory request (declared); swapped and checked like any (default"
+        " GPUSHARE_SIM_RESIDENT, else none)",
+    )
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
 
 
@@ -80,6 +89,8 @@ def command(args: argparse.Namespace) -> int:
             )
             return 2
     socket = getattr(args, "socket", None)
+    if args.sim_resident:  # (the program's Python reads it: client/modelled.py)
+        os.environ["GPUSHARE_SIM_RESIDENT"] = args.sim_resident
     return run(
         cmd,
         args.memory,
