@@ -301,3 +301,63 @@ def test_a_server_whose_turn_ends_with_a_backlog_waits_for_a_turn_not_a_quantum(
     (g,) = actions_of(a.release(1, resident=GiB, swapped=0, again=True), GrantAction)
     assert g.session == 2 and g.quantum_s == pytest.approx(1.0)  # a whole turn
     a.verify()
+
+
+@pytest.mark.parametrize("tq", [30, 5])
+def test_a_session_that_ends_each_burst_at_its_revoke_gets_no_more_than_its_share(tq):
+    """Found by an attack on issue 40's rules: two short bursts (taken for a server),
+    then always busy, ending its burst at each revoke and asking again 60 ms later: turns
+    inside the batch job's quantum, then its own whole quantum besides. A turn's GPU time
+    is taken off its next quantum from the queue: its share, no more."""
+    m = Model(80 * GiB, GpuSettings(tq_s=tq, mode="exclusive", turn_s=1.0))
+    att = m.add(
+        Client(2, 20 * GiB, kind="bursty", burst_s=0.1, think_s=1.0, fills=True, prefetch=True)
+    )
+    m.run(2.5)
+    att.burst_s, att.think_s = 1e9, 0.06  # (the model's bursty client: again=False on a revoke)
+    m.add(Client(1, 40 * GiB, fills=True, prefetch=True))
+    t0 = m.clock.monotonic()
+    m.run(300.0)
+    t1 = m.clock.monotonic()
+    # 0.645 (TQ 30) and 0.633 (TQ 5) before a turn's time came off its next quantum
+    assert m.work(2, t0, t1) / (t1 - t0) <= 0.55
+
+
+def test_a_training_loops_first_turn_does_not_chain_turns_through_the_batch_quantum():
+    """Found by an attack on issue 40's rules: a trainer's start (5 s alone), 2 s on the
+    CPU, then its loop. Its start counts at a turn, so its loop's first ask is a turn;
+    by its measured use a server, each turn's end chained the next (53 turns in 300 s,
+    each a 20 GiB switch each way, the batch job at 0.337). A training loop's burst
+    never ends: one turn is chained at most before a burst has ended after its start."""
+    m = Model(80 * GiB, GpuSettings(tq_s=30, mode="exclusive", turn_s=1.0))
+    tr = m.add(
+        Client(2, 50 * GiB, kind="bursty", burst_s=5.0, think_s=2.0, fills=True, prefetch=True)
+    )
+    m.run(5.5)
+    tr.kind = "batch"  # its loop: one burst, yielding at each revoke
+    m.add(Client(1, 50 * GiB, fills=True, prefetch=True))
+    t0 = m.clock.monotonic()
+    m.run(300.0)
+    t1 = m.clock.monotonic()
+    turns = [e for e in m.events if e["event"] == "grant" and e["session"] == 2 and e.get("turn")]
+    assert len(turns) <= 2, len(turns)
+    assert m.work(1, t0, t1) / (t1 - t0) >= 0.45
+
+
+def test_a_refused_entry_does_not_outlive_its_wait(clock):
+    """Found by an attack on issue 40's rules: a server refused (credit short), then
+    granted from the queue, not as a turn, kept its refused entry (the grant comes after
+    reconsider in the same decision); held 10 s, it yielded and asked again, and the old
+    entry credited those 10 s held as waited. A grant drops the entry."""
+    a, s = light_server(clock, credit=-0.6)
+    clock.advance(0.2)
+    a.acquire(2)  # refused: waits in the queue, an entry in turns.refused
+    assert 2 in a.turns.refused
+    a.release(1, resident=GiB, swapped=0)  # the batch job's burst ends (its window)
+    clock.advance(0.6)
+    out = a.tick()  # its window closed: the queue's head is granted (the entry not due)
+    assert [g.session for g in actions_of(out, GrantAction)] == [2] and not s.share.turn
+    credit = s.share.credit
+    clock.advance(10.0)  # it holds 10 s: no credit is earned holding
+    a.release(2, resident=GiB, swapped=0, again=True)  # a yield, asking again
+    assert s.share.credit <= credit + 1e-9, (credit, s.share.credit)

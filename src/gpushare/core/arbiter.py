@@ -589,8 +589,8 @@ class Arbiter:
         """It yielded and asks again: in the queue (first, a quantum a turn paused); a
         turn that ran out waits for its next one (core/turns.py); a gang's member parks."""
         self.leases.enqueue(s, front=s.share.resume_s > 0)  # paused: it goes on next
-        if turn and revoked:
-            self.turns.went_on(s, now)
+        if revoked:
+            self.turns.went_on(s, now, turn=turn)
         if revoked and s.rank.gang:  # its gang holds the GPU until every member yields
             self.gangs.park(s, now)
 

@@ -129,6 +129,7 @@ class Share:
     bursts: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     burst_lease: float = 0.0  # GPU seconds of the burst in progress
     served: bool = False  # its history took it for a server at its last burst's end
+    chained: bool = False  # a turn of its went on in the next (core/turns.py went_on)
     asked_at: float = 0.0  # when the burst in progress asked
     held_mark: float = 0.0  # its lease seconds then (what the burst held is the rest)
     use_s: float = 0.0  # GPU seconds used, decayed (its measured use: use_s / use_span)

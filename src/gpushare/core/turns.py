@@ -240,14 +240,23 @@ class Turns:
         # (at least a millisecond on: rounding must not look again at the same instant)
         self.refused[s.id] = (now + max(1e-3, need / r), now, want)
 
-    def went_on(self, s: SessionState, now: float) -> None:
-        """Its turn ended with its burst going on (requests still queued: a backlog, past
-        its share): a server waits as one refused does, not sent behind the quanta
-        (issue 40: at TQ 5 and 2 requests a second, served in whole quanta, p99 24.7 s),
-        until it has earned a whole turn: what queued meanwhile is served together, so
-        that past its share its turns grow longer and fewer, each switch paid for by a
-        turn's work, and its latency grows by degrees (docs/scheduling.md 3)."""
-        if self.answers(s) and not self._ranked(s):
+    def went_on(self, s: SessionState, now: float, *, turn: bool) -> None:
+        """Its turn (or quantum) ended with its burst going on (requests still queued: a
+        backlog, past its share): a server waits as one refused does, not sent behind the
+        quanta (issue 40: at TQ 5 and 2 requests a second, served in whole quanta, p99
+        24.7 s), until it has earned a whole turn: what queued meanwhile is served
+        together, so that past its share its turns grow longer and fewer, each switch
+        paid for by a turn's work, and its latency grows by degrees (docs/scheduling.md
+        3)."""
+        sh = s.share
+        # It goes idle between bursts (a burst ended after its start, its gaps longer than
+        # the shortest window): a server's queue drains; a training loop's burst never
+        # ends, and a turn at its loop's start is not chained through another's quantum
+        # (each a switch of its whole memory). Once, before a burst has ended: a server
+        # whose first requests queued past one turn.
+        idles = len(sh.bursts) >= SERVER_BURSTS and (sh.gap_ewma or 0.0) > ANTICIPATE_FLOOR_S
+        if (idles or (turn and not sh.chained)) and self.answers(s) and not self._ranked(s):
+            sh.chained = True
             self._refuse(s, now, self.st.settings.turn_s)
 
     def deadlines(self) -> list[float]:
@@ -334,7 +343,12 @@ class Turns:
         at the revoke. False: neither, the quantum is the shares' to settle."""
         sh = s.share
         if sh.turn:  # (below 0: a server's overdraft, or a late safe point: paid back)
-            sh.credit -= max(0.0, now - s.lease.gpu_since)
+            used = max(0.0, now - s.lease.gpu_since)
+            sh.credit -= used
+            # ... and taken off its next quantum from the queue (core/shares.py's debt):
+            # turns inside others' quanta and a whole quantum of its own besides took a
+            # session that ends its burst at each revoke past its share (0.645 at TQ 30)
+            sh.debt += used
             sh.turn = False
             return True
         if sh.resume_s:

@@ -13,11 +13,12 @@ the GPU's compute: a step takes as many times longer as there are sessions worki
 Workloads: ``batch`` (one long burst), ``short`` (bursts of 100 ms of work, 1 ms apart),
 ``interactive`` (notebook cells of 50-200 ms of work, 0.5-1.5 s of thinking between),
 ``server`` (requests in Poisson arrivals, each of a fixed GPU time, served one after
-another; its burst ends ``idle_release`` after the last (or what its grant says: a
-session the node takes for a server is told a short one), as the client's implicit bursts
-do; memory it can drop rather than swap, ``discard``, is freed and made again without a
-copy). A server's wait is a request's, from its arrival to its answer (those answered in
-its first burst, its start, not counted, as no first burst's wait is).
+another, from the end of its start, the first burst, as a server is sent requests once
+it has loaded its model; its burst ends ``idle_release`` after the last (or what its
+grant says: a session the node takes for a server is told a short one), as the client's
+implicit bursts do, its release saying that idle time; memory it can drop rather than
+swap, ``discard``, is freed and made again without a copy). A server's wait is a
+request's, from its arrival to its answer.
 For each TQ the study runs the mix, the same sessions as batch jobs (the ideal: one switch
 per quantum), and the mix's batch jobs alone (what the others cost them), and reports
 goodput (GPU seconds of work per second), waits and batch loss. Deterministic: the same
@@ -201,8 +202,7 @@ class _Client:
         self.tail_at = 0.0  # when the tail began (its release says how long it idled)
         self.gen = 0
         self.dropped = 0  # discardable bytes dropped (not on the GPU, not in host memory)
-        if w.kind == "server":
-            sim.at(rng.expovariate(w.rate), self.arrive)
+        self.arriving = False  # a server's requests come once its start has ended
 
     # --- a server's requests -----------------------------------------------------------
     def arrive(self) -> None:
@@ -258,6 +258,9 @@ class _Client:
         self.sim.apply(
             arb.release(self.sid, resident=self.resident, swapped=self.swapped, idle_s=idle)
         )
+        if self.w.kind == "server" and not self.arriving:  # started: it is sent requests
+            self.arriving = True
+            self.sim.at(self.rng.expovariate(self.w.rate), self.arrive)
 
     # --- the burst -------------------------------------------------------------------
     def ask(self) -> None:
