@@ -361,3 +361,22 @@ def test_a_refused_entry_does_not_outlive_its_wait(clock):
     clock.advance(10.0)  # it holds 10 s: no credit is earned holding
     a.release(2, resident=GiB, swapped=0, again=True)  # a yield, asking again
     assert s.share.credit <= credit + 1e-9, (credit, s.share.credit)
+
+
+def test_a_servers_turns_owe_its_quanta_at_most_one_quantum(clock):
+    """A turn's time comes off its next quantum from the queue, up to one quantum: a
+    server's many turns (here 150 of 0.3 s, 45 s at TQ 30) must not shorten its quanta
+    for hours once it works as a batch job."""
+    a, s = light_server(clock, credit=1.0)
+    for _ in range(150):
+        clock.advance(1.5)
+        a.tick()
+        out = a.acquire(2)
+        if actions_of(out, RevokeAction):
+            a.release(1, resident=GiB, swapped=0, again=True)
+        assert s.holding and s.share.turn
+        clock.advance(0.3)
+        a.release(2, resident=GiB, swapped=0)
+    assert s.totals.turns == 150
+    assert 0 < s.share.debt <= a.shares.quantum(s)
+    a.verify()

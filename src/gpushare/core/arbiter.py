@@ -555,7 +555,7 @@ class Arbiter:
         turn = s.share.turn
         # An older client swapped out before it released: that copy is no GPU time.
         ended = now - (took if out else 0.0)
-        if not Turns.settle(s, ended) and revoked:
+        if not self.turns.settle(s, ended) and revoked:
             self.shares.settle(s, ended)
         if out:
             st.count_swap(s, "out", out, took)

@@ -336,8 +336,7 @@ class Turns:
         guard = st.settings.tq_s * (len(st.holders) + len(st.queue) + 1)
         return all(now - st.sessions[q].lease.wait_start < guard for q in st.queue)
 
-    @staticmethod
-    def settle(s: SessionState, now: float) -> bool:
+    def settle(self, s: SessionState, now: float) -> bool:
         """A lease ends: a turn is paid from the credit (its GPU time: its swap-in is a
         switch's cost, as anyone's); a quantum paused by a turn keeps what was left of it
         at the revoke. False: neither, the quantum is the shares' to settle."""
@@ -347,8 +346,9 @@ class Turns:
             sh.credit -= used
             # ... and taken off its next quantum from the queue (core/shares.py's debt):
             # turns inside others' quanta and a whole quantum of its own besides took a
-            # session that ends its burst at each revoke past its share (0.645 at TQ 30)
-            sh.debt += used
+            # session that ends its burst at each revoke past its share (0.645 at TQ 30).
+            # Up to a quantum: a server's day of turns does not shorten its quanta for hours.
+            sh.debt = max(sh.debt, min(sh.debt + used, self.shares.quantum(s)))
             sh.turn = False
             return True
         if sh.resume_s:
