@@ -12,8 +12,11 @@ more than its share this way. Its usual burst is the lower median of its recent 
 a burst that waited (and so drained a backlog) counted at most at ``turn_s``: one backlog
 or one slow request does not lock it out. A server (by its measured use, or by its history:
 :meth:`Turns.requests`) short of credit overdraws half a turn, or waits only until its
-wait has earned the turn, never for a quantum. Turns never starve a queue: none is taken
-while someone has waited a whole round.
+wait has earned the turn, never for a quantum; one whose turn (or quantum) runs out with
+requests still queued waits alike for a whole turn (:meth:`Turns.went_on`: past its
+share, longer and fewer turns), and what its turns took comes off its next quanta (its
+share, no more). Turns never starve a queue: none is taken while someone has waited a
+whole round.
 """
 
 from __future__ import annotations
