@@ -712,14 +712,13 @@ def test_a_cpu_run_programs_memory_is_modelled_and_swapped(node_factory, short_t
     assert pr.stdout is not None
     assert json.loads(pr.stdout.readline()) == {"ready": True}
     want = 1024 * 1024 * 4 + 1024 * 4 if model == "weights" else 12 * 2**30
-    row = wait_until(
-        lambda: next(
-            (s for s in node.status()["gpus"][0]["sessions"] if s["name"] == "cpu-model"), None
-        ),
-        30,
-        "the program's session",
-    )
-    assert (row["resident_bytes"], row["resident_model"]) == (want, model)
+
+    def modelled() -> dict | None:
+        rows = [s for s in node.status()["gpus"][0]["sessions"] if s["name"] == "cpu-model"]
+        return rows[0] if rows and rows[0]["resident_bytes"] == want else None
+
+    row = wait_until(modelled, 60, "the program's modelled memory in the node's status")
+    assert row["resident_model"] == model
     said = "resident modelled, not allocated (gpushare run --sim-resident): sessions"
     assert f"{said} {row['id']} ({model})" in node.ctl("status").stdout
     rival = gpushare.attach("8GiB", socket=node.socket, name="rival")
