@@ -23,6 +23,9 @@ ESCALATIONS: tuple[Escalation, ...] = ("log", "freeze", "kill")
 # KAI's gpu-compute-sharing-mode of a pod, as the mode its session is in: time-slicing
 # takes exclusive quanta, sm-sharing holds beside others when memory fits.
 SHARING_MODES: dict[str, Mode] = {"time-slicing": "exclusive", "sm-sharing": "auto"}
+# `gpushare run --sim-resident`: how a CPU-run program's memory on a simulated GPU is
+# modelled in its session (client/modelled.py), as its hello says it ("none": not said).
+RESIDENT_MODELS = ("weights", "declared")
 C = TypeVar("C", bound=str)
 # `ctl end`: how long a session ended keeps its turns to finish what is in flight (its
 # program told at once: SIGTERM under `gpushare run`), and the most an administrator gives.

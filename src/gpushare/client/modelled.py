@@ -19,18 +19,20 @@ rest is left out, said once in a warning.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from itertools import chain
 from typing import Any
 
 from gpushare.client.swap.sim import SimBackend, SimMemory
 from gpushare.errors import OutOfMemoryError
+from gpushare.settings import RESIDENT_MODELS
 from gpushare.units import format_size
 
 log = logging.getLogger("gpushare")
 
 ENV = "GPUSHARE_SIM_RESIDENT"
-MODELS = ("none", "weights", "declared")
+MODELS = ("none", *RESIDENT_MODELS)
 
 
 def model_of(text: str | None) -> str:
@@ -41,6 +43,11 @@ def model_of(text: str | None) -> str:
     if word not in MODELS:
         raise ValueError(f"{ENV}={text!r}: choose one of {', '.join(MODELS)}")
     return word
+
+
+def asked() -> str:
+    """The model this process's environment asks for (``gpushare run`` sets it)."""
+    return model_of(os.environ.get(ENV))
 
 
 class ModelledMemory:

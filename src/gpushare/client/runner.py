@@ -328,7 +328,7 @@ def child_start() -> None:
     gpu = int(given) if given else rank_gpu()
     try:
         name, w = os.environ.get("GPUSHARE_NAME") or None, float(weight) if weight else None
-        model = modelled.model_of(os.environ.get(modelled.ENV))
+        model = modelled.asked()
         try:
             session = attach_with(
                 name=name, weight=w, gpu=gpu, on_ended=_stop_program, resident_model=model
@@ -388,7 +388,7 @@ def _gate(session: Session) -> None:
 def _model_memory(session: Session) -> list[Any]:
     """On a simulated GPU, ``--sim-resident``'s model of the program's memory: a global
     forward pre hook after gpushare's own (so the forward holds the lease)."""
-    model = modelled.model_of(os.environ.get(modelled.ENV))
+    model = modelled.asked()
     if not model:
         return []
     if not session.simulated:
@@ -444,7 +444,7 @@ def join_family(why: str) -> Session | None:
             name=f"{_title()}-{pid}",
             family=family,
             on_ended=_stop_program,
-            resident_model=modelled.model_of(os.environ.get(modelled.ENV)),
+            resident_model=modelled.asked(),
         )
     except Exception as e:  # whatever it is, its GPU work must not run ungated
         os.write(

@@ -6,7 +6,8 @@ import pytest
 
 from gpushare import protocol as p
 from gpushare.node.guard import Refused
-from gpushare.node.serve.hello_bounds import RESIDENT_MODELS, check_hello
+from gpushare.node.serve.hello_bounds import check_hello
+from gpushare.settings import RESIDENT_MODELS
 
 
 def hello(**kw: object) -> p.Hello:

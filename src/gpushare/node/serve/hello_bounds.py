@@ -11,7 +11,7 @@ import unicodedata
 
 from gpushare import protocol as p
 from gpushare.node.guard import Refused
-from gpushare.settings import SHARING_MODES
+from gpushare.settings import RESIDENT_MODELS, SHARING_MODES
 from gpushare.units import is_fraction
 
 # The longest each text of a hello may be: Kubernetes' bounds for names (a DNS
@@ -89,9 +89,6 @@ def check_hello(h: p.Hello) -> None:
     for name in ("session", "lease"):
         if not 0 <= getattr(h, name) < 2**63:
             raise Refused("attach", f"hello: {name} must be a number >= 0")
-
-
-RESIDENT_MODELS = ("weights", "declared")  # client/modelled.py's
 
 
 def _check_words(h: p.Hello) -> None:

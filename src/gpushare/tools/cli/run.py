@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from gpushare.settings import RESIDENT_MODELS
 from gpushare.tools.cli.args import Subparsers, _weight
 from gpushare.units import format_size, parse_size
 
@@ -56,7 +57,7 @@ def add_parser(sub: Subparsers) -> None:
     r.add_argument("--gpu", type=int, metavar="INDEX")
     r.add_argument(
         "--sim-resident",
-        choices=("none", "weights", "declared"),
+        choices=("none", *RESIDENT_MODELS),
         help="on a simulated GPU (where PyTorch runs on the CPU), model the program's GPU"
         " memory in the session: its modules' parameters and buffers (weights), or its"
         " memory request (declared); swapped and checked like any (default"
