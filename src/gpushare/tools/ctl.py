@@ -169,24 +169,21 @@ def prepare_claim(
         memory_request=memory_request, memory_limit=memory_limit, weight=weight,
         compute_limit=compute_limit,
     )  # fmt: skip
-    with AdminClient(path) as c:
-        r = c.request(msg)
-    assert isinstance(r, p.Done)
-    print(r.message)
-    return 0
+    return _done(path, msg)
 
 
 def unprepare_claim(path: str | None, uid: str, reason: str, grace_s: float) -> int:
-    with AdminClient(path) as c:
-        r = c.request(p.UnprepareClaim(uid=uid, reason=reason, grace_s=grace_s))
-    assert isinstance(r, p.Done)
-    print(r.message)
-    return 0
+    return _done(path, p.UnprepareClaim(uid=uid, reason=reason, grace_s=grace_s))
 
 
 def end_session(path: str | None, session: int, reason: str, grace_s: float = 0.0) -> int:
+    return _done(path, p.EndSession(session=session, reason=reason, grace_s=grace_s))
+
+
+def _done(path: str | None, msg: p.Message) -> int:
+    """Send an admin request the node answers with ``done``; print what it says."""
     with AdminClient(path) as c:
-        r = c.request(p.EndSession(session=session, reason=reason, grace_s=grace_s))
+        r = c.request(msg)
     assert isinstance(r, p.Done)
     print(r.message)
     return 0
