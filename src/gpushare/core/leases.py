@@ -87,9 +87,7 @@ class Leases:
         regroup, s.rank.parked = s.rank.parked, False
         waited = st.end_wait(s, now)
         self.shares.collect_credit(s)
-        # A refused server granted (a turn, or from the queue) waits no more: its entry
-        # would count the time it holds as waited.
-        self.turns.refused.pop(s.id, None)
+        self.turns.granted(s)
         shared = bool(st.holders)
         self.last_lease += 1
         ls = s.lease

@@ -262,6 +262,11 @@ class Turns:
             sh.chained = True
             self._refuse(s, now, self.st.settings.turn_s)
 
+    def granted(self, s: SessionState) -> None:
+        """A refused server granted (a turn, or from the queue) waits no more: its entry
+        would count the time it holds as waited."""
+        self.refused.pop(s.id, None)
+
     def deadlines(self) -> list[float]:
         """When a refused server's credit will cover its usual burst."""
         st = self.st.sessions
