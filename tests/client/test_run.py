@@ -734,10 +734,15 @@ def test_a_cpu_run_programs_memory_is_modelled_and_swapped(node_factory, short_t
     assert lines(out) == [{"done": True}]
 
 
-def test_an_unknown_sim_resident_model_is_a_one_line_error(node_factory):
+@pytest.mark.parametrize("word", ["bogus", "WEIGHTS"])
+def test_an_unknown_sim_resident_model_is_a_usage_error_in_one_line(node_factory, word):
+    """A new user's trial: the variable's wrong value exited 3 from the program's
+    Python (a wrong GPUSHARE_MEMORY exits 2, before it starts), and took WEIGHTS where
+    --sim-resident refuses it. Said by gpushare run, exit 2, nothing of it run."""
     node = node_factory(*sim("16GiB"))
     pr = gs_run(node, "--", sys.executable, "-c", "print('ran')",
-                extra_env={"GPUSHARE_SIM_RESIDENT": "bogus"})  # fmt: skip
+                extra_env={"GPUSHARE_SIM_RESIDENT": word})  # fmt: skip
     out, err = pr.communicate(timeout=60)
-    assert pr.returncode == 3 and "ran" not in out
-    assert "GPUSHARE_SIM_RESIDENT='bogus': choose one of none, weights, declared" in err
+    assert pr.returncode == 2 and "ran" not in out
+    assert f"GPUSHARE_SIM_RESIDENT={word!r}: choose one of none, weights, declared" in err
+    assert len(err.strip().splitlines()) == 1, err

@@ -36,8 +36,9 @@ MODELS = ("none", *RESIDENT_MODELS)
 
 
 def model_of(text: str | None) -> str:
-    """The model ``text`` names ("" for none); ValueError naming the choices."""
-    word = (text or "").strip().lower()
+    """The model ``text`` names ("" for none); ValueError naming the choices. Exactly
+    as ``--sim-resident`` takes them (no other case)."""
+    word = (text or "").strip()
     if word in ("", "none"):
         return ""
     if word not in MODELS:

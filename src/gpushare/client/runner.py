@@ -206,11 +206,12 @@ def run(
             dict(os.environ), memory, weight, name, socket, gpu, notes, memory_limit, compute_limit
         )
         # What the program's attach will read (GPUSHARE_MEMORY, GPU_PORTION, the pod's
-        # annotations): a wrong value is a usage error said here, as --memory's is; so
-        # is a limit below the request.
+        # annotations, GPUSHARE_SIM_RESIDENT): a wrong value is a usage error said here,
+        # as --memory's is; so is a limit below the request.
         e = read_env(env)
         memory_figures(None, None, e)
         compute_limit_of(None, env.get("GPUSHARE_COMPUTE_LIMIT"))
+        modelled.model_of(env.get(modelled.ENV))
     except ValueError as e:
         print(f"gpushare run: error: {e}", file=sys.stderr)
         return 2
