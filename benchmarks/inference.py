@@ -366,31 +366,54 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0]
+        + " Beside the trainer's rate it prints the bound the server's turns allow: bare x"
+        " (1 - (the server's GPU time + the link's time) / the run), from the node's"
+        " event log (docs/benchmarks.md)."
+    )
     ap.add_argument("--quick", action="store_true", help="10 s runs, TQ 30 only")
-    ap.add_argument("--seconds", type=float, default=None, help="measured seconds per run")
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0])
-    ap.add_argument("--tqs", type=float, nargs="+", default=None)
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="measured seconds per run (default 60, 10 with --quick; at least 10 / rate)",
+    )
+    ap.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[0.5, 2.0, 8.0],
+        help="the server's requests per second, a run each (default 0.5 2 8)",
+    )
+    ap.add_argument(
+        "--tqs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the node's time quanta in seconds, a run each per rate (default 30 5; 30 with"
+        " --quick)",
+    )
     ap.add_argument(
         "--hold",
         type=float,
         default=0.0,
         help="seconds the server keeps the lease after its queue empties (default 0:"
-        " `with s.gpu()` around the queue only; 0.5 was the default before issue 40: GPU"
-        " time held idle, which the trainer pays)",
+        " `with s.gpu()` around the queue only; more is GPU time held idle, which the"
+        " trainer pays: no node can take a lease back between safe points)",
     )
     ap.add_argument(
         "--implicit",
         action="store_true",
         help="the server's bursts implicit (checkpoints outside gpu(), as under `gpushare"
-        " run`): ended by the client after the grant's idle release, not --hold",
+        " run`): ended by the client after the grant's idle release (--hold is ignored)",
     )
     ap.add_argument(
         "--discard",
         type=float,
         default=8.0,
-        help="GiB of the server's 20 that are a discardable cache, for the target's run"
-        " with discard (default 8; 0: none)",
+        help="GiB of the server's 20 that are a discardable cache (dropped rather than"
+        " swapped), in one more run of the first rate and TQ (default 8; 0: no such run)",
     )
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("--events", default="", help="copy each run's node event log into this folder")
